@@ -1,0 +1,194 @@
+/* The RPC agent: rendezvous of a world of named ranks, remote calls by name,
+ * module channels for upper layers, failure detection, collective shutdown. */
+#ifndef WEFT_RPC_H
+#define WEFT_RPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <weft/future.h>
+#include <weft/value.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Wire protocol version carried in every Hello. */
+#define WEFT_PROTOCOL_VERSION 1
+
+typedef struct weft_agent weft_agent_t;
+typedef struct weft_call weft_call_t;
+
+typedef struct {
+    const char *name;                /**< worker name; NULL: WEFT_NAME or "worker<rank>" */
+    int rank;                        /**< -1: from WEFT_RANK / RANK / SLURM_PROCID / OMPI_COMM_WORLD_RANK */
+    int world_size;                  /**< -1: from WEFT_WORLD_SIZE / WORLD_SIZE / SLURM_NTASKS / OMPI_COMM_WORLD_SIZE */
+    const char *master_addr;         /**< NULL: WEFT_MASTER_ADDR / MASTER_ADDR, else "127.0.0.1" */
+    int master_port;                 /**< -1: WEFT_MASTER_PORT / MASTER_PORT (rank 0 may use 0: any free port) */
+    const char *listen_host;         /**< host other ranks reach this one at; NULL: WEFT_LISTEN_HOST, else master_addr when it is loopback, else this host's name */
+    const char *auth_token;          /**< shared secret checked in every Hello; NULL: WEFT_AUTH_TOKEN or none */
+    int64_t rendezvous_timeout_ms;   /**< 0: WEFT_RENDEZVOUS_TIMEOUT_MS or 60000 */
+    int64_t default_timeout_ms;      /**< per-call deadline when a call gives 0; 0: WEFT_RPC_TIMEOUT_MS or 60000 */
+    int64_t peer_timeout_ms;         /**< failure detection bound; 0: WEFT_PEER_TIMEOUT_MS or 2000 */
+    int handler_threads;             /**< threads serving the transport and handlers; 0: WEFT_HANDLER_THREADS or 4 */
+    int64_t max_message_bytes;       /**< largest message accepted or sent; 0: WEFT_MAX_MESSAGE_BYTES or 4 GiB */
+} weft_agent_opts_t;
+
+/** Fills @p opts with "take from the environment / default" markers. */
+void weft_agent_opts_init(weft_agent_opts_t *opts);
+
+/**
+ * Starts the transport of one rank: binds its server (rank 0 binds the master
+ * port) and its threads. No peer is contacted yet. Caller frees with
+ * weft_agent_free (after weft_agent_shutdown for a graceful end).
+ * @return WEFT_ERR_INVALID_ARG (rank/world/name missing or out of range),
+ *         WEFT_ERR_TRANSPORT (the port could not be bound).
+ */
+weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **agent_p);
+
+/** The port this rank's server listens on (rank 0: the master port). */
+int weft_agent_port(const weft_agent_t *a);
+
+/**
+ * Rendezvous: rank 0 gathers a Hello from every rank and hands out the world
+ * map (name <-> rank <-> address); the others send theirs to the master. Blocks
+ * until all have arrived or the rendezvous timeout; then every rank's join
+ * fails with WEFT_ERR_RENDEZVOUS and a text naming the ranks that never came.
+ * Also WEFT_ERR_VERSION, WEFT_ERR_AUTH, WEFT_ERR_ALREADY_EXISTS (duplicate
+ * rank or name).
+ */
+weft_status_t weft_agent_join(weft_agent_t *a);
+
+/** weft_agent_create then weft_agent_join; on failure nothing is left behind. */
+weft_status_t weft_agent_init(const weft_agent_opts_t *opts, weft_agent_t **agent_p);
+
+int weft_agent_rank(const weft_agent_t *a);
+int weft_agent_world_size(const weft_agent_t *a);
+/** Borrowed name of this worker. */
+const char *weft_agent_name(const weft_agent_t *a);
+/** Borrowed name of @p rank (after join), NULL if out of range. */
+const char *weft_agent_worker_name(const weft_agent_t *a, int rank);
+/** Rank of the worker named @p name. WEFT_ERR_NOT_FOUND if none. */
+weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name, int *rank_p);
+/** Borrowed "host:port" of @p rank (after join). */
+const char *weft_agent_worker_address(const weft_agent_t *a, int rank);
+
+/**
+ * Graceful, collective shutdown: every rank calls it. Waits until no call is
+ * in flight anywhere in the world (the ranks agree on it through rank 0), then
+ * closes connections. New calls fail with WEFT_ERR_SHUTDOWN meanwhile.
+ * @return WEFT_ERR_TIMEOUT if the world did not settle within @p timeout_ms
+ * (<= 0: the default call timeout); the agent is closed either way.
+ */
+weft_status_t weft_agent_shutdown(weft_agent_t *a, int64_t timeout_ms);
+/** Frees the agent; closes it abruptly if weft_agent_shutdown was not called. */
+void weft_agent_free(weft_agent_t *a);
+
+/* ------------------------------------------------------------------ calls */
+
+/**
+ * A registered function. It runs on a transport thread with the call's
+ * arguments and must finish the call exactly once, now or later from any
+ * thread, with weft_call_reply, weft_call_fail or weft_call_reply_future. To
+ * wait on other calls, reply through a future (like torch's
+ * @rpc.functions.async_execution) instead of blocking: then chains of nested
+ * calls never exhaust the threads.
+ */
+typedef void (*weft_rpc_handler_cb_t)(weft_call_t *call, void *arg);
+
+/**
+ * Registers @p fn under @p name (copied; at most 255 bytes). Names starting
+ * with "__weft." are reserved for weft's modules. Thread-safe.
+ * @return WEFT_ERR_ALREADY_EXISTS if the name is taken.
+ */
+weft_status_t weft_rpc_register(weft_agent_t *a, const char *name, weft_rpc_handler_cb_t fn,
+                                void *arg);
+
+/** Arguments of the call; borrowed, valid until the call is finished. */
+const weft_value_t *weft_call_args(const weft_call_t *call);
+/** Moves the arguments out (they become empty). Caller frees with weft_value_free. */
+weft_value_t *weft_call_take_args(weft_call_t *call);
+int weft_call_caller_rank(const weft_call_t *call);
+const char *weft_call_function(const weft_call_t *call);
+weft_agent_t *weft_call_agent(const weft_call_t *call);
+/** Milliseconds left before the caller's deadline (<= 0: already passed). */
+int64_t weft_call_time_left_ms(const weft_call_t *call);
+
+/** Finishes the call successfully; takes ownership of @p result (may be NULL). Frees @p call. */
+void weft_call_reply(weft_call_t *call, weft_value_t *result);
+/** Finishes the call with an error status and text. Frees @p call. */
+void weft_call_fail(weft_call_t *call, weft_status_t status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/**
+ * Finishes the call when @p f completes, with its status, text and value.
+ * Takes over the caller's reference to @p f. Frees @p call (later).
+ */
+void weft_call_reply_future(weft_call_t *call, weft_future_t *f);
+
+/**
+ * Calls @p fn on @p to_rank (may be this rank) with @p args. @p args is
+ * borrowed: the call takes its own tensor references (their bytes are sent
+ * without copying, so do not modify them until the future completes) and
+ * copies the payload. @p timeout_ms: 0 = the agent's default.
+ * The future completes with the result value, the remote handler's status and
+ * text, WEFT_ERR_NO_SUCH_FUNCTION, WEFT_ERR_TIMEOUT, WEFT_ERR_PEER_LOST,
+ * WEFT_ERR_TOO_LARGE. Caller releases it with weft_future_release.
+ * @return an error (and no future) for bad arguments or a closed agent.
+ */
+weft_status_t weft_rpc_async(weft_agent_t *a, int to_rank, const char *fn, const weft_value_t *args,
+                             int64_t timeout_ms, weft_future_t **f_p);
+/** weft_rpc_async to a worker by name. */
+weft_status_t weft_rpc_async_to(weft_agent_t *a, const char *to, const char *fn,
+                                const weft_value_t *args, int64_t timeout_ms, weft_future_t **f_p);
+/**
+ * Blocking call; the result goes to @p result_p (caller frees with
+ * weft_value_free; may be NULL to drop it). The error text is in
+ * weft_last_error() on failure.
+ */
+weft_status_t weft_rpc_sync(weft_agent_t *a, int to_rank, const char *fn, const weft_value_t *args,
+                            int64_t timeout_ms, weft_value_t **result_p);
+weft_status_t weft_rpc_sync_to(weft_agent_t *a, const char *to, const char *fn,
+                               const weft_value_t *args, int64_t timeout_ms,
+                               weft_value_t **result_p);
+
+/* ------------------------------------------------- module channels (extension) */
+
+/**
+ * Upper modules (rref, collectives, ps, autograd) exchange one-way messages on
+ * channels of their own, over the same connections and ordered per peer.
+ * Channel ids 1..63 are weft's modules' (see WEFT_CHANNEL_*); 64.. are free.
+ */
+enum {
+    WEFT_CHANNEL_RREF = 1,
+    WEFT_CHANNEL_COLLECTIVES = 2,
+    WEFT_CHANNEL_PS = 3,
+    WEFT_CHANNEL_AUTOGRAD = 4,
+    WEFT_CHANNEL_MAX = 1023,
+};
+
+/**
+ * Receives the messages of a channel; takes ownership of @p msg. Runs on a
+ * transport thread: must not block.
+ */
+typedef void (*weft_channel_cb_t)(weft_agent_t *a, int src_rank, weft_value_t *msg, void *arg);
+/** Called once for each peer lost (never for ranks left in shutdown). Must not block. */
+typedef void (*weft_peer_lost_cb_t)(weft_agent_t *a, int rank, const char *why, void *arg);
+
+/** Registers the receiver of @p channel (1..WEFT_CHANNEL_MAX). WEFT_ERR_ALREADY_EXISTS if taken. */
+weft_status_t weft_agent_register_channel(weft_agent_t *a, uint32_t channel, weft_channel_cb_t cb,
+                                          void *arg);
+/**
+ * Sends @p msg to @p to_rank's channel @p channel; borrowed as in
+ * weft_rpc_async. Messages to one peer arrive in the order sent.
+ * If @p sent_p is not NULL it gets a future that completes once the message
+ * has been handed to the transport (or failed: WEFT_ERR_PEER_LOST, ...).
+ */
+weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
+                              const weft_value_t *msg, weft_future_t **sent_p);
+/** Adds a listener for lost peers. */
+weft_status_t weft_agent_on_peer_lost(weft_agent_t *a, weft_peer_lost_cb_t cb, void *arg);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,40 @@
+/* A value: a list of tensors plus an opaque byte payload (RPC args/results, RRef values). */
+#ifndef WEFT_VALUE_H
+#define WEFT_VALUE_H
+
+#include <stddef.h>
+
+#include <weft/tensor.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct weft_value weft_value_t;
+
+/** Creates an empty value. Caller frees with weft_value_free. */
+weft_status_t weft_value_create(weft_value_t **v_p);
+/** Frees the value and drops its tensor references. NULL is a no-op. */
+void weft_value_free(weft_value_t *v);
+
+/** Appends @p t; the value takes its own reference (the caller keeps its one). */
+weft_status_t weft_value_add_tensor(weft_value_t *v, weft_tensor_t *t);
+/** Appends @p t, taking over the caller's reference on success; caller keeps it on failure. */
+weft_status_t weft_value_push_tensor(weft_value_t *v, weft_tensor_t *t);
+/** Replaces the payload with a copy of @p len bytes at @p data. */
+weft_status_t weft_value_set_payload(weft_value_t *v, const void *data, size_t len);
+/** Sets the payload to a NUL-terminated string's bytes (without the NUL). */
+weft_status_t weft_value_set_string(weft_value_t *v, const char *s);
+/** Takes ownership of @p data (allocated with weft_alloc) on success. */
+weft_status_t weft_value_take_payload(weft_value_t *v, void *data, size_t len);
+
+size_t weft_value_num_tensors(const weft_value_t *v);
+/** Borrowed; valid while @p v lives. NULL when @p i is out of range. */
+weft_tensor_t *weft_value_tensor(const weft_value_t *v, size_t i);
+/** Borrowed payload pointer (NULL when empty); its length goes to @p len_p. */
+const void *weft_value_payload(const weft_value_t *v, size_t *len_p);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

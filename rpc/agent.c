@@ -1,0 +1,787 @@
+/* The agent: options and environment, the gRPC server and completion queue,
+ * transport threads, peer loss, creation, join and teardown. */
+#include <arpa/inet.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <grpc/grpc_security.h>
+#include <grpc/support/time.h>
+
+#include "internal.h"
+
+#define container_of(p, type, member) ((type *)((char *)(p)-offsetof(type, member)))
+#define SERVER_REQUESTS 8
+#define POLL_MS         20
+#define SWEEP_NS        (10 * 1000000LL)
+
+/* ------------------------------------------------------------ environment */
+
+static const char *env_first(const char *const *names)
+{
+    for (; *names != NULL; names++) {
+        const char *v = getenv(*names);
+        if (v != NULL && v[0] != '\0') {
+            return v;
+        }
+    }
+    return NULL;
+}
+
+static bool parse_i64(const char *s, int64_t *v_p)
+{
+    char *end;
+    long long v;
+
+    if (s == NULL) {
+        return false;
+    }
+    v = strtoll(s, &end, 10);
+    if (end == s || *end != '\0') {
+        return false;
+    }
+    *v_p = v;
+    return true;
+}
+
+static int64_t env_i64(const char *const *names, int64_t dflt)
+{
+    int64_t v;
+    const char *s = env_first(names);
+
+    if (s != NULL && parse_i64(s, &v)) {
+        return v;
+    }
+    if (s != NULL) {
+        WEFT_WARN("ignoring %s=%s: not an integer", names[0], s);
+    }
+    return dflt;
+}
+
+void weft_agent_opts_init(weft_agent_opts_t *opts)
+{
+    memset(opts, 0, sizeof(*opts));
+    opts->rank = -1;
+    opts->world_size = -1;
+    opts->master_port = -1;
+}
+
+static bool is_loopback(const char *host)
+{
+    return strcmp(host, "localhost") == 0 || strncmp(host, "127.", 4) == 0 ||
+           strcmp(host, "::1") == 0 || strcmp(host, "[::1]") == 0;
+}
+
+static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
+{
+    static const char *const rank_env[] = {"WEFT_RANK", "RANK", "SLURM_PROCID",
+                                           "OMPI_COMM_WORLD_RANK", "PMI_RANK", NULL};
+    static const char *const world_env[] = {"WEFT_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS",
+                                            "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", NULL};
+    static const char *const addr_env[] = {"WEFT_MASTER_ADDR", "MASTER_ADDR", NULL};
+    static const char *const port_env[] = {"WEFT_MASTER_PORT", "MASTER_PORT", NULL};
+    static const char *const name_env[] = {"WEFT_NAME", NULL};
+    static const char *const host_env[] = {"WEFT_LISTEN_HOST", NULL};
+    static const char *const token_env[] = {"WEFT_AUTH_TOKEN", NULL};
+    static const char *const rdv_env[] = {"WEFT_RENDEZVOUS_TIMEOUT_MS", NULL};
+    static const char *const to_env[] = {"WEFT_RPC_TIMEOUT_MS", NULL};
+    static const char *const peer_env[] = {"WEFT_PEER_TIMEOUT_MS", NULL};
+    static const char *const thr_env[] = {"WEFT_HANDLER_THREADS", NULL};
+    static const char *const max_env[] = {"WEFT_MAX_MESSAGE_BYTES", NULL};
+    char buf[300];
+
+    a->rank = o->rank >= 0 ? o->rank : (int)env_i64(rank_env, -1);
+    a->world_size = o->world_size > 0 ? o->world_size : (int)env_i64(world_env, -1);
+    if (a->world_size < 1 || a->world_size > 1 << 20) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "agent: world size missing or out of range (set opts.world_size, "
+                               "WEFT_WORLD_SIZE or WORLD_SIZE; got %d)",
+                               a->world_size);
+    }
+    if (a->rank < 0 || a->rank >= a->world_size) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "agent: rank missing or out of range (set opts.rank, WEFT_RANK or "
+                               "RANK; got %d for a world of %d)",
+                               a->rank, a->world_size);
+    }
+    const char *addr = o->master_addr != NULL ? o->master_addr : env_first(addr_env);
+    a->master_addr = weft_strdup(addr != NULL ? addr : "127.0.0.1");
+    a->master_port = o->master_port >= 0 ? o->master_port : (int)env_i64(port_env, -1);
+    if (a->master_port < 0 || a->master_port > 65535 || (a->master_port == 0 && a->rank != 0)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "agent: master port missing or invalid (set opts.master_port, "
+                               "WEFT_MASTER_PORT or MASTER_PORT; got %d)",
+                               a->master_port);
+    }
+    const char *name = o->name != NULL ? o->name : env_first(name_env);
+    if (name == NULL) {
+        snprintf(buf, sizeof(buf), "worker%d", a->rank);
+        name = buf;
+    }
+    if (strlen(name) == 0 || strlen(name) > WEFT__MAX_NAME) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "agent: a worker name has 1 to %d bytes",
+                               WEFT__MAX_NAME);
+    }
+    a->name = weft_strdup(name);
+    const char *host = o->listen_host != NULL ? o->listen_host : env_first(host_env);
+    if (host == NULL) {
+        if (is_loopback(a->master_addr)) {
+            host = "127.0.0.1";
+        } else {
+            if (gethostname(buf, sizeof(buf) - 1) != 0) {
+                return weft__set_error(WEFT_ERR_INVALID_ARG,
+                                       "agent: no listen host (set WEFT_LISTEN_HOST)");
+            }
+            buf[sizeof(buf) - 1] = '\0';
+            host = buf;
+        }
+    }
+    a->listen_host = weft_strdup(host);
+    const char *tok = o->auth_token != NULL ? o->auth_token : env_first(token_env);
+    a->auth_token = weft_strdup(tok != NULL ? tok : "");
+    a->rendezvous_timeout_ms =
+        o->rendezvous_timeout_ms > 0 ? o->rendezvous_timeout_ms : env_i64(rdv_env, 60000);
+    a->default_timeout_ms =
+        o->default_timeout_ms > 0 ? o->default_timeout_ms : env_i64(to_env, 60000);
+    a->peer_timeout_ms = o->peer_timeout_ms > 0 ? o->peer_timeout_ms : env_i64(peer_env, 2000);
+    a->handler_threads = o->handler_threads > 0 ? o->handler_threads : (int)env_i64(thr_env, 4);
+    int64_t maxb = o->max_message_bytes > 0 ? o->max_message_bytes
+                                            : env_i64(max_env, (int64_t)4 << 30);
+    if (a->rendezvous_timeout_ms <= 0 || a->default_timeout_ms <= 0 || a->peer_timeout_ms < 200 ||
+        a->handler_threads < 1 || a->handler_threads > WEFT__MAX_POLLERS / 2 || maxb < 1024) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "agent: timeouts must be > 0 (peer timeout >= 200 ms), handler "
+                               "threads 1..%d, max message >= 1024 bytes",
+                               WEFT__MAX_POLLERS / 2);
+    }
+    a->max_message_bytes = (uint64_t)maxb;
+    if (a->master_addr == NULL || a->name == NULL || a->listen_host == NULL ||
+        a->auth_token == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "agent: no memory");
+    }
+    return WEFT_OK;
+}
+
+/* ------------------------------------------------------------ gRPC settings */
+
+void weft__agent_channel_args(weft_agent_t *a, bool server, grpc_channel_args *out, grpc_arg *args)
+{
+    int keep = (int)(a->peer_timeout_ms / 2);
+    size_t n = 0;
+
+#define INT_ARG(k, v)                                                                              \
+    do {                                                                                           \
+        args[n].type = GRPC_ARG_INTEGER;                                                           \
+        args[n].key = (char *)(k);                                                                 \
+        args[n].value.integer = (v);                                                               \
+        n++;                                                                                       \
+    } while (0)
+    /* weft enforces its own (configurable) limit and answers with a clear error. */
+    INT_ARG(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, -1);
+    INT_ARG(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, -1);
+    INT_ARG(GRPC_ARG_KEEPALIVE_TIME_MS, keep);
+    INT_ARG(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keep);
+    INT_ARG(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    INT_ARG(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    INT_ARG(GRPC_ARG_ENABLE_RETRIES, 0);
+    if (server) {
+        INT_ARG(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, keep / 2);
+        INT_ARG(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+    } else {
+        INT_ARG(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+        INT_ARG(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+        INT_ARG(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+        INT_ARG(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    }
+#undef INT_ARG
+    out->num_args = n;
+    out->args = args;
+}
+
+/* ------------------------------------------------------------ transport threads */
+
+static void *poller_main(void *arg);
+
+static void block_hook(int entering, void *arg)
+{
+    weft_agent_t *a = arg;
+
+    if (!entering) {
+        atomic_fetch_sub(&a->blocked, 1);
+        return;
+    }
+    int blocked = atomic_fetch_add(&a->blocked, 1) + 1;
+    pthread_mutex_lock(&a->threads_mu);
+    /* Keep handler_threads transport threads free while others block in waits. */
+    if (a->npollers - blocked < a->handler_threads && a->npollers < WEFT__MAX_POLLERS &&
+        atomic_load(&a->state) < WEFT__AGENT_CLOSED) {
+        if (pthread_create(&a->pollers[a->npollers], NULL, poller_main, a) == 0) {
+            a->npollers++;
+        }
+    }
+    pthread_mutex_unlock(&a->threads_mu);
+}
+
+static void *poller_main(void *arg)
+{
+    weft_agent_t *a = arg;
+
+    weft__set_block_hook(block_hook, a);
+    for (;;) {
+        gpr_timespec dl = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                       gpr_time_from_millis(POLL_MS, GPR_TIMESPAN));
+        grpc_event ev = grpc_completion_queue_next(a->cq, dl, NULL);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN) {
+            break;
+        }
+        if (ev.type == GRPC_OP_COMPLETE) {
+            weft__op_t *op = ev.tag;
+            op->cb(op, ev.success);
+        }
+        int64_t now = weft__now_ns();
+        int64_t next = atomic_load(&a->next_sweep_ns);
+        if (now >= next && atomic_compare_exchange_strong(&a->next_sweep_ns, &next, now + SWEEP_NS)) {
+            weft__pending_sweep(a);
+        }
+    }
+    weft__set_block_hook(NULL, NULL);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ server */
+
+typedef struct {
+    weft__op_t op;
+    weft_agent_t *agent;
+    grpc_call *call;
+    grpc_call_details details;
+    grpc_metadata_array md;
+} server_req_t;
+
+typedef struct {
+    weft__op_t op;
+    grpc_call *call;
+    int cancelled;
+} reject_t;
+
+static void reject_done(weft__op_t *op, int ok)
+{
+    reject_t *r = container_of(op, reject_t, op);
+
+    (void)ok;
+    grpc_call_unref(r->call);
+    weft_free(r);
+}
+
+static void reject(grpc_call *call, grpc_status_code code, const char *text)
+{
+    grpc_op ops[3];
+    reject_t *r = weft_calloc(1, sizeof(*r));
+
+    if (r == NULL) {
+        grpc_call_cancel(call, NULL);
+        grpc_call_unref(call);
+        return;
+    }
+    r->op.cb = reject_done;
+    r->call = call;
+    memset(ops, 0, sizeof(ops));
+    grpc_slice details = grpc_slice_from_copied_string(text);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[1].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[1].data.send_status_from_server.status = code;
+    ops[1].data.send_status_from_server.status_details = &details;
+    ops[2].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    ops[2].data.recv_close_on_server.cancelled = &r->cancelled;
+    if (grpc_call_start_batch(call, ops, 3, &r->op, NULL) != GRPC_CALL_OK) {
+        grpc_call_unref(call);
+        weft_free(r);
+    }
+    grpc_slice_unref(details);
+}
+
+static void server_request(weft_agent_t *a);
+
+static void server_req_done(weft__op_t *op, int ok)
+{
+    server_req_t *r = container_of(op, server_req_t, op);
+    weft_agent_t *a = r->agent;
+
+    atomic_fetch_sub(&a->server_requests, 1);
+    if (ok) {
+        if (atomic_load(&a->state) < WEFT__AGENT_CLOSING) {
+            server_request(a);
+        }
+        if (grpc_slice_str_cmp(r->details.method, WEFT__METHOD_STREAM) == 0) {
+            weft__stream_accept(a, r->call);
+        } else if (grpc_slice_str_cmp(r->details.method, WEFT__METHOD_JOIN) == 0) {
+            weft__join_accept(a, r->call);
+        } else {
+            char *m = grpc_slice_to_c_string(r->details.method);
+            char text[300];
+            snprintf(text, sizeof(text), "weft: unknown method %.200s", m);
+            WEFT_WARN("refused a call: %s", text);
+            gpr_free(m);
+            reject(r->call, GRPC_STATUS_UNIMPLEMENTED, text);
+        }
+    }
+    grpc_call_details_destroy(&r->details);
+    grpc_metadata_array_destroy(&r->md);
+    weft_free(r);
+}
+
+static void server_request(weft_agent_t *a)
+{
+    server_req_t *r = weft_calloc(1, sizeof(*r));
+
+    if (r == NULL) {
+        WEFT_ERROR("no memory to accept calls");
+        return;
+    }
+    r->op.cb = server_req_done;
+    r->agent = a;
+    grpc_call_details_init(&r->details);
+    grpc_metadata_array_init(&r->md);
+    atomic_fetch_add(&a->server_requests, 1);
+    if (grpc_server_request_call(a->server, &r->call, &r->details, &r->md, a->cq, a->cq, &r->op) !=
+        GRPC_CALL_OK) {
+        atomic_fetch_sub(&a->server_requests, 1);
+        grpc_call_details_destroy(&r->details);
+        grpc_metadata_array_destroy(&r->md);
+        weft_free(r);
+    }
+}
+
+/* ------------------------------------------------------------ streams and peers */
+
+void weft__agent_track_stream(weft_agent_t *a, weft__stream_t *s, bool add)
+{
+    pthread_mutex_lock(&a->streams_mu);
+    if (add) {
+        a->nstreams++;
+    } else {
+        a->nstreams--;
+        if (a->nstreams == 0) {
+            pthread_cond_broadcast(&a->streams_cv);
+        }
+    }
+    pthread_mutex_unlock(&a->streams_mu);
+    (void)s;
+}
+
+bool weft__agent_closing(const weft_agent_t *a)
+{
+    return atomic_load(&((weft_agent_t *)a)->state) >= WEFT__AGENT_CLOSING;
+}
+
+void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const char *why)
+{
+    if (rank < 0 || rank >= a->world_size) {
+        return;
+    }
+    weft__peer_t *p = &a->peers[rank];
+    pthread_mutex_lock(&p->mu);
+    bool first = !p->lost;
+    if (first) {
+        p->lost = true;
+        p->lost_why = weft_strdup(why);
+    }
+    pthread_mutex_unlock(&p->mu);
+    weft__pending_fail_peer(a, rank, st, why);
+    if (!first) {
+        return;
+    }
+    WEFT_WARN("%s", why);
+    pthread_rwlock_rdlock(&a->reg_mu);
+    for (weft__listener_t *l = a->listeners; l != NULL; l = l->next) {
+        l->cb(a, rank, why, l->arg);
+    }
+    pthread_rwlock_unlock(&a->reg_mu);
+}
+
+weft_status_t weft_agent_on_peer_lost(weft_agent_t *a, weft_peer_lost_cb_t cb, void *arg)
+{
+    if (a == NULL || cb == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "on_peer_lost: NULL argument");
+    }
+    weft__listener_t *l = weft_calloc(1, sizeof(*l));
+    if (l == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "on_peer_lost: no memory");
+    }
+    l->cb = cb;
+    l->arg = arg;
+    pthread_rwlock_wrlock(&a->reg_mu);
+    l->next = a->listeners;
+    a->listeners = l;
+    pthread_rwlock_unlock(&a->reg_mu);
+    return WEFT_OK;
+}
+
+/* ------------------------------------------------------------ lifecycle */
+
+static pthread_mutex_t grpc_init_mu = PTHREAD_MUTEX_INITIALIZER;
+
+weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **agent_p)
+{
+    weft_status_t st;
+    weft_agent_t *a;
+    weft_agent_opts_t dflt;
+    char addr[400];
+
+    if (agent_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_create: NULL agent pointer");
+    }
+    if (opts == NULL) {
+        weft_agent_opts_init(&dflt);
+        opts = &dflt;
+    }
+    a = weft_calloc(1, sizeof(*a));
+    if (a == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "agent_create: no memory");
+    }
+    pthread_mutex_init(&a->threads_mu, NULL);
+    pthread_rwlock_init(&a->reg_mu, NULL);
+    pthread_mutex_init(&a->pend_mu, NULL);
+    pthread_cond_init(&a->pend_cv, NULL);
+    pthread_mutex_init(&a->streams_mu, NULL);
+    pthread_cond_init(&a->streams_cv, NULL);
+    pthread_mutex_init(&a->sd_mu, NULL);
+    atomic_init(&a->state, WEFT__AGENT_CREATED);
+    atomic_init(&a->next_request_id, 1);
+    WEFT_CHECK_GOTO(resolve_opts(a, opts), st, err_free_agent);
+    weft_log_set_rank(a->rank, a->name);
+
+    a->peers = weft_calloc((size_t)a->world_size, sizeof(*a->peers));
+    if (a->peers == NULL) {
+        st = weft__set_error(WEFT_ERR_NO_MEMORY, "agent_create: no memory for %d peers",
+                             a->world_size);
+        goto err_free_agent;
+    }
+    for (int i = 0; i < a->world_size; i++) {
+        a->peers[i].rank = i;
+        pthread_mutex_init(&a->peers[i].mu, NULL);
+    }
+
+    pthread_mutex_lock(&grpc_init_mu);
+    grpc_init();
+    pthread_mutex_unlock(&grpc_init_mu);
+    weft__agent_channel_args(a, false, &a->chan_args_s, a->chan_arg_v);
+    a->chan_args = &a->chan_args_s;
+    a->cq = grpc_completion_queue_create_for_next(NULL);
+    weft__agent_channel_args(a, true, &a->server_args_s, a->server_arg_v);
+    a->server = grpc_server_create(&a->server_args_s, NULL);
+    grpc_server_register_completion_queue(a->server, a->cq, NULL);
+
+    const char *bind_host = a->rank == 0 ? a->master_addr : a->listen_host;
+    int want = a->rank == 0 ? a->master_port : 0;
+    if (!is_loopback(bind_host)) {
+        bind_host = "0.0.0.0";
+    }
+    snprintf(addr, sizeof(addr), "%s:%d", bind_host, want);
+    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    a->port = grpc_server_add_http2_port(a->server, addr, creds);
+    grpc_server_credentials_release(creds);
+    if (a->port == 0) {
+        st = weft__set_error(WEFT_ERR_TRANSPORT, "agent_create: cannot listen on %s", addr);
+        goto err_destroy_grpc;
+    }
+    snprintf(addr, sizeof(addr), "%s:%d", a->rank == 0 ? a->master_addr : a->listen_host,
+             a->port);
+    a->address = weft_strdup(addr);
+    weft__join_init(a);
+    grpc_server_start(a->server);
+    for (int i = 0; i < SERVER_REQUESTS; i++) {
+        server_request(a);
+    }
+    weft__shutdown_register(a);
+    pthread_mutex_lock(&a->threads_mu);
+    for (int i = 0; i < a->handler_threads; i++) {
+        if (pthread_create(&a->pollers[a->npollers], NULL, poller_main, a) != 0) {
+            break;
+        }
+        a->npollers++;
+    }
+    pthread_mutex_unlock(&a->threads_mu);
+    if (a->npollers == 0) {
+        st = weft__set_error(WEFT_ERR_NO_MEMORY, "agent_create: cannot start threads");
+        goto err_destroy_grpc;
+    }
+    WEFT_INFO("listening on %s (world of %d)", a->address, a->world_size);
+    *agent_p = a;
+    return WEFT_OK;
+
+err_destroy_grpc:
+    weft_agent_free(a);
+    return st;
+err_free_agent:
+    weft_agent_free(a);
+    return st;
+}
+
+int weft_agent_port(const weft_agent_t *a)
+{
+    return a->port;
+}
+
+weft_status_t weft_agent_join(weft_agent_t *a)
+{
+    if (a == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_join: NULL agent");
+    }
+    if (atomic_load(&a->state) != WEFT__AGENT_CREATED) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE, "agent_join: already joined or closed");
+    }
+    WEFT_CHECK(weft__rendezvous(a));
+    atomic_store(&a->state, WEFT__AGENT_JOINED);
+    return WEFT_OK;
+}
+
+weft_status_t weft_agent_init(const weft_agent_opts_t *opts, weft_agent_t **agent_p)
+{
+    weft_agent_t *a;
+
+    WEFT_CHECK(weft_agent_create(opts, &a));
+    weft_status_t st = weft_agent_join(a);
+    if (st != WEFT_OK) {
+        char why[1024];
+        snprintf(why, sizeof(why), "%s", weft_last_error());
+        weft_agent_free(a);
+        return weft__set_error(st, "%s", why);
+    }
+    *agent_p = a;
+    return WEFT_OK;
+}
+
+int weft_agent_rank(const weft_agent_t *a)
+{
+    return a->rank;
+}
+
+int weft_agent_world_size(const weft_agent_t *a)
+{
+    return a->world_size;
+}
+
+const char *weft_agent_name(const weft_agent_t *a)
+{
+    return a->name;
+}
+
+const char *weft_agent_worker_name(const weft_agent_t *a, int rank)
+{
+    if (a == NULL || rank < 0 || rank >= a->world_size) {
+        return NULL;
+    }
+    return a->peers[rank].name;
+}
+
+const char *weft_agent_worker_address(const weft_agent_t *a, int rank)
+{
+    if (a == NULL || rank < 0 || rank >= a->world_size) {
+        return NULL;
+    }
+    return a->peers[rank].address;
+}
+
+weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name, int *rank_p)
+{
+    if (a == NULL || name == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "worker_rank: NULL argument");
+    }
+    for (int i = 0; i < a->world_size; i++) {
+        if (a->peers[i].name != NULL && strcmp(a->peers[i].name, name) == 0) {
+            *rank_p = i;
+            return WEFT_OK;
+        }
+    }
+    return weft__set_error(WEFT_ERR_NOT_FOUND, "no worker named '%s' in this world", name);
+}
+
+/* Closes every stream and the server, then the queue and the threads. */
+static void close_transport(weft_agent_t *a, int64_t deadline_ns)
+{
+    atomic_store(&a->state, WEFT__AGENT_CLOSING);
+    /* Half-close our client streams: peers finish them once their replies are out. */
+    for (int i = 0; i < a->world_size; i++) {
+        weft__peer_t *p = &a->peers[i];
+        pthread_mutex_lock(&p->mu);
+        if (p->stream != NULL) {
+            weft__stream_close(p->stream);
+        }
+        pthread_mutex_unlock(&p->mu);
+    }
+    /* Wait for the streams to end gracefully, each side closing its own. */
+    pthread_mutex_lock(&a->streams_mu);
+    int held = 0;
+    for (int i = 0; i < a->world_size; i++) {
+        held += a->peers[i].stream != NULL ? 1 : 0;
+    }
+    while (a->nstreams > held && weft__now_ns() < deadline_ns) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20000000;
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&a->streams_cv, &a->streams_mu, &ts);
+        held = 0;
+        for (int i = 0; i < a->world_size; i++) {
+            held += a->peers[i].stream != NULL ? 1 : 0;
+        }
+    }
+    pthread_mutex_unlock(&a->streams_mu);
+}
+
+weft_status_t weft_agent_shutdown(weft_agent_t *a, int64_t timeout_ms)
+{
+    if (a == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_shutdown: NULL agent");
+    }
+    int state = atomic_load(&a->state);
+    if (state != WEFT__AGENT_JOINED) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE, "agent_shutdown: agent is not running");
+    }
+    if (timeout_ms <= 0) {
+        timeout_ms = a->default_timeout_ms;
+    }
+    int64_t deadline = weft__now_ns() + timeout_ms * 1000000;
+    atomic_store(&a->state, WEFT__AGENT_SHUTTING_DOWN);
+    weft_status_t st = weft__shutdown_barrier(a, deadline);
+    char why[1024];
+    snprintf(why, sizeof(why), "%s", weft_last_error());
+    int64_t close_deadline = weft__now_ns() + 5000 * 1000000LL;
+    close_transport(a, close_deadline < deadline || st != WEFT_OK ? close_deadline : deadline);
+    if (st != WEFT_OK) {
+        return weft__set_error(st, "%s", why);
+    }
+    return WEFT_OK;
+}
+
+void weft_agent_free(weft_agent_t *a)
+{
+    if (a == NULL) {
+        return;
+    }
+    int state = atomic_load(&a->state);
+    if (a->server != NULL && state < WEFT__AGENT_CLOSING && state > WEFT__AGENT_CREATED) {
+        WEFT_DEBUG("agent freed without shutdown: closing abruptly");
+    }
+    atomic_store(&a->state, WEFT__AGENT_CLOSED);
+    if (a->server != NULL) {
+        /* Server: stop accepting, cancel what is left, wait until it is done. */
+        weft__op_t done = {NULL};
+        grpc_completion_queue *scq = grpc_completion_queue_create_for_pluck(NULL);
+        grpc_server_shutdown_and_notify(a->server, scq, &done);
+        grpc_server_cancel_all_calls(a->server);
+        grpc_completion_queue_pluck(scq, &done, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        grpc_completion_queue_shutdown(scq);
+        grpc_completion_queue_destroy(scq);
+    }
+    if (a->peers != NULL) {
+        for (int i = 0; i < a->world_size; i++) {
+            weft__peer_t *p = &a->peers[i];
+            pthread_mutex_lock(&p->mu);
+            weft__stream_t *s = p->stream;
+            p->stream = NULL;
+            pthread_mutex_unlock(&p->mu);
+            if (s != NULL) {
+                weft__stream_cancel(s);
+                weft__stream_unref(s);
+            }
+        }
+    }
+    weft__join_free(a);
+    /* Outgoing calls that are still pending will never be answered now. */
+    if (a->cq != NULL) {
+        weft__pending_fail_all(a, WEFT_ERR_SHUTDOWN, "the agent was closed");
+        /* Wait (bounded) for every stream's operations to come back through the queue. */
+        pthread_mutex_lock(&a->streams_mu);
+        int64_t dl = weft__now_ns() + 10000 * 1000000LL;
+        while (a->nstreams > 0 && weft__now_ns() < dl) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 20000000;
+            if (ts.tv_nsec >= 1000000000) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000;
+            }
+            pthread_cond_timedwait(&a->streams_cv, &a->streams_mu, &ts);
+        }
+        if (a->nstreams > 0) {
+            WEFT_WARN("%d streams still open at close", a->nstreams);
+        }
+        pthread_mutex_unlock(&a->streams_mu);
+        for (int i = 0; a->peers != NULL && i < a->world_size; i++) {
+            if (a->peers[i].channel != NULL) {
+                grpc_channel_destroy(a->peers[i].channel);
+                a->peers[i].channel = NULL;
+            }
+        }
+        grpc_completion_queue_shutdown(a->cq);
+    }
+    pthread_mutex_lock(&a->threads_mu);
+    int n = a->npollers;
+    pthread_mutex_unlock(&a->threads_mu);
+    if (n == 0 && a->cq != NULL) {
+        while (grpc_completion_queue_next(a->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+               GRPC_QUEUE_SHUTDOWN) {
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        pthread_join(a->pollers[i], NULL);
+    }
+    /* Threads started while we joined (a late block hook) are joined too. */
+    pthread_mutex_lock(&a->threads_mu);
+    int m = a->npollers;
+    pthread_mutex_unlock(&a->threads_mu);
+    for (int i = n; i < m; i++) {
+        pthread_join(a->pollers[i], NULL);
+    }
+    if (a->cq != NULL) {
+        grpc_completion_queue_destroy(a->cq);
+    }
+    if (a->server != NULL) {
+        grpc_server_destroy(a->server);
+    }
+    weft__shutdown_free(a);
+    if (a->server != NULL) {
+        pthread_mutex_lock(&grpc_init_mu);
+        grpc_shutdown();
+        pthread_mutex_unlock(&grpc_init_mu);
+    }
+    while (a->fns != NULL) {
+        weft__fn_t *f = a->fns;
+        a->fns = f->next;
+        weft_free(f->name);
+        weft_free(f);
+    }
+    while (a->listeners != NULL) {
+        weft__listener_t *l = a->listeners;
+        a->listeners = l->next;
+        weft_free(l);
+    }
+    if (a->peers != NULL) {
+        for (int i = 0; i < a->world_size; i++) {
+            weft_free(a->peers[i].name);
+            weft_free(a->peers[i].address);
+            weft_free(a->peers[i].lost_why);
+            pthread_mutex_destroy(&a->peers[i].mu);
+        }
+        weft_free(a->peers);
+    }
+    weft_free(a->name);
+    weft_free(a->master_addr);
+    weft_free(a->listen_host);
+    weft_free(a->auth_token);
+    weft_free(a->address);
+    pthread_mutex_destroy(&a->threads_mu);
+    pthread_rwlock_destroy(&a->reg_mu);
+    pthread_mutex_destroy(&a->pend_mu);
+    pthread_cond_destroy(&a->pend_cv);
+    pthread_mutex_destroy(&a->streams_mu);
+    pthread_cond_destroy(&a->streams_cv);
+    pthread_mutex_destroy(&a->sd_mu);
+    weft_free(a);
+}

@@ -1,0 +1,234 @@
+/* rpc internals: agent, streams, wire codec. Not installed. */
+#ifndef WEFT_RPC_INTERNAL_H
+#define WEFT_RPC_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/grpc.h>
+#include <grpc/support/alloc.h>
+#include <stdio.h>
+
+#include <weft/rpc.h>
+
+#include "../core/internal.h"
+#include "wire.pb-c.h"
+
+#define WEFT__METHOD_STREAM "/weft.v1.Agent/Stream"
+#define WEFT__METHOD_JOIN   "/weft.v1.Agent/Join"
+#define WEFT__MAX_ENVELOPE  (16u << 20)
+#define WEFT__MAX_NAME      255
+#define WEFT__MAX_TENSORS   65536
+#define WEFT__SHUTDOWN_FN   "__weft.shutdown"
+
+/* Every completion-queue tag is one of these; the poller calls cb(op, ok). */
+typedef struct weft__op {
+    void (*cb)(struct weft__op *op, int ok);
+} weft__op_t;
+
+/* ------------------------------------------------------------------ wire */
+
+/* An encoded message ready to send. */
+typedef struct weft__outmsg {
+    struct weft__outmsg *next;
+    grpc_byte_buffer *bb;      /* NULL: "finish the stream" marker */
+    size_t nbytes;
+    weft_future_t *sent;       /* optional: completes when handed to the transport */
+    grpc_status_code fin_code; /* finish marker on a server stream: the status to send */
+    char *fin_text;
+} weft__outmsg_t;
+
+/* A decoded message. */
+typedef struct {
+    Weft__V1__Envelope *env;
+    weft_value_t *value; /* NULL until weft__wire_decode_body */
+} weft__inmsg_t;
+
+extern ProtobufCAllocator weft__pb_allocator;
+
+/* Encodes env + value (tensor bytes as zero-copy slices that hold tensor
+ * references). Fills env->payload_bytes and env->tensors itself. */
+weft_status_t weft__wire_encode(Weft__V1__Envelope *env, const weft_value_t *v,
+                                weft__outmsg_t **msg_p);
+void weft__outmsg_free(weft__outmsg_t *m, weft_status_t fail_status, const char *why);
+
+/* Reads and validates the envelope of @p bb (without the body). On an error
+ * found after the envelope decoded, *env_p is still set so that the caller can
+ * answer its request id; the caller frees it either way. */
+weft_status_t weft__wire_decode_envelope(grpc_byte_buffer *bb, uint64_t max_bytes,
+                                         Weft__V1__Envelope **env_p);
+/* Copies the payload and tensors of @p bb (whose envelope is @p env) into a value. */
+weft_status_t weft__wire_decode_body(grpc_byte_buffer *bb, const Weft__V1__Envelope *env,
+                                     weft_value_t **v_p);
+/* Packs a standalone protobuf message into a byte buffer (Hello / WorldMap). */
+grpc_byte_buffer *weft__wire_pack(const ProtobufCMessage *m);
+/* Copies a whole byte buffer into one allocation (small control messages). */
+weft_status_t weft__wire_flatten(grpc_byte_buffer *bb, size_t max, uint8_t **buf_p,
+                                 size_t *len_p);
+/* grpc status -> weft status, once, at the boundary. */
+weft_status_t weft__grpc_status(grpc_status_code code);
+
+/* ---------------------------------------------------------------- streams */
+
+typedef struct weft__stream weft__stream_t;
+
+typedef struct weft__peer {
+    int rank;
+    char *name;
+    char *address;
+    uint64_t max_message_bytes;
+    pthread_mutex_t mu;
+    grpc_channel *channel;     /* created on first use */
+    weft__stream_t *stream;    /* our client stream to this peer */
+    bool lost;
+    char *lost_why;
+} weft__peer_t;
+
+/* ------------------------------------------------------------------ agent */
+
+typedef struct weft__fn {
+    char *name;
+    weft_rpc_handler_cb_t cb;
+    void *arg;
+    struct weft__fn *next;
+} weft__fn_t;
+
+typedef struct weft__pending {
+    uint64_t id;
+    int peer;
+    int64_t deadline_ns;
+    weft_future_t *f;
+    char *fn;
+    bool internal;
+    struct weft__pending *next;
+} weft__pending_t;
+
+#define WEFT__PENDING_BUCKETS 1024
+#define WEFT__MAX_POLLERS     64
+
+typedef enum {
+    WEFT__AGENT_CREATED = 0,
+    WEFT__AGENT_JOINED,
+    WEFT__AGENT_SHUTTING_DOWN, /* barrier in progress: user calls refused */
+    WEFT__AGENT_CLOSING,       /* streams closing: peer loss is expected */
+    WEFT__AGENT_CLOSED,
+} weft__agent_state_t;
+
+typedef struct weft__listener {
+    weft_peer_lost_cb_t cb;
+    void *arg;
+    struct weft__listener *next;
+} weft__listener_t;
+
+typedef struct weft__join weft__join_t;
+
+struct weft_agent {
+    /* identity and options */
+    int rank, world_size;
+    char *name;
+    char *master_addr;
+    int master_port;
+    char *listen_host;
+    char *address; /* host:port others reach us at */
+    char *auth_token;
+    int64_t rendezvous_timeout_ms, default_timeout_ms, peer_timeout_ms;
+    int handler_threads;
+    uint64_t max_message_bytes;
+    int port;
+
+    _Atomic int state;
+
+    /* gRPC */
+    grpc_completion_queue *cq;
+    grpc_server *server;
+    grpc_channel_args *chan_args; /* points at chan_args_s */
+    grpc_channel_args chan_args_s, server_args_s;
+    grpc_arg chan_arg_v[16], server_arg_v[16];
+
+    /* pollers */
+    pthread_mutex_t threads_mu;
+    pthread_t pollers[WEFT__MAX_POLLERS];
+    int npollers;
+    _Atomic int blocked;
+    _Atomic int64_t next_sweep_ns;
+    _Atomic int server_requests; /* outstanding grpc_server_request_call */
+
+    /* world */
+    weft__peer_t *peers; /* world_size entries after join */
+
+    /* registry and channels */
+    pthread_rwlock_t reg_mu;
+    weft__fn_t *fns;
+    weft_channel_cb_t channel_cb[WEFT_CHANNEL_MAX + 1];
+    void *channel_arg[WEFT_CHANNEL_MAX + 1];
+    weft__listener_t *listeners;
+
+    /* outgoing calls */
+    pthread_mutex_t pend_mu;
+    pthread_cond_t pend_cv;
+    weft__pending_t *pending[WEFT__PENDING_BUCKETS];
+    size_t npending;
+    _Atomic uint64_t next_request_id;
+
+    /* counters for shutdown's termination detection (user traffic only) */
+    _Atomic uint64_t requests_sent, requests_received;
+    _Atomic int64_t calls_in_progress; /* incoming user calls not yet replied */
+    _Atomic int64_t pending_user;      /* outgoing user calls not yet answered */
+
+    /* streams: every live stream, for closing */
+    pthread_mutex_t streams_mu;
+    pthread_cond_t streams_cv;
+    weft__stream_t *streams;
+    int nstreams;
+
+    /* rendezvous (rank 0) */
+    weft__join_t *join;
+
+    /* shutdown barrier (rank 0) */
+    pthread_mutex_t sd_mu;
+    struct weft__sd_state *sd;
+};
+
+/* agent.c */
+void weft__agent_request_more(weft_agent_t *a);
+bool weft__agent_closing(const weft_agent_t *a);
+void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const char *why);
+void weft__agent_track_stream(weft_agent_t *a, weft__stream_t *s, bool add);
+void weft__agent_channel_args(weft_agent_t *a, bool server, grpc_channel_args *out, grpc_arg *store);
+
+/* stream.c */
+weft_status_t weft__stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_t **s_p);
+void weft__stream_accept(weft_agent_t *a, grpc_call *call);
+/* Queues a message; takes ownership of @p m (freed with a failure if the stream is dead). */
+weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m);
+void weft__stream_ref(weft__stream_t *s);
+void weft__stream_unref(weft__stream_t *s);
+void weft__stream_close(weft__stream_t *s); /* client: half-close; server: finish OK */
+void weft__stream_cancel(weft__stream_t *s);
+int weft__stream_peer(const weft__stream_t *s);
+
+/* call.c */
+void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope *env,
+                         grpc_byte_buffer *bb);
+void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, grpc_byte_buffer *bb);
+void weft__pending_fail_peer(weft_agent_t *a, int rank, weft_status_t st, const char *why);
+void weft__pending_sweep(weft_agent_t *a);
+void weft__pending_fail_all(weft_agent_t *a, weft_status_t st, const char *why);
+weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
+                              int64_t timeout_ms, bool internal, weft_future_t **f_p);
+weft_status_t weft__peer_stream(weft_agent_t *a, int to, weft__stream_t **s_p);
+
+/* rendezvous.c */
+void weft__join_init(weft_agent_t *a);
+void weft__join_accept(weft_agent_t *a, grpc_call *call);
+weft_status_t weft__rendezvous(weft_agent_t *a);
+void weft__join_free(weft_agent_t *a);
+
+/* shutdown.c */
+weft_status_t weft__shutdown_barrier(weft_agent_t *a, int64_t deadline_ns);
+void weft__shutdown_register(weft_agent_t *a);
+void weft__shutdown_free(weft_agent_t *a);
+
+#endif

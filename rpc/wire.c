@@ -1,0 +1,488 @@
+/* Wire codec: [u32 LE envelope length][Envelope][payload][tensor buffers...]
+ * as one gRPC message whose tensor parts are zero-copy slices. */
+#include <string.h>
+
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/slice.h>
+
+#include "internal.h"
+
+static void *pb_alloc(void *data, size_t size)
+{
+    (void)data;
+    return weft_alloc(size);
+}
+
+static void pb_free(void *data, void *ptr)
+{
+    (void)data;
+    weft_free(ptr);
+}
+
+ProtobufCAllocator weft__pb_allocator = {pb_alloc, pb_free, NULL};
+
+/* Messages whose bytes all fit here are sent as one copied slice: for small
+ * messages a copy is cheaper than a slice per tensor. */
+#define SMALL_MESSAGE 16384
+
+static void tensor_slice_release(void *user_data)
+{
+    weft_tensor_release(user_data);
+}
+
+typedef struct {
+    size_t n;
+    size_t cap;
+    Weft__V1__TensorMeta *metas;
+    Weft__V1__TensorMeta **ptrs;
+} metas_t;
+
+static weft_status_t fill_metas(Weft__V1__Envelope *env, const weft_value_t *v, metas_t *m)
+{
+    size_t n = v == NULL ? 0 : weft_value_num_tensors(v);
+
+    m->n = n;
+    m->metas = NULL;
+    m->ptrs = NULL;
+    if (n == 0) {
+        return WEFT_OK;
+    }
+    m->metas = weft_calloc(n, sizeof(*m->metas));
+    m->ptrs = weft_calloc(n, sizeof(*m->ptrs));
+    if (m->metas == NULL || m->ptrs == NULL) {
+        weft_free(m->metas);
+        weft_free(m->ptrs);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "wire: no memory for %zu tensor headers", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        weft_tensor_t *t = weft_value_tensor(v, i);
+        weft_device_t dev = weft_tensor_device(t);
+        Weft__V1__TensorMeta *tm = &m->metas[i];
+
+        if (dev.type != WEFT_DEVICE_CPU) {
+            weft_free(m->metas);
+            weft_free(m->ptrs);
+            return weft__set_error(WEFT_ERR_UNSUPPORTED,
+                                   "wire: tensor %zu is on a CUDA device; copy it to the CPU first",
+                                   i);
+        }
+        weft__v1__tensor_meta__init(tm);
+        tm->dtype = (Weft__V1__DType)weft_tensor_dtype(t);
+        tm->n_shape = (size_t)weft_tensor_ndim(t);
+        tm->shape = (int64_t *)weft_tensor_shape(t);
+        tm->nbytes = weft_tensor_nbytes(t);
+        tm->device_type = (int32_t)dev.type;
+        tm->device_index = dev.index;
+        m->ptrs[i] = tm;
+    }
+    env->n_tensors = n;
+    env->tensors = m->ptrs;
+    return WEFT_OK;
+}
+
+weft_status_t weft__wire_encode(Weft__V1__Envelope *env, const weft_value_t *v,
+                                weft__outmsg_t **msg_p)
+{
+    weft_status_t status;
+    metas_t metas;
+    size_t plen = 0;
+    const void *payload = v == NULL ? NULL : weft_value_payload(v, &plen);
+    size_t tbytes = v == NULL ? 0 : weft__value_tensors_nbytes(v);
+    size_t ntensors = v == NULL ? 0 : weft_value_num_tensors(v);
+    grpc_slice *slices = NULL;
+    size_t nslices = 0;
+    weft__outmsg_t *m;
+
+    env->payload_bytes = plen;
+    WEFT_CHECK(fill_metas(env, v, &metas));
+
+    size_t elen = weft__v1__envelope__get_packed_size(env);
+    size_t head = 4 + elen + plen;
+    bool small = head + tbytes <= SMALL_MESSAGE;
+
+    m = weft_calloc(1, sizeof(*m));
+    slices = weft_calloc(1 + ntensors, sizeof(*slices));
+    if (m == NULL || slices == NULL) {
+        status = weft__set_error(WEFT_ERR_NO_MEMORY, "wire: no memory for a message");
+        goto err_free;
+    }
+
+    grpc_slice hs = grpc_slice_malloc(small ? head + tbytes : head);
+    uint8_t *p = GRPC_SLICE_START_PTR(hs);
+    p[0] = (uint8_t)(elen & 0xff);
+    p[1] = (uint8_t)((elen >> 8) & 0xff);
+    p[2] = (uint8_t)((elen >> 16) & 0xff);
+    p[3] = (uint8_t)((elen >> 24) & 0xff);
+    weft__v1__envelope__pack(env, p + 4);
+    if (plen > 0) {
+        memcpy(p + 4 + elen, payload, plen);
+    }
+    slices[nslices++] = hs;
+    if (small) {
+        uint8_t *q = p + head;
+        for (size_t i = 0; i < ntensors; i++) {
+            weft_tensor_t *t = weft_value_tensor(v, i);
+            size_t nb = weft_tensor_nbytes(t);
+            if (nb > 0) {
+                memcpy(q, weft_tensor_data(t), nb);
+                q += nb;
+            }
+        }
+    } else {
+        for (size_t i = 0; i < ntensors; i++) {
+            weft_tensor_t *t = weft_value_tensor(v, i);
+            size_t nb = weft_tensor_nbytes(t);
+            if (nb == 0) {
+                continue;
+            }
+            weft_tensor_retain(t);
+            slices[nslices++] = grpc_slice_new_with_user_data(weft_tensor_data(t), nb,
+                                                              tensor_slice_release, t);
+        }
+    }
+    m->bb = grpc_raw_byte_buffer_create(slices, nslices);
+    for (size_t i = 0; i < nslices; i++) {
+        grpc_slice_unref(slices[i]);
+    }
+    m->nbytes = head + tbytes;
+    weft_free(slices);
+    weft_free(metas.metas);
+    weft_free(metas.ptrs);
+    env->n_tensors = 0;
+    env->tensors = NULL;
+    *msg_p = m;
+    return WEFT_OK;
+
+err_free:
+    weft_free(slices);
+    weft_free(m);
+    weft_free(metas.metas);
+    weft_free(metas.ptrs);
+    env->n_tensors = 0;
+    env->tensors = NULL;
+    return status;
+}
+
+void weft__outmsg_free(weft__outmsg_t *m, weft_status_t fail_status, const char *why)
+{
+    if (m == NULL) {
+        return;
+    }
+    if (m->bb != NULL) {
+        grpc_byte_buffer_destroy(m->bb);
+    }
+    if (m->sent != NULL) {
+        if (fail_status == WEFT_OK) {
+            weft_future_complete(m->sent, WEFT_OK, NULL, NULL);
+        } else {
+            weft_future_complete(m->sent, fail_status, why, NULL);
+        }
+        weft_future_release(m->sent);
+    }
+    weft_free(m);
+}
+
+/* A cursor over the slices of a received byte buffer. */
+typedef struct {
+    grpc_byte_buffer_reader r;
+    grpc_slice cur;
+    size_t off;
+    bool has;
+} cursor_t;
+
+static bool cursor_init(cursor_t *c, grpc_byte_buffer *bb)
+{
+    c->has = false;
+    c->off = 0;
+    return grpc_byte_buffer_reader_init(&c->r, bb) != 0;
+}
+
+static void cursor_destroy(cursor_t *c)
+{
+    if (c->has) {
+        grpc_slice_unref(c->cur);
+    }
+    grpc_byte_buffer_reader_destroy(&c->r);
+}
+
+/* Copies @p n bytes out (dst may be NULL to skip); false if the buffer ends first. */
+static bool cursor_read(cursor_t *c, void *dst, size_t n)
+{
+    uint8_t *d = dst;
+
+    while (n > 0) {
+        if (!c->has || c->off == GRPC_SLICE_LENGTH(c->cur)) {
+            if (c->has) {
+                grpc_slice_unref(c->cur);
+                c->has = false;
+            }
+            if (grpc_byte_buffer_reader_next(&c->r, &c->cur) == 0) {
+                return false;
+            }
+            c->has = true;
+            c->off = 0;
+            continue;
+        }
+        size_t avail = GRPC_SLICE_LENGTH(c->cur) - c->off;
+        size_t k = avail < n ? avail : n;
+        if (d != NULL) {
+            memcpy(d, GRPC_SLICE_START_PTR(c->cur) + c->off, k);
+            d += k;
+        }
+        c->off += k;
+        n -= k;
+    }
+    return true;
+}
+
+static weft_status_t check_meta(const Weft__V1__TensorMeta *tm, size_t i, uint64_t *nbytes_p)
+{
+    if (!weft_dtype_valid((int)tm->dtype)) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: tensor %zu has unknown dtype %d", i,
+                               (int)tm->dtype);
+    }
+    if (tm->n_shape > WEFT_MAX_DIMS) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: tensor %zu has %zu dims (max %d)", i,
+                               tm->n_shape, WEFT_MAX_DIMS);
+    }
+    int64_t numel = weft_shape_numel((int)tm->n_shape, tm->shape);
+    if (numel < 0) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: tensor %zu has a bad shape", i);
+    }
+    uint64_t es = weft_dtype_size((weft_dtype_t)tm->dtype);
+    if ((uint64_t)numel > UINT64_MAX / es || (uint64_t)numel * es != tm->nbytes) {
+        return weft__set_error(WEFT_ERR_PROTOCOL,
+                               "wire: tensor %zu says %llu bytes but its shape holds %lld x %llu",
+                               i, (unsigned long long)tm->nbytes, (long long)numel,
+                               (unsigned long long)es);
+    }
+    *nbytes_p = tm->nbytes;
+    return WEFT_OK;
+}
+
+weft_status_t weft__wire_decode_envelope(grpc_byte_buffer *bb, uint64_t max_bytes,
+                                         Weft__V1__Envelope **env_p)
+{
+    weft_status_t status;
+    cursor_t c;
+    uint8_t lenb[4];
+    uint8_t stackbuf[512];
+    uint8_t *ebuf = stackbuf;
+    size_t total = grpc_byte_buffer_length(bb);
+    Weft__V1__Envelope *env;
+
+    if (!cursor_init(&c, bb)) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: unreadable message");
+    }
+    if (!cursor_read(&c, lenb, 4)) {
+        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: message of %zu bytes is too short",
+                                 total);
+        goto err_cursor;
+    }
+    size_t elen = (size_t)lenb[0] | ((size_t)lenb[1] << 8) | ((size_t)lenb[2] << 16) |
+                  ((size_t)lenb[3] << 24);
+    if (elen > WEFT__MAX_ENVELOPE || elen > total - 4) {
+        status = weft__set_error(WEFT_ERR_PROTOCOL,
+                                 "wire: envelope length %zu does not fit a %zu-byte message", elen,
+                                 total);
+        goto err_cursor;
+    }
+    if (elen > sizeof(stackbuf)) {
+        ebuf = weft_alloc(elen);
+        if (ebuf == NULL) {
+            status = weft__set_error(WEFT_ERR_NO_MEMORY, "wire: no memory for an envelope");
+            goto err_cursor;
+        }
+    }
+    if (!cursor_read(&c, ebuf, elen)) {
+        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated envelope");
+        goto err_free_buf;
+    }
+    env = weft__v1__envelope__unpack(&weft__pb_allocator, elen, ebuf);
+    if (env == NULL) {
+        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: envelope does not decode");
+        goto err_free_buf;
+    }
+    uint64_t body = env->payload_bytes;
+    if (env->n_tensors > WEFT__MAX_TENSORS) {
+        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: %zu tensors (max %d)", env->n_tensors,
+                                 WEFT__MAX_TENSORS);
+        goto err_free_env;
+    }
+    for (size_t i = 0; i < env->n_tensors; i++) {
+        uint64_t nb;
+        WEFT_CHECK_GOTO(check_meta(env->tensors[i], i, &nb), status, err_free_env);
+        if (body + nb < body) {
+            status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: sizes overflow");
+            goto err_free_env;
+        }
+        body += nb;
+    }
+    if (body != total - 4 - elen) {
+        status = weft__set_error(WEFT_ERR_PROTOCOL,
+                                 "wire: envelope announces %llu body bytes, message has %zu",
+                                 (unsigned long long)body, total - 4 - elen);
+        goto err_free_env;
+    }
+    if (max_bytes > 0 && total > max_bytes) {
+        status = weft__set_error(WEFT_ERR_TOO_LARGE,
+                                 "wire: message of %zu bytes exceeds the limit of %llu bytes", total,
+                                 (unsigned long long)max_bytes);
+        goto err_free_env;
+    }
+    if (ebuf != stackbuf) {
+        weft_free(ebuf);
+    }
+    cursor_destroy(&c);
+    *env_p = env;
+    return WEFT_OK;
+
+err_free_env:
+    /* Keep the envelope for the caller to answer the request id: hand it out. */
+    if (ebuf != stackbuf) {
+        weft_free(ebuf);
+    }
+    cursor_destroy(&c);
+    *env_p = env;
+    return status;
+err_free_buf:
+    if (ebuf != stackbuf) {
+        weft_free(ebuf);
+    }
+err_cursor:
+    cursor_destroy(&c);
+    return status;
+}
+
+weft_status_t weft__wire_decode_body(grpc_byte_buffer *bb, const Weft__V1__Envelope *env,
+                                     weft_value_t **v_p)
+{
+    weft_status_t status;
+    cursor_t c;
+    uint8_t lenb[4];
+    weft_value_t *v;
+
+    WEFT_CHECK(weft_value_create(&v));
+    if (!cursor_init(&c, bb)) {
+        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: unreadable message");
+        goto err_free_value;
+    }
+    if (!cursor_read(&c, lenb, 4)) {
+        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated message");
+        goto err_cursor;
+    }
+    size_t elen = (size_t)lenb[0] | ((size_t)lenb[1] << 8) | ((size_t)lenb[2] << 16) |
+                  ((size_t)lenb[3] << 24);
+    if (!cursor_read(&c, NULL, elen)) {
+        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated message");
+        goto err_cursor;
+    }
+    if (env->payload_bytes > 0) {
+        void *pl = weft_alloc(env->payload_bytes);
+        if (pl == NULL) {
+            status = weft__set_error(WEFT_ERR_NO_MEMORY, "wire: no memory for a %llu-byte payload",
+                                     (unsigned long long)env->payload_bytes);
+            goto err_cursor;
+        }
+        if (!cursor_read(&c, pl, env->payload_bytes)) {
+            weft_free(pl);
+            status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated payload");
+            goto err_cursor;
+        }
+        status = weft_value_take_payload(v, pl, env->payload_bytes);
+        if (status != WEFT_OK) {
+            weft_free(pl);
+            goto err_cursor;
+        }
+    }
+    for (size_t i = 0; i < env->n_tensors; i++) {
+        const Weft__V1__TensorMeta *tm = env->tensors[i];
+        weft_tensor_t *t;
+        WEFT_CHECK_GOTO(weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t),
+                        status, err_cursor);
+        if (!cursor_read(&c, weft_tensor_data(t), tm->nbytes)) {
+            weft_tensor_release(t);
+            status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated tensor %zu", i);
+            goto err_cursor;
+        }
+        status = weft_value_push_tensor(v, t);
+        if (status != WEFT_OK) {
+            weft_tensor_release(t);
+            goto err_cursor;
+        }
+    }
+    cursor_destroy(&c);
+    *v_p = v;
+    return WEFT_OK;
+
+err_cursor:
+    cursor_destroy(&c);
+err_free_value:
+    weft_value_free(v);
+    return status;
+}
+
+grpc_byte_buffer *weft__wire_pack(const ProtobufCMessage *m)
+{
+    size_t n = protobuf_c_message_get_packed_size(m);
+    grpc_slice s = grpc_slice_malloc(n);
+    protobuf_c_message_pack(m, GRPC_SLICE_START_PTR(s));
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+    return bb;
+}
+
+weft_status_t weft__wire_flatten(grpc_byte_buffer *bb, size_t max, uint8_t **buf_p,
+                                 size_t *len_p)
+{
+    cursor_t c;
+    size_t n = grpc_byte_buffer_length(bb);
+
+    if (n > max) {
+        return weft__set_error(WEFT_ERR_TOO_LARGE, "wire: control message of %zu bytes (max %zu)",
+                               n, max);
+    }
+    uint8_t *buf = weft_alloc(n == 0 ? 1 : n);
+    if (buf == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "wire: no memory");
+    }
+    if (!cursor_init(&c, bb)) {
+        weft_free(buf);
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: unreadable message");
+    }
+    bool ok = cursor_read(&c, buf, n);
+    cursor_destroy(&c);
+    if (!ok) {
+        weft_free(buf);
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated message");
+    }
+    *buf_p = buf;
+    *len_p = n;
+    return WEFT_OK;
+}
+
+weft_status_t weft__grpc_status(grpc_status_code code)
+{
+    switch (code) {
+    case GRPC_STATUS_OK:
+        return WEFT_OK;
+    case GRPC_STATUS_DEADLINE_EXCEEDED:
+        return WEFT_ERR_TIMEOUT;
+    case GRPC_STATUS_CANCELLED:
+        return WEFT_ERR_CANCELLED;
+    case GRPC_STATUS_UNAVAILABLE:
+        return WEFT_ERR_PEER_LOST;
+    case GRPC_STATUS_RESOURCE_EXHAUSTED:
+        return WEFT_ERR_TOO_LARGE;
+    case GRPC_STATUS_UNAUTHENTICATED:
+    case GRPC_STATUS_PERMISSION_DENIED:
+        return WEFT_ERR_AUTH;
+    case GRPC_STATUS_INVALID_ARGUMENT:
+    case GRPC_STATUS_FAILED_PRECONDITION:
+        return WEFT_ERR_PROTOCOL;
+    case GRPC_STATUS_UNIMPLEMENTED:
+        return WEFT_ERR_UNSUPPORTED;
+    default:
+        return WEFT_ERR_TRANSPORT;
+    }
+}
