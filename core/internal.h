@@ -1,0 +1,90 @@
+/* core internals shared by weft modules. Not installed. */
+#ifndef WEFT_CORE_INTERNAL_H
+#define WEFT_CORE_INTERNAL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <weft/weft.h>
+
+/* ---- errors ---------------------------------------------------------------------------------- */
+
+/** Longest detail text kept for weft_last_error(), NUL included; longer texts are truncated. */
+#define WEFT__ERROR_MAX 1024
+
+/**
+ * Records detail text for weft_last_error() (thread-local, printf-style) and returns @p status.
+ * The arguments may point into the current weft_last_error() text.
+ */
+weft_status_t weft__set_error(weft_status_t status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/** As weft__set_error with a va_list. */
+weft_status_t weft__set_error_v(weft_status_t status, const char *fmt, va_list ap)
+    __attribute__((format(printf, 2, 0)));
+/** Empties this thread's weft_last_error() text. */
+void weft__clear_error(void);
+
+/* Checks (NCCL checks.h style): pass a non-OK status up, or jump to a cleanup label. */
+#define WEFT_CHECK(expr)                                                                           \
+    do {                                                                                           \
+        weft_status_t st__ = (expr);                                                               \
+        if (st__ != WEFT_OK) {                                                                     \
+            return st__;                                                                           \
+        }                                                                                          \
+    } while (0)
+#define WEFT_CHECK_GOTO(expr, st, label)                                                           \
+    do {                                                                                           \
+        (st) = (expr);                                                                             \
+        if ((st) != WEFT_OK) {                                                                     \
+            goto label;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+/* ---- time ------------------------------------------------------------------------------------ */
+
+/** Monotonic clock (CLOCK_MONOTONIC). */
+int64_t weft__now_ns(void);
+int64_t weft__now_ms(void);
+
+/* ---- strings --------------------------------------------------------------------------------- */
+
+/** printf into a fresh string; caller frees with weft_free. NULL when out of memory.
+ * weft__vstrfmt consumes @p ap (as vsnprintf does). */
+char *weft__strfmt(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+char *weft__vstrfmt(const char *fmt, va_list ap) __attribute__((format(printf, 1, 0)));
+
+/* ---- futures --------------------------------------------------------------------------------- */
+
+/*
+ * Thread-local blocking hook: the rpc layer marks its transport threads with it, so that when such
+ * a thread is about to block in weft_future_wait/wait_all/wait_any, the hook is called with
+ * entering=1 (and entering=0 after it wakes). It is not called when the wait does not sleep (the
+ * future is already done, completes while spinning, or timeout_ms is 0). No future lock is held
+ * while it runs.
+ */
+typedef void (*weft__block_hook_cb_t)(int entering, void *arg);
+/** Sets (cb != NULL) or clears (cb == NULL) the hook of the calling thread only. */
+void weft__set_block_hook(weft__block_hook_cb_t cb, void *arg);
+
+/* ---- tensors and values ---------------------------------------------------------------------- */
+
+/*
+ * Tensors whose storage is allocated but not touched (the receiver copies into them):
+ * weft_tensor_empty. Storage is 64-byte aligned.
+ */
+#define WEFT__TENSOR_ALIGN 64
+
+/**
+ * Validates a dtype and shape (as read from the wire, say) and computes the element count and
+ * byte size. Records an error text ("tensor: dim 3 has negative size -2") on failure.
+ * @param[out] numel_p, nbytes_p may be NULL; set only on success.
+ * @return WEFT_ERR_INVALID_ARG for a bad dtype, ndim, negative size or overflow.
+ */
+weft_status_t weft__tensor_shape_check(int dtype, int ndim, const int64_t *shape, int64_t *numel_p,
+                                       size_t *nbytes_p);
+
+/** Sum of the byte sizes of the value's tensors (0 for NULL). */
+size_t weft__value_tensors_nbytes(const weft_value_t *v);
+
+#endif

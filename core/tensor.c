@@ -1,0 +1,398 @@
+/* Dense contiguous tensors over refcounted storage shared by views. */
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "internal.h"
+
+/*
+ * The bytes behind one or more tensors. Owned storage lives in one weft_alloc block: this header,
+ * then the data at the next WEFT__TENSOR_ALIGN boundary. Wrapped storage points at the caller's
+ * buffer and calls release once when the last tensor goes.
+ */
+typedef struct {
+    atomic_long refs;
+    void *data;
+    size_t nbytes;
+    weft_device_t device;
+    weft_release_cb_t release;
+    void *release_arg;
+    int owned;
+} storage_t;
+
+struct weft_tensor {
+    atomic_long refs;
+    storage_t *storage;
+    weft_dtype_t dtype;
+    int ndim;
+    int64_t shape[WEFT_MAX_DIMS];
+    int64_t numel;
+    size_t nbytes;
+};
+
+static const struct {
+    size_t size;
+    const char *name;
+} dtype_info[WEFT_DTYPE_COUNT] = {
+    [WEFT_F32] = {4, "f32"},   [WEFT_F64] = {8, "f64"}, [WEFT_F16] = {2, "f16"},
+    [WEFT_BF16] = {2, "bf16"}, [WEFT_I8] = {1, "i8"},   [WEFT_I32] = {4, "i32"},
+    [WEFT_I64] = {8, "i64"},   [WEFT_U8] = {1, "u8"},   [WEFT_BOOL] = {1, "bool"},
+};
+
+int weft_dtype_valid(int dtype)
+{
+    return dtype >= 0 && dtype < WEFT_DTYPE_COUNT;
+}
+
+size_t weft_dtype_size(weft_dtype_t dtype)
+{
+    if (!weft_dtype_valid((int)dtype)) {
+        return 0;
+    }
+    return dtype_info[dtype].size;
+}
+
+const char *weft_dtype_name(weft_dtype_t dtype)
+{
+    if (!weft_dtype_valid((int)dtype)) {
+        return "invalid";
+    }
+    return dtype_info[dtype].name;
+}
+
+int64_t weft_shape_numel(int ndim, const int64_t *shape)
+{
+    int64_t numel = 1;
+    int zero = 0;
+
+    if (ndim < 0 || ndim > WEFT_MAX_DIMS || (ndim > 0 && shape == NULL)) {
+        return -1;
+    }
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0) {
+            return -1;
+        }
+        if (shape[i] == 0) {
+            zero = 1;
+        }
+    }
+    if (zero) {
+        return 0;
+    }
+    for (int i = 0; i < ndim; i++) {
+        if (__builtin_mul_overflow(numel, shape[i], &numel)) {
+            return -1;
+        }
+    }
+    return numel;
+}
+
+weft_status_t weft__tensor_shape_check(int dtype, int ndim, const int64_t *shape, int64_t *numel_p,
+                                       size_t *nbytes_p)
+{
+    int64_t numel;
+    int64_t nbytes;
+
+    if (!weft_dtype_valid(dtype)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor: invalid dtype %d", dtype);
+    }
+    if (ndim < 0 || ndim > WEFT_MAX_DIMS) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor: %d dims (must be 0..%d)", ndim,
+                               WEFT_MAX_DIMS);
+    }
+    if (ndim > 0 && shape == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor: shape is NULL with %d dims", ndim);
+    }
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor: dim %d has negative size %lld", i,
+                                   (long long)shape[i]);
+        }
+    }
+    numel = weft_shape_numel(ndim, shape);
+    if (numel < 0 || __builtin_mul_overflow(numel, (int64_t)dtype_info[dtype].size, &nbytes) ||
+        (uint64_t)nbytes > SIZE_MAX) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "tensor: %d-dim %s shape overflows 64-bit byte size", ndim,
+                               dtype_info[dtype].name);
+    }
+    if (numel_p != NULL) {
+        *numel_p = numel;
+    }
+    if (nbytes_p != NULL) {
+        *nbytes_p = (size_t)nbytes;
+    }
+    return WEFT_OK;
+}
+
+/* A tensor object over @p s (whose reference it takes over on success). Shape already checked. */
+static weft_status_t tensor_new(storage_t *s, weft_dtype_t dtype, int ndim, const int64_t *shape,
+                                int64_t numel, size_t nbytes, weft_tensor_t **t_p)
+{
+    weft_tensor_t *t = weft_alloc(sizeof(*t));
+
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: out of memory for a tensor");
+    }
+    atomic_init(&t->refs, 1);
+    t->storage = s;
+    t->dtype = dtype;
+    t->ndim = ndim;
+    memset(t->shape, 0, sizeof(t->shape));
+    if (ndim > 0) {
+        memcpy(t->shape, shape, (size_t)ndim * sizeof(shape[0]));
+    }
+    t->numel = numel;
+    t->nbytes = nbytes;
+    *t_p = t;
+    return WEFT_OK;
+}
+
+static void storage_release(storage_t *s)
+{
+    if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) != 1) {
+        return;
+    }
+    if (!s->owned && s->release != NULL) {
+        s->release(s->data, s->release_arg);
+    }
+    weft_free(s);
+}
+
+static weft_status_t tensor_alloc(weft_dtype_t dtype, int ndim, const int64_t *shape, int zero,
+                                  weft_tensor_t **t_p)
+{
+    const size_t header =
+        (sizeof(storage_t) + WEFT__TENSOR_ALIGN - 1) & ~(size_t)(WEFT__TENSOR_ALIGN - 1);
+    weft_status_t status;
+    storage_t *s;
+    int64_t numel;
+    size_t nbytes;
+    size_t total;
+    uintptr_t data;
+
+    WEFT_CHECK(weft__tensor_shape_check((int)dtype, ndim, shape, &numel, &nbytes));
+    /* header + nbytes + slack to reach the alignment (weft_alloc gives at least 16). */
+    if (__builtin_add_overflow(nbytes, header + WEFT__TENSOR_ALIGN, &total)) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: %zu bytes is too large", nbytes);
+    }
+    s = weft_alloc(total);
+    if (s == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: out of memory for %zu bytes", nbytes);
+    }
+    data = ((uintptr_t)s + header + WEFT__TENSOR_ALIGN - 1) & ~(uintptr_t)(WEFT__TENSOR_ALIGN - 1);
+    atomic_init(&s->refs, 1);
+    s->data = (void *)data;
+    s->nbytes = nbytes;
+    s->device = WEFT_CPU;
+    s->release = NULL;
+    s->release_arg = NULL;
+    s->owned = 1;
+    if (zero && nbytes > 0) {
+        memset(s->data, 0, nbytes);
+    }
+    WEFT_CHECK_GOTO(tensor_new(s, dtype, ndim, shape, numel, nbytes, t_p), status,
+                    err_free_storage);
+    return WEFT_OK;
+
+err_free_storage:
+    weft_free(s);
+    return status;
+}
+
+weft_status_t weft_tensor_create(weft_dtype_t dtype, int ndim, const int64_t *shape,
+                                 weft_tensor_t **t_p)
+{
+    if (t_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor: t_p is NULL");
+    }
+    return tensor_alloc(dtype, ndim, shape, 1, t_p);
+}
+
+weft_status_t weft_tensor_empty(weft_dtype_t dtype, int ndim, const int64_t *shape,
+                                weft_tensor_t **t_p)
+{
+    if (t_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor: t_p is NULL");
+    }
+    return tensor_alloc(dtype, ndim, shape, 0, t_p);
+}
+
+weft_status_t weft_tensor_wrap(weft_dtype_t dtype, int ndim, const int64_t *shape, void *data,
+                               size_t nbytes, weft_device_t device, weft_release_cb_t release,
+                               void *release_arg, weft_tensor_t **t_p)
+{
+    weft_status_t status;
+    storage_t *s;
+    int64_t numel;
+    size_t want;
+
+    if (t_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor: t_p is NULL");
+    }
+    WEFT_CHECK(weft__tensor_shape_check((int)dtype, ndim, shape, &numel, &want));
+    if (nbytes != want) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "tensor: wrapped buffer has %zu bytes, shape needs %zu", nbytes,
+                               want);
+    }
+    if (data == NULL && nbytes > 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor: wrapped buffer is NULL");
+    }
+    if (device.type != WEFT_DEVICE_CPU && device.type != WEFT_DEVICE_CUDA) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor: invalid device type %d",
+                               (int)device.type);
+    }
+    if (device.index < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor: invalid device index %d",
+                               device.index);
+    }
+    s = weft_alloc(sizeof(*s));
+    if (s == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: out of memory for a storage");
+    }
+    atomic_init(&s->refs, 1);
+    s->data = data;
+    s->nbytes = nbytes;
+    s->device = device;
+    s->release = release;
+    s->release_arg = release_arg;
+    s->owned = 0;
+    WEFT_CHECK_GOTO(tensor_new(s, dtype, ndim, shape, numel, nbytes, t_p), status,
+                    err_free_storage);
+    return WEFT_OK;
+
+err_free_storage:
+    /* The caller keeps the buffer on failure: do not call release. */
+    weft_free(s);
+    return status;
+}
+
+weft_status_t weft_tensor_view(weft_tensor_t *t, int ndim, const int64_t *shape,
+                               weft_tensor_t **t_p)
+{
+    weft_status_t status;
+    int64_t numel;
+    size_t nbytes;
+
+    if (t == NULL || t_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor view: NULL argument");
+    }
+    WEFT_CHECK(weft__tensor_shape_check((int)t->dtype, ndim, shape, &numel, &nbytes));
+    if (numel != t->numel) {
+        return weft__set_error(WEFT_ERR_SHAPE,
+                               "tensor view: %lld elements cannot view a tensor of %lld",
+                               (long long)numel, (long long)t->numel);
+    }
+    atomic_fetch_add_explicit(&t->storage->refs, 1, memory_order_relaxed);
+    WEFT_CHECK_GOTO(tensor_new(t->storage, t->dtype, ndim, shape, numel, nbytes, t_p), status,
+                    err_release_storage);
+    return WEFT_OK;
+
+err_release_storage:
+    storage_release(t->storage);
+    return status;
+}
+
+weft_status_t weft_tensor_clone(const weft_tensor_t *t, weft_tensor_t **t_p)
+{
+    weft_tensor_t *c = NULL;
+
+    if (t == NULL || t_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "tensor clone: NULL argument");
+    }
+    if (t->storage->device.type != WEFT_DEVICE_CPU) {
+        return weft__set_error(WEFT_ERR_UNSUPPORTED, "tensor clone: only CPU tensors (got %s:%d)",
+                               t->storage->device.type == WEFT_DEVICE_CUDA ? "cuda" : "?",
+                               t->storage->device.index);
+    }
+    WEFT_CHECK(tensor_alloc(t->dtype, t->ndim, t->shape, 0, &c));
+    if (t->nbytes > 0) {
+        memcpy(c->storage->data, t->storage->data, t->nbytes);
+    }
+    *t_p = c;
+    return WEFT_OK;
+}
+
+weft_tensor_t *weft_tensor_retain(weft_tensor_t *t)
+{
+    if (t != NULL) {
+        atomic_fetch_add_explicit(&t->refs, 1, memory_order_relaxed);
+    }
+    return t;
+}
+
+void weft_tensor_release(weft_tensor_t *t)
+{
+    if (t == NULL) {
+        return;
+    }
+    if (atomic_fetch_sub_explicit(&t->refs, 1, memory_order_acq_rel) != 1) {
+        return;
+    }
+    storage_release(t->storage);
+    weft_free(t);
+}
+
+void *weft_tensor_data(const weft_tensor_t *t)
+{
+    return t == NULL ? NULL : t->storage->data;
+}
+
+size_t weft_tensor_nbytes(const weft_tensor_t *t)
+{
+    return t == NULL ? 0 : t->nbytes;
+}
+
+int64_t weft_tensor_numel(const weft_tensor_t *t)
+{
+    return t == NULL ? 0 : t->numel;
+}
+
+int weft_tensor_ndim(const weft_tensor_t *t)
+{
+    return t == NULL ? 0 : t->ndim;
+}
+
+const int64_t *weft_tensor_shape(const weft_tensor_t *t)
+{
+    return t == NULL ? NULL : t->shape;
+}
+
+weft_dtype_t weft_tensor_dtype(const weft_tensor_t *t)
+{
+    return t == NULL ? WEFT_DTYPE_COUNT : t->dtype;
+}
+
+weft_device_t weft_tensor_device(const weft_tensor_t *t)
+{
+    return t == NULL ? WEFT_CPU : t->storage->device;
+}
+
+int weft_tensor_equal(const weft_tensor_t *a, const weft_tensor_t *b)
+{
+    if (a == NULL || b == NULL) {
+        return a == b;
+    }
+    if (a->dtype != b->dtype || a->ndim != b->ndim) {
+        return 0;
+    }
+    for (int i = 0; i < a->ndim; i++) {
+        if (a->shape[i] != b->shape[i]) {
+            return 0;
+        }
+    }
+    if (a->nbytes == 0) {
+        return 1;
+    }
+    if (a->storage->data == b->storage->data &&
+        a->storage->device.type == b->storage->device.type &&
+        a->storage->device.index == b->storage->device.index) {
+        return 1;
+    }
+    /* Device memory cannot be compared from here. */
+    if (a->storage->device.type != WEFT_DEVICE_CPU || b->storage->device.type != WEFT_DEVICE_CPU) {
+        return 0;
+    }
+    return memcmp(a->storage->data, b->storage->data, a->nbytes) == 0;
+}
