@@ -640,6 +640,9 @@ weft_status_t weft_agent_shutdown(weft_agent_t *a, int64_t timeout_ms)
         return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_shutdown: NULL agent");
     }
     int state = atomic_load(&a->state);
+    if (state >= WEFT__AGENT_CLOSING && a->shut_down) {
+        return WEFT_OK; /* shut down already */
+    }
     if (state != WEFT__AGENT_JOINED) {
         return weft__set_error(WEFT_ERR_INVALID_STATE, "agent_shutdown: agent is not running");
     }
@@ -653,6 +656,7 @@ weft_status_t weft_agent_shutdown(weft_agent_t *a, int64_t timeout_ms)
     snprintf(why, sizeof(why), "%s", weft_last_error());
     int64_t close_deadline = weft__now_ns() + 5000 * 1000000LL;
     close_transport(a, close_deadline < deadline || st != WEFT_OK ? close_deadline : deadline);
+    a->shut_down = true;
     if (st != WEFT_OK) {
         return weft__set_error(st, "%s", why);
     }
@@ -692,7 +696,6 @@ void weft_agent_free(weft_agent_t *a)
             }
         }
     }
-    weft__join_free(a);
     /* Outgoing calls that are still pending will never be answered now. */
     if (a->cq != NULL) {
         weft__pending_fail_all(a, WEFT_ERR_SHUTDOWN, "the agent was closed");
@@ -739,6 +742,8 @@ void weft_agent_free(weft_agent_t *a)
     for (int i = n; i < m; i++) {
         pthread_join(a->pollers[i], NULL);
     }
+    /* Every completion has been delivered: the rendezvous state can go. */
+    weft__join_free(a);
     if (a->cq != NULL) {
         grpc_completion_queue_destroy(a->cq);
     }

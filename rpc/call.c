@@ -137,7 +137,7 @@ static void send_response(weft_call_t *call, weft_status_t st, const char *text,
     env.error = (char *)(text != NULL ? text : "");
     weft_status_t est = weft__wire_encode(&env, st == WEFT_OK ? result : NULL, &m);
     if (est == WEFT_OK && st == WEFT_OK) {
-        uint64_t limit = a->peers[call->caller].max_message_bytes;
+        uint64_t limit = weft__stream_peer_max(call->stream);
         if (limit > 0 && m->nbytes > limit) {
             char why[256];
             snprintf(why, sizeof(why),
@@ -341,6 +341,16 @@ void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, grpc_byte_buf
     }
     weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
     grpc_byte_buffer_destroy(bb);
+}
+
+void weft__pending_fail_id(weft_agent_t *a, uint64_t id, weft_status_t st, const char *why)
+{
+    pthread_mutex_lock(&a->pend_mu);
+    weft__pending_t *p = pending_remove(a, id);
+    pthread_mutex_unlock(&a->pend_mu);
+    if (p != NULL) {
+        pending_finish(p, st, why, NULL);
+    }
 }
 
 /* Fails every pending call matching @p rank (-1: all). */

@@ -139,6 +139,7 @@ struct weft_agent {
     int port;
 
     _Atomic int state;
+    bool shut_down; /* weft_agent_shutdown ran */
 
     /* gRPC */
     grpc_completion_queue *cq;
@@ -208,6 +209,7 @@ void weft__stream_unref(weft__stream_t *s);
 void weft__stream_close(weft__stream_t *s); /* client: half-close; server: finish OK */
 void weft__stream_cancel(weft__stream_t *s);
 int weft__stream_peer(const weft__stream_t *s);
+uint64_t weft__stream_peer_max(const weft__stream_t *s);
 
 /* call.c */
 void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope *env,
@@ -215,6 +217,7 @@ void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope 
 void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, grpc_byte_buffer *bb);
 void weft__pending_fail_peer(weft_agent_t *a, int rank, weft_status_t st, const char *why);
 void weft__pending_sweep(weft_agent_t *a);
+void weft__pending_fail_id(weft_agent_t *a, uint64_t id, weft_status_t st, const char *why);
 void weft__pending_fail_all(weft_agent_t *a, weft_status_t st, const char *why);
 weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
                               int64_t timeout_ms, bool internal, weft_future_t **f_p);

@@ -37,6 +37,7 @@ struct weft__stream {
     weft__op_t recv_op;
     grpc_byte_buffer *recv_bb;
     bool hello_ok;
+    uint64_t peer_max; /* the peer's message limit, from its Hello */
 
     /* end of call */
     weft__op_t end_op;
@@ -54,6 +55,11 @@ static void send_done(weft__op_t *op, int ok);
 int weft__stream_peer(const weft__stream_t *s)
 {
     return atomic_load(&s->peer);
+}
+
+uint64_t weft__stream_peer_max(const weft__stream_t *s)
+{
+    return s->peer_max;
 }
 
 void weft__stream_ref(weft__stream_t *s)
@@ -352,6 +358,7 @@ static void server_message(weft__stream_t *s, grpc_byte_buffer *bb)
             grpc_byte_buffer_destroy(bb);
             return;
         }
+        s->peer_max = env->hello->max_message_bytes;
         atomic_store(&s->peer, env->hello->rank);
         s->hello_ok = true;
         (void)send_envelope(s, &ack);
@@ -437,7 +444,7 @@ static void client_message(weft__stream_t *s, grpc_byte_buffer *bb)
     weft_agent_t *a = s->agent;
     Weft__V1__Envelope *env = NULL;
     int peer = weft__stream_peer(s);
-    weft_status_t st = weft__wire_decode_envelope(bb, 0, &env);
+    weft_status_t st = weft__wire_decode_envelope(bb, a->max_message_bytes, &env);
 
     if (env == NULL) {
         WEFT_WARN("rank %d sent an unreadable response (%s); closing the stream", peer,
@@ -470,19 +477,17 @@ static void client_message(weft__stream_t *s, grpc_byte_buffer *bb)
         stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
     }
     if (env->kind != WEFT__V1__KIND__KIND_RESPONSE || st != WEFT_OK) {
-        WEFT_WARN("rank %d sent a bad response: %s", peer,
-                  st != WEFT_OK ? weft_last_error() : "wrong kind");
+        char why[600];
+        snprintf(why, sizeof(why), "rank %d sent a bad response: %s", peer,
+                 st != WEFT_OK ? weft_last_error() : "wrong kind");
+        WEFT_WARN("%s", why);
         if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
             /* Answer the waiting caller with the reason instead of leaving it to time out. */
-            env->status = st;
-            env->error = NULL;
-            env->n_tensors = 0;
-            env->payload_bytes = 0;
-        } else {
-            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-            grpc_byte_buffer_destroy(bb);
-            return;
+            weft__pending_fail_id(a, env->request_id, st, why);
         }
+        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+        grpc_byte_buffer_destroy(bb);
+        return;
     }
     weft__call_response(a, env, bb);
 }

@@ -117,7 +117,7 @@ weft_status_t weft__wire_encode(Weft__V1__Envelope *env, const weft_value_t *v,
     if (plen > 0) {
         memcpy(p + 4 + elen, payload, plen);
     }
-    slices[nslices++] = hs;
+    /* A small slice may be inlined in the struct itself: store it after the writes. */
     if (small) {
         uint8_t *q = p + head;
         for (size_t i = 0; i < ntensors; i++) {
@@ -128,7 +128,9 @@ weft_status_t weft__wire_encode(Weft__V1__Envelope *env, const weft_value_t *v,
                 q += nb;
             }
         }
+        slices[nslices++] = hs;
     } else {
+        slices[nslices++] = hs;
         for (size_t i = 0; i < ntensors; i++) {
             weft_tensor_t *t = weft_value_tensor(v, i);
             size_t nb = weft_tensor_nbytes(t);

@@ -19,6 +19,8 @@ typedef struct {
     int64_t call_timeout_ms;  /* 0: default */
     int64_t rendezvous_timeout_ms;
     uint64_t max_message_bytes;
+    uint64_t max_message_bytes_rank1; /* rank 1's own limit, if set */
+    const char *auth_token;
     rank_setup_cb_t setup;
     rank_main_cb_t body;
     void *arg;

@@ -1,0 +1,373 @@
+/* Deadlines, dead and frozen peers, bad input on the port, limits,
+ * rendezvous failures and shutdown. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ranks.h"
+#include "rawpeer.h"
+
+static void echo(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_call_reply(call, weft_call_take_args(call));
+}
+
+static void *late_reply(void *arg)
+{
+    weft_call_t *call = arg;
+    usleep(600 * 1000);
+    weft_call_reply(call, NULL);
+    return NULL;
+}
+
+/* Answers after 600 ms from another thread. */
+static void slow(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    pthread_t th;
+    pthread_create(&th, NULL, late_reply, call);
+    pthread_detach(th);
+}
+
+static void time_left(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    int64_t left = weft_call_time_left_ms(call);
+    weft_value_t *v;
+    weft_value_create(&v);
+    weft_value_set_payload(v, &left, sizeof(left));
+    weft_call_reply(call, v);
+}
+
+static void get_pid(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    int pid = getpid();
+    weft_value_t *v;
+    weft_value_create(&v);
+    weft_value_set_payload(v, &pid, sizeof(pid));
+    weft_call_reply(call, v);
+}
+
+static void die(weft_call_t *call, void *arg)
+{
+    (void)call;
+    (void)arg;
+    raise(SIGKILL);
+}
+
+static void freeze(weft_call_t *call, void *arg)
+{
+    (void)call;
+    (void)arg;
+    raise(SIGSTOP);
+}
+
+static void make_big(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    int64_t n = 2 << 20;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_U8, 1, &n, &t);
+    weft_value_t *v;
+    weft_value_create(&v);
+    weft_value_push_tensor(v, t);
+    weft_call_reply(call, v);
+}
+
+static void setup(weft_agent_t *a, int rank, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_rpc_register(a, "echo", echo, NULL);
+    weft_rpc_register(a, "slow", slow, NULL);
+    weft_rpc_register(a, "time_left", time_left, NULL);
+    weft_rpc_register(a, "pid", get_pid, NULL);
+    weft_rpc_register(a, "die", die, NULL);
+    weft_rpc_register(a, "freeze", freeze, NULL);
+    weft_rpc_register(a, "make_big", make_big, NULL);
+}
+
+static int body_deadline(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    weft_value_t *res = NULL;
+    int64_t t0 = now_ms();
+    weft_status_t st = weft_rpc_sync(a, 1, "slow", NULL, 150, &res);
+    RANK_CHECK(st == WEFT_ERR_TIMEOUT, "slow call gave %s", weft_strerror(st));
+    RANK_CHECK(strstr(weft_last_error(), "deadline") != NULL, "text: %s", weft_last_error());
+    RANK_CHECK(now_ms() - t0 < 600, "failed at the deadline, not at the late reply");
+    /* The late reply arrives and is dropped; the stream keeps working. */
+    usleep(700 * 1000);
+    st = weft_rpc_sync(a, 1, "echo", NULL, 5000, &res);
+    RANK_CHECK(st == WEFT_OK, "after timeout: %s", weft_last_error());
+    weft_value_free(res);
+    /* The deadline travels with the call. */
+    st = weft_rpc_sync(a, 1, "time_left", NULL, 4000, &res);
+    RANK_CHECK(st == WEFT_OK, "time_left: %s", weft_last_error());
+    size_t len;
+    const int64_t *left = weft_value_payload(res, &len);
+    RANK_CHECK(len == 8 && *left > 3000 && *left <= 4000, "callee saw %lld ms left",
+               (long long)*left);
+    weft_value_free(res);
+    /* A future outlives a wait that timed out, and completes later. */
+    weft_future_t *f;
+    RANK_CHECK(weft_rpc_async(a, 1, "slow", NULL, 5000, &f) == WEFT_OK, "async");
+    RANK_CHECK(weft_future_wait(f, 10) == WEFT_ERR_TIMEOUT, "wait 10 ms");
+    RANK_CHECK(weft_future_wait(f, 5000) == WEFT_OK, "then done: %s", weft_future_error(f));
+    weft_future_release(f);
+    return 0;
+}
+
+Test(rpc_failure, deadlines, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_deadline);
+    o.setup = setup;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+static int body_killed(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0; /* rank 1 dies inside "die" */
+    }
+    weft_future_t *other;
+    RANK_CHECK(weft_rpc_async(a, 1, "slow", NULL, 30000, &other) == WEFT_OK, "async");
+    int64_t t0 = now_ms();
+    weft_status_t st = weft_rpc_sync(a, 1, "die", NULL, 30000, NULL);
+    int64_t took = now_ms() - t0;
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "call to a killed peer gave %s: %s",
+               weft_strerror(st), weft_last_error());
+    RANK_CHECK(took < 2000, "detected after %lld ms", (long long)took);
+    fprintf(stderr, "killed peer detected after %lld ms: %s\n", (long long)took,
+            weft_last_error());
+    /* The other pending call to it fails too, and new calls fail at once. */
+    RANK_CHECK(weft_future_wait(other, 5000) == WEFT_ERR_PEER_LOST, "other pending call: %s",
+               weft_future_error(other));
+    weft_future_release(other);
+    st = weft_rpc_sync(a, 1, "echo", NULL, 30000, NULL);
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "later call: %s", weft_strerror(st));
+    /* Calls to the live ranks keep working. */
+    RANK_CHECK(weft_rpc_sync(a, 2, "echo", NULL, 5000, NULL) == WEFT_OK, "rank 2: %s",
+               weft_last_error());
+    return 0;
+}
+
+Test(rpc_failure, killed_peer_fails_pending_calls, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_killed);
+    o.setup = setup;
+    ranks_run(&o, codes);
+    cr_assert_eq(codes[0], 0);
+    cr_assert_eq(codes[1], 128 + SIGKILL);
+    cr_assert_eq(codes[2], 0);
+}
+
+static int body_frozen(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    weft_value_t *res;
+    RANK_CHECK(weft_rpc_sync(a, 1, "pid", NULL, 5000, &res) == WEFT_OK, "pid");
+    size_t len;
+    int pid = *(const int *)weft_value_payload(res, &len);
+    weft_value_free(res);
+    int64_t t0 = now_ms();
+    weft_status_t st = weft_rpc_sync(a, 1, "freeze", NULL, 30000, NULL);
+    int64_t took = now_ms() - t0;
+    kill(pid, SIGKILL);
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "call to a frozen peer gave %s: %s", weft_strerror(st),
+               weft_last_error());
+    fprintf(stderr, "frozen peer detected after %lld ms: %s\n", (long long)took,
+            weft_last_error());
+    RANK_CHECK(took < 10000, "detected after %lld ms", (long long)took);
+    return 0;
+}
+
+Test(rpc_failure, frozen_peer_detected_by_keepalive, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_frozen);
+    o.setup = setup;
+    ranks_run(&o, codes);
+    cr_assert_eq(codes[0], 0);
+    cr_assert_eq(codes[1], 128 + SIGKILL);
+}
+
+static int body_bad_input(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    const char *addr1 = weft_agent_worker_address(a, 1);
+    const char *addr0 = weft_agent_worker_address(a, 0);
+    char why[512];
+    RANK_CHECK(weft_rpc_sync(a, 1, "echo", NULL, 5000, NULL) == WEFT_OK, "before");
+
+    RANK_CHECK(rawpeer_garbage_tcp(addr1, 65536) == 0, "garbage tcp");
+    int st = rawpeer_hello(addr1, 99, 1, 2, "secret", 0, why, sizeof(why));
+    RANK_CHECK(st == WEFT_ERR_VERSION, "version 99 gave %d (%s)", st, why);
+    RANK_CHECK(strstr(why, "version 99") != NULL, "text: %s", why);
+    st = rawpeer_hello(addr1, WEFT_PROTOCOL_VERSION, 1, 2, "wrong", 0, why, sizeof(why));
+    RANK_CHECK(st == WEFT_ERR_AUTH, "wrong token gave %d (%s)", st, why);
+    st = rawpeer_hello(addr1, WEFT_PROTOCOL_VERSION, 5, 2, "secret", 0, why, sizeof(why));
+    RANK_CHECK(st == WEFT_ERR_PROTOCOL, "rank 5 of 2 gave %d (%s)", st, why);
+    st = rawpeer_hello(addr1, WEFT_PROTOCOL_VERSION, 1, 2, "secret", 1, why, sizeof(why));
+    RANK_CHECK(st == 1000 + 3, "garbage after hello ended with %d (%s)", st, why);
+    st = rawpeer_join(addr0, 99, 1, 2, "secret", why, sizeof(why));
+    RANK_CHECK(st == WEFT_ERR_VERSION, "join with version 99 gave %d (%s)", st, why);
+
+    /* The world keeps working. */
+    weft_value_t *args = value_of_string("still here");
+    weft_value_t *res;
+    RANK_CHECK(weft_rpc_sync(a, 1, "echo", args, 5000, &res) == WEFT_OK, "after: %s",
+               weft_last_error());
+    weft_value_free(res);
+    weft_value_free(args);
+    return 0;
+}
+
+Test(rpc_failure, garbage_and_wrong_version_are_refused, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_bad_input);
+    o.setup = setup;
+    o.auth_token = "secret";
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+static int body_limit(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank == 1) {
+        /* A result over this rank's own limit is refused by the callee with a clear error. */
+        weft_status_t st = weft_rpc_sync(a, 2, "make_big", NULL, 5000, NULL);
+        RANK_CHECK(st == WEFT_ERR_TOO_LARGE, "big result gave %s: %s", weft_strerror(st),
+                   weft_last_error());
+        RANK_CHECK(strstr(weft_last_error(), "limit") != NULL, "text: %s", weft_last_error());
+        RANK_CHECK(weft_rpc_sync(a, 2, "echo", NULL, 5000, NULL) == WEFT_OK, "after");
+        return 0;
+    }
+    if (rank != 0) {
+        return 0;
+    }
+    int64_t n = 2 << 20;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_U8, 1, &n, &t);
+    weft_value_t *args;
+    weft_value_create(&args);
+    weft_value_push_tensor(args, t);
+    weft_status_t st = weft_rpc_sync(a, 1, "echo", args, 5000, NULL);
+    RANK_CHECK(st == WEFT_ERR_TOO_LARGE, "2 MiB to a 1 MiB peer gave %s", weft_strerror(st));
+    RANK_CHECK(strstr(weft_last_error(), "limit") != NULL, "text: %s", weft_last_error());
+    weft_value_free(args);
+    /* The stream is alive: a smaller call goes through. */
+    n = 512 << 10;
+    weft_tensor_create(WEFT_U8, 1, &n, &t);
+    weft_value_create(&args);
+    weft_value_push_tensor(args, t);
+    RANK_CHECK(weft_rpc_sync(a, 1, "echo", args, 5000, NULL) == WEFT_OK, "512 KiB: %s",
+               weft_last_error());
+    weft_value_free(args);
+    return 0;
+}
+
+Test(rpc_failure, over_limit_messages, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_limit);
+    o.setup = setup;
+    o.max_message_bytes = 64 << 20;
+    o.max_message_bytes_rank1 = 1 << 20;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+static int join_failed(int rank, weft_status_t st, const char *why, void *arg)
+{
+    (void)arg;
+    RANK_CHECK(st == WEFT_ERR_RENDEZVOUS, "rank %d: join gave %s", rank, weft_strerror(st));
+    RANK_CHECK(strstr(why, "rank 2 never arrived") != NULL, "rank %d: text: %s", rank, why);
+    return 0;
+}
+
+static int never_runs(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a;
+    (void)world;
+    (void)arg;
+    fprintf(stderr, "rank %d joined a world with a rank missing\n", rank);
+    return 1;
+}
+
+Test(rpc_failure, missing_rank_fails_rendezvous, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, never_runs);
+    o.skip_rank = 2;
+    o.rendezvous_timeout_ms = 1500;
+    o.join_failed = join_failed;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+static int body_drain(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0; /* goes straight to shutdown while rank 0's calls run */
+    }
+    weft_future_t *fs[6];
+    for (int i = 0; i < 6; i++) {
+        RANK_CHECK(weft_rpc_async(a, 1 + i % 2, "slow", NULL, 20000, &fs[i]) == WEFT_OK,
+                   "async");
+    }
+    weft_status_t st = weft_agent_shutdown(a, 20000);
+    RANK_CHECK(st == WEFT_OK, "shutdown: %s", weft_last_error());
+    for (int i = 0; i < 6; i++) {
+        RANK_CHECK(weft_future_done(fs[i]) && weft_future_status(fs[i]) == WEFT_OK,
+                   "call %d drained with %s", i, weft_strerror(weft_future_status(fs[i])));
+        weft_future_release(fs[i]);
+    }
+    st = weft_rpc_sync(a, 1, "echo", NULL, 1000, NULL);
+    RANK_CHECK(st == WEFT_ERR_SHUTDOWN, "call after shutdown gave %s", weft_strerror(st));
+    return 0;
+}
+
+static int body_drain_outer(weft_agent_t *a, int rank, int world, void *arg)
+{
+    return body_drain(a, rank, world, arg);
+}
+
+Test(rpc_failure, shutdown_drains_in_flight_calls, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_drain_outer);
+    o.setup = setup;
+    /* Rank 0 shuts down in its body; the harness shuts down the others. */
+    o.no_shutdown = 0;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}

@@ -1,0 +1,140 @@
+/* Tensors of every dtype and of sizes 0 B to 256 MiB cross byte-exact. */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "ranks.h"
+
+static void echo(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_call_reply(call, weft_call_take_args(call));
+}
+
+static void setup(weft_agent_t *a, int rank, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_rpc_register(a, "echo", echo, NULL);
+}
+
+static void fill(uint8_t *p, size_t n, uint64_t seed)
+{
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        memcpy(p + i, &x, 8);
+    }
+    for (; i < n; i++) {
+        p[i] = (uint8_t)(x >> (i % 8));
+    }
+}
+
+static int body_dtypes(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    (void)world;
+    if (rank != 0) {
+        return 0;
+    }
+    /* One value carrying a tensor of every dtype, with assorted shapes. */
+    weft_value_t *args;
+    weft_value_create(&args);
+    int64_t shapes[][3] = {{3, 5, 7}, {0, 4, 1}, {1, 1, 1}, {2, 3, 4}, {17, 1, 3},
+                           {5, 5, 5}, {1, 2, 3}, {9, 9, 1}, {4, 0, 0}};
+    int ndims[] = {3, 2, 0, 3, 1, 2, 3, 2, 1};
+    for (int d = 0; d < WEFT_DTYPE_COUNT; d++) {
+        weft_tensor_t *t;
+        RANK_CHECK(weft_tensor_empty((weft_dtype_t)d, ndims[d], shapes[d], &t) == WEFT_OK,
+                   "empty %d", d);
+        fill(weft_tensor_data(t), weft_tensor_nbytes(t), (uint64_t)d);
+        if (d == WEFT_BOOL) {
+            uint8_t *b = weft_tensor_data(t);
+            for (size_t i = 0; i < weft_tensor_nbytes(t); i++) {
+                b[i] &= 1;
+            }
+        }
+        weft_value_push_tensor(args, t);
+    }
+    /* An 8-dim tensor too. */
+    int64_t s8[8] = {2, 1, 2, 1, 2, 1, 2, 3};
+    weft_tensor_t *t8;
+    weft_tensor_empty(WEFT_I64, 8, s8, &t8);
+    fill(weft_tensor_data(t8), weft_tensor_nbytes(t8), 99);
+    weft_value_push_tensor(args, t8);
+    weft_value_set_payload(args, "\0binary\xff payload", 16);
+
+    weft_value_t *res;
+    weft_status_t st = weft_rpc_sync(a, 1, "echo", args, 20000, &res);
+    RANK_CHECK(st == WEFT_OK, "%s", weft_last_error());
+    RANK_CHECK(weft_value_num_tensors(res) == weft_value_num_tensors(args), "count");
+    for (size_t i = 0; i < weft_value_num_tensors(args); i++) {
+        weft_tensor_t *x = weft_value_tensor(args, i);
+        weft_tensor_t *y = weft_value_tensor(res, i);
+        RANK_CHECK(weft_tensor_dtype(x) == weft_tensor_dtype(y), "dtype %zu", i);
+        RANK_CHECK(weft_tensor_ndim(x) == weft_tensor_ndim(y), "ndim %zu", i);
+        RANK_CHECK(memcmp(weft_tensor_shape(x), weft_tensor_shape(y),
+                          sizeof(int64_t) * (size_t)weft_tensor_ndim(x)) == 0,
+                   "shape %zu", i);
+        RANK_CHECK(weft_tensor_equal(x, y), "bytes of tensor %zu (%s)", i,
+                   weft_dtype_name(weft_tensor_dtype(x)));
+    }
+    size_t len;
+    const void *pl = weft_value_payload(res, &len);
+    RANK_CHECK(len == 16 && memcmp(pl, "\0binary\xff payload", 16) == 0, "payload");
+    weft_value_free(res);
+    weft_value_free(args);
+    return 0;
+}
+
+Test(rpc_transfer, every_dtype_and_shape, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_dtypes);
+    o.setup = setup;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+static int body_sizes(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    (void)world;
+    if (rank != 0) {
+        return 0;
+    }
+    const size_t sizes[] = {0,        1,        7,         4095,       4096,      16383,
+                            16384,    65537,    1u << 20,  (1u << 20) + 3, 16u << 20,
+                            64u << 20, 256u << 20};
+    for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++) {
+        int64_t n = (int64_t)sizes[k];
+        weft_tensor_t *t;
+        RANK_CHECK(weft_tensor_empty(WEFT_U8, 1, &n, &t) == WEFT_OK, "alloc %zu", sizes[k]);
+        fill(weft_tensor_data(t), sizes[k], sizes[k]);
+        weft_value_t *args;
+        weft_value_create(&args);
+        weft_value_push_tensor(args, t);
+        weft_value_t *res;
+        weft_status_t st = weft_rpc_sync(a, 1, "echo", args, 60000, &res);
+        RANK_CHECK(st == WEFT_OK, "size %zu: %s", sizes[k], weft_last_error());
+        weft_tensor_t *r = weft_value_tensor(res, 0);
+        RANK_CHECK(r != NULL && weft_tensor_nbytes(r) == sizes[k], "size %zu came back wrong",
+                   sizes[k]);
+        RANK_CHECK(weft_tensor_equal(t, r), "bytes differ at size %zu", sizes[k]);
+        weft_value_free(res);
+        weft_value_free(args);
+    }
+    return 0;
+}
+
+Test(rpc_transfer, sizes_0B_to_256MiB_byte_exact, .timeout = 300)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_sizes);
+    o.setup = setup;
+    o.deadline_ms = 280000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
