@@ -191,7 +191,8 @@ void weft__agent_channel_args(weft_agent_t *a, bool server, grpc_channel_args *o
     } else {
         INT_ARG(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
         INT_ARG(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-        INT_ARG(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+        /* Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: it is also the connect timeout, and a
+         * handshake on a loaded machine can take longer than a short one. */
         INT_ARG(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     }
 #undef INT_ARG
