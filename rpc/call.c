@@ -211,9 +211,8 @@ void weft_call_reply_future(weft_call_t *call, weft_future_t *f)
 }
 
 void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope *env,
-                         grpc_byte_buffer *bb)
+                         weft_value_t *args)
 {
-    weft_status_t st;
     weft_call_t *call = weft_calloc(1, sizeof(*call));
     weft__fn_t *fn = NULL;
 
@@ -233,11 +232,8 @@ void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope 
         atomic_fetch_add(&a->calls_in_progress, 1);
         atomic_fetch_add(&a->requests_received, 1);
     }
-    st = weft__wire_decode_body(bb, env, &call->args);
-    if (st != WEFT_OK) {
-        weft_call_fail(call, st, "arguments could not be read: %s", weft_last_error());
-        goto out;
-    }
+    call->args = args;
+    args = NULL;
     if (env->timeout_ms <= 0) {
         weft_call_fail(call, WEFT_ERR_TIMEOUT, "the caller's deadline passed before the call ran");
         goto out;
@@ -256,10 +252,13 @@ void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope 
                        call->function);
         goto out;
     }
-    cb(call, arg);
-out:
+    /* The envelope goes before the handler runs: it may take long. */
     weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-    grpc_byte_buffer_destroy(bb);
+    cb(call, arg);
+    return;
+out:
+    weft_value_free(args);
+    weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
 }
 
 /* ------------------------------------------------------------ outgoing calls */
@@ -310,7 +309,7 @@ static void pending_finish(weft__pending_t *p, weft_status_t st, const char *tex
     weft_free(p);
 }
 
-void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, grpc_byte_buffer *bb)
+void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, weft_value_t *v)
 {
     pthread_mutex_lock(&a->pend_mu);
     weft__pending_t *p = pending_remove(a, env->request_id);
@@ -328,19 +327,11 @@ void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, grpc_byte_buf
                  env->error != NULL && env->error[0] != '\0' ? env->error : weft_strerror(st));
         pending_finish(p, st, text, NULL);
     } else {
-        weft_value_t *v = NULL;
-        weft_status_t st = weft__wire_decode_body(bb, env, &v);
-        if (st != WEFT_OK) {
-            char text[1024];
-            snprintf(text, sizeof(text), "result of '%s' could not be read: %s", p->fn,
-                     weft_last_error());
-            pending_finish(p, st, text, NULL);
-        } else {
-            pending_finish(p, WEFT_OK, NULL, v);
-        }
+        pending_finish(p, WEFT_OK, NULL, v);
+        v = NULL;
     }
+    weft_value_free(v);
     weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-    grpc_byte_buffer_destroy(bb);
 }
 
 void weft__pending_fail_id(weft_agent_t *a, uint64_t id, weft_status_t st, const char *why)

@@ -7,6 +7,7 @@
 #include <stdbool.h>
 
 #include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 #include <grpc/support/alloc.h>
 #include <stdio.h>
@@ -54,14 +55,34 @@ weft_status_t weft__wire_encode(Weft__V1__Envelope *env, const weft_value_t *v,
                                 weft__outmsg_t **msg_p);
 void weft__outmsg_free(weft__outmsg_t *m, weft_status_t fail_status, const char *why);
 
-/* Reads and validates the envelope of @p bb (without the body). On an error
- * found after the envelope decoded, *env_p is still set so that the caller can
- * answer its request id; the caller frees it either way. */
-weft_status_t weft__wire_decode_envelope(grpc_byte_buffer *bb, uint64_t max_bytes,
-                                         Weft__V1__Envelope **env_p);
-/* Copies the payload and tensors of @p bb (whose envelope is @p env) into a value. */
-weft_status_t weft__wire_decode_body(grpc_byte_buffer *bb, const Weft__V1__Envelope *env,
-                                     weft_value_t **v_p);
+/* A gRPC message carries one or more frames: [u32 LE envelope length]
+ * [Envelope][payload][tensor bytes...]. The reader walks them in order. */
+typedef struct {
+    grpc_byte_buffer_reader r;
+    grpc_slice cur;
+    size_t off;
+    bool has;
+} cursor_t;
+
+typedef struct {
+    cursor_t c;
+    size_t total;
+    size_t left;
+    uint64_t body_left; /* of the frame whose envelope was read last */
+} weft__reader_t;
+
+weft_status_t weft__reader_init(weft__reader_t *r, grpc_byte_buffer *bb);
+void weft__reader_destroy(weft__reader_t *r);
+bool weft__reader_more(const weft__reader_t *r);
+/* Reads and validates the next frame's envelope. On an error found after the
+ * envelope decoded, *env_p is still set (the caller answers its request id
+ * and frees it); when *env_p is NULL the rest of the message cannot be framed. */
+weft_status_t weft__reader_envelope(weft__reader_t *r, uint64_t max_bytes,
+                                    Weft__V1__Envelope **env_p);
+/* Copies the frame's payload and tensors into a new value (one copy). */
+weft_status_t weft__reader_body(weft__reader_t *r, const Weft__V1__Envelope *env,
+                                weft_value_t **v_p);
+weft_status_t weft__reader_skip_body(weft__reader_t *r);
 /* Packs a standalone protobuf message into a byte buffer (Hello / WorldMap). */
 grpc_byte_buffer *weft__wire_pack(const ProtobufCMessage *m);
 /* Copies a whole byte buffer into one allocation (small control messages). */
@@ -148,6 +169,9 @@ struct weft_agent {
     grpc_channel_args chan_args_s, server_args_s;
     grpc_arg chan_arg_v[16], server_arg_v[16];
 
+    /* copies large received messages out while the transport thread reads on */
+    weft_pool_t *bulk;
+
     /* pollers */
     pthread_mutex_t threads_mu;
     pthread_t pollers[WEFT__MAX_POLLERS];
@@ -212,9 +236,10 @@ int weft__stream_peer(const weft__stream_t *s);
 uint64_t weft__stream_peer_max(const weft__stream_t *s);
 
 /* call.c */
+/* Takes ownership of @p env and @p args. */
 void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope *env,
-                         grpc_byte_buffer *bb);
-void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, grpc_byte_buffer *bb);
+                         weft_value_t *args);
+void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, weft_value_t *v);
 void weft__pending_fail_peer(weft_agent_t *a, int rank, weft_status_t st, const char *why);
 void weft__pending_sweep(weft_agent_t *a);
 void weft__pending_fail_id(weft_agent_t *a, uint64_t id, weft_status_t st, const char *why);

@@ -24,7 +24,8 @@ struct weft__stream {
 
     /* send side */
     weft__outmsg_t *qh, *qt;
-    weft__outmsg_t *inflight;
+    weft__outmsg_t *inflight;  /* a chain: several frames may go out as one gRPC message */
+    grpc_byte_buffer *merged; /* the coalesced buffer of the chain, if any */
     bool sending;
     bool md_sent;
     bool finishing;
@@ -38,6 +39,9 @@ struct weft__stream {
     grpc_byte_buffer *recv_bb;
     bool hello_ok;
     uint64_t peer_max; /* the peer's message limit, from its Hello */
+    uint64_t received; /* messages received (numbering; one receive at a time) */
+    uint64_t framed;   /* messages whose frames have been read, in order */
+    pthread_cond_t turn_cv;
 
     /* end of call */
     weft__op_t end_op;
@@ -51,6 +55,12 @@ struct weft__stream {
 
 static void recv_done(weft__op_t *op, int ok);
 static void send_done(weft__op_t *op, int ok);
+
+/* Coalescing: frames under this size queued behind a send are merged. */
+#define COALESCE_BYTES  (256u << 10)
+#define COALESCE_FRAMES 128
+/* Messages at least this large are read out on the bulk thread. */
+#define BULK_BYTES (1u << 20)
 
 int weft__stream_peer(const weft__stream_t *s)
 {
@@ -81,6 +91,7 @@ static void stream_destroy(weft__stream_t *s)
     }
     weft_free(s->dead_why);
     pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->turn_cv);
     weft_free(s);
 }
 
@@ -103,6 +114,7 @@ static weft__stream_t *stream_new(weft_agent_t *a, bool client, grpc_call *call)
     atomic_init(&s->peer, -1);
     s->call = call;
     pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->turn_cv, NULL);
     atomic_init(&s->refs, 0);
     s->send_op.cb = send_done;
     s->recv_op.cb = recv_done;
@@ -163,6 +175,54 @@ static weft__outmsg_t *start_next_locked(weft__stream_t *s)
         s->qt = NULL;
     }
     m->next = NULL;
+    grpc_byte_buffer *send_bb = m->bb;
+    /* Small frames queued behind a send in flight go out together as one gRPC
+     * message: one send op and one receive completion for all of them. */
+    if (m->bb != NULL && m->nbytes < COALESCE_BYTES && s->qh != NULL && s->qh->bb != NULL &&
+        s->qh->nbytes < COALESCE_BYTES) {
+        weft__outmsg_t *tail = m;
+        size_t total = m->nbytes;
+        size_t nslices = m->bb->data.raw.slice_buffer.count;
+        int count = 1;
+        while (s->qh != NULL && s->qh->bb != NULL && total + s->qh->nbytes <= COALESCE_BYTES &&
+               count < COALESCE_FRAMES) {
+            weft__outmsg_t *n = s->qh;
+            s->qh = n->next;
+            n->next = NULL;
+            tail->next = n;
+            tail = n;
+            total += n->nbytes;
+            nslices += n->bb->data.raw.slice_buffer.count;
+            count++;
+        }
+        if (s->qh == NULL) {
+            s->qt = NULL;
+        }
+        grpc_slice stack[64];
+        grpc_slice *sl = nslices <= 64 ? stack : weft_alloc(nslices * sizeof(grpc_slice));
+        if (sl != NULL) {
+            size_t k = 0;
+            for (weft__outmsg_t *x = m; x != NULL; x = x->next) {
+                grpc_slice_buffer *sb = &x->bb->data.raw.slice_buffer;
+                for (size_t i = 0; i < sb->count; i++) {
+                    sl[k++] = sb->slices[i];
+                }
+            }
+            s->merged = grpc_raw_byte_buffer_create(sl, k);
+            send_bb = s->merged;
+            if (sl != stack) {
+                weft_free(sl);
+            }
+        } else {
+            /* No memory to merge: send the first alone, put the rest back. */
+            tail->next = s->qh;
+            s->qh = m->next;
+            if (s->qt == NULL) {
+                s->qt = tail;
+            }
+            m->next = NULL;
+        }
+    }
     memset(ops, 0, sizeof(ops));
     if (!s->client && !s->md_sent) {
         ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
@@ -171,7 +231,7 @@ static weft__outmsg_t *start_next_locked(weft__stream_t *s)
     }
     if (m->bb != NULL) {
         ops[n].op = GRPC_OP_SEND_MESSAGE;
-        ops[n].data.send_message.send_message = m->bb;
+        ops[n].data.send_message.send_message = send_bb;
         n++;
     } else if (s->client) {
         ops[n].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -194,11 +254,19 @@ static weft__outmsg_t *start_next_locked(weft__stream_t *s)
     WEFT_WARN("stream to rank %d: gRPC refused a send (%d)", weft__stream_peer(s), (int)e);
     s->inflight = NULL;
     s->sending = false;
+    if (s->merged != NULL) {
+        grpc_byte_buffer_destroy(s->merged);
+        s->merged = NULL;
+    }
     atomic_fetch_sub(&s->refs, 1); /* never the last: the caller holds one */
-    m->next = s->qh;
+    weft__outmsg_t *last = m;
+    while (last->next != NULL) {
+        last = last->next;
+    }
+    last->next = s->qh;
     s->qh = m;
     if (s->qt == NULL) {
-        s->qt = m;
+        s->qt = last;
     }
     return mark_dead_locked(s, WEFT_ERR_TRANSPORT, "gRPC refused a send");
 }
@@ -244,7 +312,9 @@ static void send_done(weft__op_t *op, int ok)
 
     pthread_mutex_lock(&s->mu);
     weft__outmsg_t *m = s->inflight;
+    grpc_byte_buffer *merged = s->merged;
     s->inflight = NULL;
+    s->merged = NULL;
     s->sending = false;
     if (!ok) {
         q = mark_dead_locked(s, WEFT_ERR_PEER_LOST, "connection broke while sending");
@@ -253,10 +323,10 @@ static void send_done(weft__op_t *op, int ok)
     }
     weft_status_t st = s->dead ? s->dead_status : WEFT_OK;
     pthread_mutex_unlock(&s->mu);
-    if (m != NULL) {
-        weft_free(m->fin_text);
-        weft__outmsg_free(m, ok ? WEFT_OK : st, "connection broke while sending");
+    if (merged != NULL) {
+        grpc_byte_buffer_destroy(merged);
     }
+    fail_queue(m, ok ? WEFT_OK : st, "connection broke while sending");
     fail_queue(q, st, "connection broke while sending");
     weft__stream_unref(s);
 }
@@ -324,172 +394,307 @@ static weft_status_t check_hello(weft_agent_t *a, const Weft__V1__Hello *h, char
     return WEFT_OK;
 }
 
-/* A message on a server stream. */
-static void server_message(weft__stream_t *s, grpc_byte_buffer *bb)
+/* The Hello that opens a server stream; true if accepted. */
+static bool server_hello(weft__stream_t *s, weft_status_t st, Weft__V1__Envelope *env)
 {
     weft_agent_t *a = s->agent;
-    Weft__V1__Envelope *env = NULL;
-    weft_status_t st = weft__wire_decode_envelope(bb, a->max_message_bytes, &env);
+    char why[512];
+    Weft__V1__Envelope ack = WEFT__V1__ENVELOPE__INIT;
 
-    if (!s->hello_ok) {
-        char why[512];
-        Weft__V1__Envelope ack = WEFT__V1__ENVELOPE__INIT;
-        if (st == WEFT_OK && env->kind == WEFT__V1__KIND__KIND_HELLO) {
-            st = check_hello(a, env->hello, why, sizeof(why));
-        } else if (st == WEFT_OK) {
-            st = WEFT_ERR_PROTOCOL;
-            snprintf(why, sizeof(why), "first message of a stream must be a Hello");
-        } else {
-            snprintf(why, sizeof(why), "%s", weft_last_error());
-        }
-        ack.kind = WEFT__V1__KIND__KIND_HELLO_ACK;
-        ack.src_rank = a->rank;
-        ack.status = st;
-        if (st != WEFT_OK) {
-            WEFT_WARN("refused a connection: %s", why);
-            ack.error = why;
-            (void)send_envelope(s, &ack);
-            finish(s, st == WEFT_ERR_AUTH ? GRPC_STATUS_UNAUTHENTICATED
-                                          : GRPC_STATUS_FAILED_PRECONDITION,
-                   why);
-            if (env != NULL) {
-                weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-            }
-            grpc_byte_buffer_destroy(bb);
-            return;
-        }
-        s->peer_max = env->hello->max_message_bytes;
-        atomic_store(&s->peer, env->hello->rank);
-        s->hello_ok = true;
-        (void)send_envelope(s, &ack);
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        grpc_byte_buffer_destroy(bb);
-        if (!post_recv(s)) {
-            stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
-        }
-        return;
+    if (st == WEFT_OK && env->kind == WEFT__V1__KIND__KIND_HELLO) {
+        st = check_hello(a, env->hello, why, sizeof(why));
+    } else if (st == WEFT_OK) {
+        st = WEFT_ERR_PROTOCOL;
+        snprintf(why, sizeof(why), "first message of a stream must be a Hello");
+    } else {
+        snprintf(why, sizeof(why), "%s", weft_last_error());
     }
-    if (env == NULL) {
-        /* Not even an envelope: this peer does not speak weft; end its stream. */
-        WEFT_WARN("rank %d sent an unreadable message (%s); closing its stream",
-                  weft__stream_peer(s), weft_last_error());
-        finish(s, GRPC_STATUS_INVALID_ARGUMENT, weft_last_error());
-        grpc_byte_buffer_destroy(bb);
-        return;
-    }
-    if (env->kind == WEFT__V1__KIND__KIND_ONEWAY) {
-        uint32_t ch = env->channel;
-        weft_value_t *v = NULL;
-        if (st == WEFT_OK) {
-            st = weft__wire_decode_body(bb, env, &v);
-        }
-        weft_channel_cb_t cb = NULL;
-        void *arg = NULL;
-        if (ch >= 1 && ch <= WEFT_CHANNEL_MAX) {
-            pthread_rwlock_rdlock(&a->reg_mu);
-            cb = a->channel_cb[ch];
-            arg = a->channel_arg[ch];
-            pthread_rwlock_unlock(&a->reg_mu);
-        }
-        if (st != WEFT_OK) {
-            WEFT_WARN("dropped a message on channel %u from rank %d: %s", ch, weft__stream_peer(s),
-                      weft_last_error());
-            weft_value_free(v);
-        } else if (cb == NULL) {
-            WEFT_WARN("dropped a message on unregistered channel %u from rank %d", ch,
-                      weft__stream_peer(s));
-            weft_value_free(v);
-        } else {
-            cb(a, weft__stream_peer(s), v, arg);
-        }
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        grpc_byte_buffer_destroy(bb);
-        if (!post_recv(s)) {
-            stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
-        }
-        return;
-    }
-    /* Requests run concurrently: receive the next message before serving this one. */
-    if (!post_recv(s)) {
-        stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
-    }
-    if (env->kind != WEFT__V1__KIND__KIND_REQUEST) {
-        WEFT_WARN("rank %d sent a message of kind %d on its request stream; ignored",
-                  weft__stream_peer(s), (int)env->kind);
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        grpc_byte_buffer_destroy(bb);
-        return;
-    }
+    ack.kind = WEFT__V1__KIND__KIND_HELLO_ACK;
+    ack.src_rank = a->rank;
+    ack.status = st;
     if (st != WEFT_OK) {
-        /* A request we cannot accept: answer it with the reason. */
-        Weft__V1__Envelope resp = WEFT__V1__ENVELOPE__INIT;
-        char why[512];
-        snprintf(why, sizeof(why), "%s (on %s)", weft_last_error(), a->name);
-        resp.kind = WEFT__V1__KIND__KIND_RESPONSE;
-        resp.request_id = env->request_id;
-        resp.src_rank = a->rank;
-        resp.status = st;
-        resp.error = why;
-        (void)send_envelope(s, &resp);
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        grpc_byte_buffer_destroy(bb);
-        return;
+        WEFT_WARN("refused a connection: %s", why);
+        ack.error = why;
+        (void)send_envelope(s, &ack);
+        finish(s,
+               st == WEFT_ERR_AUTH ? GRPC_STATUS_UNAUTHENTICATED : GRPC_STATUS_FAILED_PRECONDITION,
+               why);
+        return false;
     }
-    weft__call_dispatch(a, s, env, bb);
+    s->peer_max = env->hello->max_message_bytes;
+    atomic_store(&s->peer, env->hello->rank);
+    s->hello_ok = true;
+    (void)send_envelope(s, &ack);
+    return true;
 }
 
-/* A message on a client stream: the Hello's answer, then responses. */
-static void client_message(weft__stream_t *s, grpc_byte_buffer *bb)
+/* Waits until the messages before @p seq on this stream have been framed, so
+ * that one-way messages reach their channels in the order they were sent. */
+static void turn_wait(weft__stream_t *s, uint64_t seq)
+{
+    pthread_mutex_lock(&s->mu);
+    while (s->framed != seq) {
+        pthread_cond_wait(&s->turn_cv, &s->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void turn_done(weft__stream_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->framed++;
+    pthread_cond_broadcast(&s->turn_cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void answer_refused(weft__stream_t *s, const Weft__V1__Envelope *env, weft_status_t st)
+{
+    Weft__V1__Envelope resp = WEFT__V1__ENVELOPE__INIT;
+    char why[600];
+
+    snprintf(why, sizeof(why), "%s (on %s)", weft_last_error(), s->agent->name);
+    resp.kind = WEFT__V1__KIND__KIND_RESPONSE;
+    resp.request_id = env->request_id;
+    resp.src_rank = s->agent->rank;
+    resp.status = st;
+    resp.error = why;
+    (void)send_envelope(s, &resp);
+}
+
+static void deliver_oneway(weft__stream_t *s, Weft__V1__Envelope *env, weft_value_t *v,
+                           weft_status_t st)
 {
     weft_agent_t *a = s->agent;
-    Weft__V1__Envelope *env = NULL;
-    int peer = weft__stream_peer(s);
-    weft_status_t st = weft__wire_decode_envelope(bb, a->max_message_bytes, &env);
+    uint32_t ch = env->channel;
+    weft_channel_cb_t cb = NULL;
+    void *arg = NULL;
 
-    if (env == NULL) {
-        WEFT_WARN("rank %d sent an unreadable response (%s); closing the stream", peer,
+    if (ch >= 1 && ch <= WEFT_CHANNEL_MAX) {
+        pthread_rwlock_rdlock(&a->reg_mu);
+        cb = a->channel_cb[ch];
+        arg = a->channel_arg[ch];
+        pthread_rwlock_unlock(&a->reg_mu);
+    }
+    if (st != WEFT_OK) {
+        WEFT_WARN("dropped a message on channel %u from rank %d: %s", ch, weft__stream_peer(s),
                   weft_last_error());
+        weft_value_free(v);
+    } else if (cb == NULL) {
+        WEFT_WARN("dropped a message on unregistered channel %u from rank %d", ch,
+                  weft__stream_peer(s));
+        weft_value_free(v);
+    } else {
+        cb(a, weft__stream_peer(s), v, arg);
+    }
+}
+
+typedef struct {
+    Weft__V1__Envelope *env;
+    weft_value_t *args;
+} req_t;
+
+/* A gRPC message on a server stream: a Hello first, then requests and one-way frames. */
+static void server_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq, bool first)
+{
+    weft_agent_t *a = s->agent;
+    weft__reader_t r;
+    req_t local[16];
+    req_t *reqs = local;
+    size_t nreq = 0, cap = 16;
+    bool broken = false;
+
+    if (weft__reader_init(&r, bb) != WEFT_OK) {
+        grpc_byte_buffer_destroy(bb);
+        finish(s, GRPC_STATUS_INVALID_ARGUMENT, "unreadable message");
+        return;
+    }
+    bool hello_first = first;
+    turn_wait(s, seq);
+    while (weft__reader_more(&r)) {
+        Weft__V1__Envelope *env = NULL;
+        weft_status_t st = weft__reader_envelope(&r, a->max_message_bytes, &env);
+        if (env == NULL) {
+            /* Not even an envelope: this peer does not speak weft; end its stream. */
+            WEFT_WARN("rank %d sent an unreadable message (%s); closing its stream",
+                      weft__stream_peer(s), weft_last_error());
+            finish(s, GRPC_STATUS_INVALID_ARGUMENT, weft_last_error());
+            broken = true;
+            break;
+        }
+        if (!s->hello_ok) {
+            bool ok = server_hello(s, st, env);
+            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            if (!ok) {
+                broken = true;
+                break;
+            }
+            if (weft__reader_skip_body(&r) != WEFT_OK) {
+                broken = true;
+                break;
+            }
+            continue;
+        }
+        if (env->kind == WEFT__V1__KIND__KIND_ONEWAY) {
+            weft_value_t *v = NULL;
+            if (st == WEFT_OK) {
+                st = weft__reader_body(&r, env, &v);
+            } else {
+                (void)weft__reader_skip_body(&r);
+            }
+            deliver_oneway(s, env, v, st);
+            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            continue;
+        }
+        if (env->kind != WEFT__V1__KIND__KIND_REQUEST) {
+            WEFT_WARN("rank %d sent a frame of kind %d on its request stream; ignored",
+                      weft__stream_peer(s), (int)env->kind);
+            (void)weft__reader_skip_body(&r);
+            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            continue;
+        }
+        weft_value_t *args = NULL;
+        if (st == WEFT_OK) {
+            st = weft__reader_body(&r, env, &args);
+        } else {
+            (void)weft__reader_skip_body(&r);
+        }
+        if (st != WEFT_OK) {
+            /* A request we cannot accept: answer it with the reason. */
+            answer_refused(s, env, st);
+            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            continue;
+        }
+        if (nreq == cap) {
+            req_t *bigger = weft_alloc(2 * cap * sizeof(*bigger));
+            if (bigger == NULL) {
+                weft_value_free(args);
+                answer_refused(s, env, WEFT_ERR_NO_MEMORY);
+                weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+                continue;
+            }
+            memcpy(bigger, reqs, nreq * sizeof(*bigger));
+            if (reqs != local) {
+                weft_free(reqs);
+            }
+            reqs = bigger;
+            cap *= 2;
+        }
+        reqs[nreq].env = env;
+        reqs[nreq].args = args;
+        nreq++;
+    }
+    weft__reader_destroy(&r);
+    grpc_byte_buffer_destroy(bb);
+    turn_done(s);
+    if (hello_first && !broken && !post_recv(s)) {
+        stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
+    }
+    for (size_t i = 0; i < nreq; i++) {
+        weft__call_dispatch(a, s, reqs[i].env, reqs[i].args);
+    }
+    if (reqs != local) {
+        weft_free(reqs);
+    }
+}
+
+/* A gRPC message on a client stream: the Hello's answer, then responses. */
+static void client_message(weft__stream_t *s, grpc_byte_buffer *bb, bool first)
+{
+    weft_agent_t *a = s->agent;
+    weft__reader_t r;
+    int peer = weft__stream_peer(s);
+
+    if (weft__reader_init(&r, bb) != WEFT_OK) {
         grpc_byte_buffer_destroy(bb);
         grpc_call_cancel_with_status(s->call, GRPC_STATUS_INVALID_ARGUMENT, "unreadable message",
                                      NULL);
         return;
     }
-    if (env->kind == WEFT__V1__KIND__KIND_HELLO_ACK) {
-        if (env->status != 0) {
-            char why[640];
-            snprintf(why, sizeof(why), "rank %d refused the connection: %s", peer,
-                     env->error != NULL ? env->error : "");
-            weft_status_t est =
-                weft_status_valid(env->status) ? (weft_status_t)env->status : WEFT_ERR_PROTOCOL;
-            stream_dead(s, est, why);
-            weft__agent_peer_lost(a, peer, est, why);
-        } else {
-            s->hello_ok = true;
-            if (!post_recv(s)) {
-                stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
-            }
+    bool broken = false;
+    while (weft__reader_more(&r)) {
+        Weft__V1__Envelope *env = NULL;
+        weft_status_t st = weft__reader_envelope(&r, a->max_message_bytes, &env);
+        if (env == NULL) {
+            WEFT_WARN("rank %d sent an unreadable response (%s); closing the stream", peer,
+                      weft_last_error());
+            grpc_call_cancel_with_status(s->call, GRPC_STATUS_INVALID_ARGUMENT,
+                                         "unreadable message", NULL);
+            broken = true;
+            break;
         }
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        grpc_byte_buffer_destroy(bb);
-        return;
+        if (env->kind == WEFT__V1__KIND__KIND_HELLO_ACK) {
+            (void)weft__reader_skip_body(&r);
+            if (env->status != 0) {
+                char why[640];
+                snprintf(why, sizeof(why), "rank %d refused the connection: %s", peer,
+                         env->error != NULL ? env->error : "");
+                weft_status_t est =
+                    weft_status_valid(env->status) ? (weft_status_t)env->status : WEFT_ERR_PROTOCOL;
+                stream_dead(s, est, why);
+                weft__agent_peer_lost(a, peer, est, why);
+                broken = true;
+            } else {
+                s->hello_ok = true;
+            }
+            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            if (broken) {
+                break;
+            }
+            continue;
+        }
+        weft_value_t *v = NULL;
+        if (env->kind != WEFT__V1__KIND__KIND_RESPONSE) {
+            WEFT_WARN("rank %d sent a frame of kind %d on a response stream; ignored", peer,
+                      (int)env->kind);
+            (void)weft__reader_skip_body(&r);
+            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            continue;
+        }
+        if (st == WEFT_OK && env->status == 0) {
+            st = weft__reader_body(&r, env, &v);
+        } else {
+            (void)weft__reader_skip_body(&r);
+        }
+        if (st != WEFT_OK) {
+            char why[600];
+            snprintf(why, sizeof(why), "response from rank %d could not be read: %s", peer,
+                     weft_last_error());
+            WEFT_WARN("%s", why);
+            weft__pending_fail_id(a, env->request_id, st, why);
+            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            continue;
+        }
+        weft__call_response(a, env, v);
     }
-    if (!post_recv(s)) {
+    weft__reader_destroy(&r);
+    grpc_byte_buffer_destroy(bb);
+    if (first && !broken && !post_recv(s)) {
         stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
     }
-    if (env->kind != WEFT__V1__KIND__KIND_RESPONSE || st != WEFT_OK) {
-        char why[600];
-        snprintf(why, sizeof(why), "rank %d sent a bad response: %s", peer,
-                 st != WEFT_OK ? weft_last_error() : "wrong kind");
-        WEFT_WARN("%s", why);
-        if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
-            /* Answer the waiting caller with the reason instead of leaving it to time out. */
-            weft__pending_fail_id(a, env->request_id, st, why);
-        }
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        grpc_byte_buffer_destroy(bb);
-        return;
+}
+
+typedef struct {
+    weft__stream_t *s;
+    grpc_byte_buffer *bb;
+    uint64_t seq;
+} bulk_task_t;
+
+static void process_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq, bool first)
+{
+    if (s->client) {
+        client_message(s, bb, first);
+    } else {
+        server_message(s, bb, seq, first);
     }
-    weft__call_response(a, env, bb);
+}
+
+static void bulk_run(void *arg)
+{
+    bulk_task_t *t = arg;
+
+    process_message(t->s, t->bb, t->seq, false);
+    weft__stream_unref(t->s);
+    weft_free(t);
 }
 
 static void recv_done(weft__op_t *op, int ok)
@@ -510,11 +715,30 @@ static void recv_done(weft__op_t *op, int ok)
         weft__stream_unref(s);
         return;
     }
-    if (s->client) {
-        client_message(s, bb);
-    } else {
-        server_message(s, bb);
+    /* Only one receive is outstanding at a time: messages are numbered in order. */
+    uint64_t seq = s->received++;
+    bool first = !s->hello_ok;
+    if (!first) {
+        /* Receive the next message while this one is read and served. */
+        if (!post_recv(s)) {
+            stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
+        }
+        /* Large messages are copied out on the bulk thread, so that this
+         * transport thread goes back to reading the socket meanwhile. */
+        if (grpc_byte_buffer_length(bb) >= BULK_BYTES && s->agent->bulk != NULL) {
+            bulk_task_t *t = weft_alloc(sizeof(*t));
+            if (t != NULL) {
+                t->s = s;
+                t->bb = bb;
+                t->seq = seq;
+                if (weft_pool_submit(s->agent->bulk, bulk_run, t) == WEFT_OK) {
+                    return; /* the task keeps the receive's reference */
+                }
+                weft_free(t);
+            }
+        }
     }
+    process_message(s, bb, seq, first);
     weft__stream_unref(s);
 }
 

@@ -184,14 +184,6 @@ void weft__outmsg_free(weft__outmsg_t *m, weft_status_t fail_status, const char 
     weft_free(m);
 }
 
-/* A cursor over the slices of a received byte buffer. */
-typedef struct {
-    grpc_byte_buffer_reader r;
-    grpc_slice cur;
-    size_t off;
-    bool has;
-} cursor_t;
-
 static bool cursor_init(cursor_t *c, grpc_byte_buffer *bb)
 {
     c->has = false;
@@ -262,165 +254,169 @@ static weft_status_t check_meta(const Weft__V1__TensorMeta *tm, size_t i, uint64
     return WEFT_OK;
 }
 
-weft_status_t weft__wire_decode_envelope(grpc_byte_buffer *bb, uint64_t max_bytes,
-                                         Weft__V1__Envelope **env_p)
+weft_status_t weft__reader_init(weft__reader_t *r, grpc_byte_buffer *bb)
+{
+    r->total = grpc_byte_buffer_length(bb);
+    r->left = r->total;
+    if (!cursor_init(&r->c, bb)) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: unreadable message");
+    }
+    return WEFT_OK;
+}
+
+void weft__reader_destroy(weft__reader_t *r)
+{
+    cursor_destroy(&r->c);
+}
+
+bool weft__reader_more(const weft__reader_t *r)
+{
+    return r->left > 0;
+}
+
+static bool reader_read(weft__reader_t *r, void *dst, size_t n)
+{
+    if (n > r->left || !cursor_read(&r->c, dst, n)) {
+        return false;
+    }
+    r->left -= n;
+    return true;
+}
+
+weft_status_t weft__reader_envelope(weft__reader_t *r, uint64_t max_bytes,
+                                    Weft__V1__Envelope **env_p)
 {
     weft_status_t status;
-    cursor_t c;
     uint8_t lenb[4];
     uint8_t stackbuf[512];
     uint8_t *ebuf = stackbuf;
-    size_t total = grpc_byte_buffer_length(bb);
     Weft__V1__Envelope *env;
 
-    if (!cursor_init(&c, bb)) {
-        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: unreadable message");
-    }
-    if (!cursor_read(&c, lenb, 4)) {
-        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: message of %zu bytes is too short",
-                                 total);
-        goto err_cursor;
+    *env_p = NULL;
+    if (!reader_read(r, lenb, 4)) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: frame header cut short (%zu bytes left)",
+                               r->left);
     }
     size_t elen = (size_t)lenb[0] | ((size_t)lenb[1] << 8) | ((size_t)lenb[2] << 16) |
                   ((size_t)lenb[3] << 24);
-    if (elen > WEFT__MAX_ENVELOPE || elen > total - 4) {
-        status = weft__set_error(WEFT_ERR_PROTOCOL,
-                                 "wire: envelope length %zu does not fit a %zu-byte message", elen,
-                                 total);
-        goto err_cursor;
+    if (elen > WEFT__MAX_ENVELOPE || elen > r->left) {
+        return weft__set_error(WEFT_ERR_PROTOCOL,
+                               "wire: envelope length %zu does not fit the %zu bytes left", elen,
+                               r->left);
     }
     if (elen > sizeof(stackbuf)) {
         ebuf = weft_alloc(elen);
         if (ebuf == NULL) {
-            status = weft__set_error(WEFT_ERR_NO_MEMORY, "wire: no memory for an envelope");
-            goto err_cursor;
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "wire: no memory for an envelope");
         }
     }
-    if (!cursor_read(&c, ebuf, elen)) {
+    if (!reader_read(r, ebuf, elen)) {
         status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated envelope");
-        goto err_free_buf;
+        goto out_free_buf;
     }
     env = weft__v1__envelope__unpack(&weft__pb_allocator, elen, ebuf);
     if (env == NULL) {
         status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: envelope does not decode");
-        goto err_free_buf;
+        goto out_free_buf;
     }
+    *env_p = env;
     uint64_t body = env->payload_bytes;
     if (env->n_tensors > WEFT__MAX_TENSORS) {
         status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: %zu tensors (max %d)", env->n_tensors,
                                  WEFT__MAX_TENSORS);
-        goto err_free_env;
+        goto out_free_buf;
     }
     for (size_t i = 0; i < env->n_tensors; i++) {
-        uint64_t nb;
-        WEFT_CHECK_GOTO(check_meta(env->tensors[i], i, &nb), status, err_free_env);
+        uint64_t nb = 0;
+        WEFT_CHECK_GOTO(check_meta(env->tensors[i], i, &nb), status, out_free_buf);
         if (body + nb < body) {
             status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: sizes overflow");
-            goto err_free_env;
+            goto out_free_buf;
         }
         body += nb;
     }
-    if (body != total - 4 - elen) {
+    if (body > r->left) {
         status = weft__set_error(WEFT_ERR_PROTOCOL,
-                                 "wire: envelope announces %llu body bytes, message has %zu",
-                                 (unsigned long long)body, total - 4 - elen);
-        goto err_free_env;
+                                 "wire: envelope announces %llu body bytes, %zu are left",
+                                 (unsigned long long)body, r->left);
+        goto out_free_buf;
     }
-    if (max_bytes > 0 && total > max_bytes) {
+    r->body_left = body;
+    if (max_bytes > 0 && 4 + elen + body > max_bytes) {
         status = weft__set_error(WEFT_ERR_TOO_LARGE,
-                                 "wire: message of %zu bytes exceeds the limit of %llu bytes", total,
+                                 "wire: message of %llu bytes exceeds the limit of %llu bytes",
+                                 (unsigned long long)(4 + elen + body),
                                  (unsigned long long)max_bytes);
-        goto err_free_env;
+        goto out_free_buf;
     }
+    status = WEFT_OK;
+out_free_buf:
     if (ebuf != stackbuf) {
         weft_free(ebuf);
     }
-    cursor_destroy(&c);
-    *env_p = env;
-    return WEFT_OK;
-
-err_free_env:
-    /* Keep the envelope for the caller to answer the request id: hand it out. */
-    if (ebuf != stackbuf) {
-        weft_free(ebuf);
-    }
-    cursor_destroy(&c);
-    *env_p = env;
-    return status;
-err_free_buf:
-    if (ebuf != stackbuf) {
-        weft_free(ebuf);
-    }
-err_cursor:
-    cursor_destroy(&c);
     return status;
 }
 
-weft_status_t weft__wire_decode_body(grpc_byte_buffer *bb, const Weft__V1__Envelope *env,
-                                     weft_value_t **v_p)
+weft_status_t weft__reader_skip_body(weft__reader_t *r)
+{
+    uint64_t n = r->body_left;
+
+    r->body_left = 0;
+    if (!reader_read(r, NULL, n)) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated body");
+    }
+    return WEFT_OK;
+}
+
+weft_status_t weft__reader_body(weft__reader_t *r, const Weft__V1__Envelope *env,
+                                weft_value_t **v_p)
 {
     weft_status_t status;
-    cursor_t c;
-    uint8_t lenb[4];
     weft_value_t *v;
 
     WEFT_CHECK(weft_value_create(&v));
-    if (!cursor_init(&c, bb)) {
-        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: unreadable message");
-        goto err_free_value;
-    }
-    if (!cursor_read(&c, lenb, 4)) {
-        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated message");
-        goto err_cursor;
-    }
-    size_t elen = (size_t)lenb[0] | ((size_t)lenb[1] << 8) | ((size_t)lenb[2] << 16) |
-                  ((size_t)lenb[3] << 24);
-    if (!cursor_read(&c, NULL, elen)) {
-        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated message");
-        goto err_cursor;
-    }
     if (env->payload_bytes > 0) {
         void *pl = weft_alloc(env->payload_bytes);
         if (pl == NULL) {
             status = weft__set_error(WEFT_ERR_NO_MEMORY, "wire: no memory for a %llu-byte payload",
                                      (unsigned long long)env->payload_bytes);
-            goto err_cursor;
+            goto err_free_value;
         }
-        if (!cursor_read(&c, pl, env->payload_bytes)) {
+        if (!reader_read(r, pl, env->payload_bytes)) {
             weft_free(pl);
             status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated payload");
-            goto err_cursor;
+            goto err_free_value;
         }
+        r->body_left -= env->payload_bytes;
         status = weft_value_take_payload(v, pl, env->payload_bytes);
         if (status != WEFT_OK) {
             weft_free(pl);
-            goto err_cursor;
+            goto err_free_value;
         }
     }
     for (size_t i = 0; i < env->n_tensors; i++) {
         const Weft__V1__TensorMeta *tm = env->tensors[i];
         weft_tensor_t *t;
         WEFT_CHECK_GOTO(weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t),
-                        status, err_cursor);
-        if (!cursor_read(&c, weft_tensor_data(t), tm->nbytes)) {
+                        status, err_free_value);
+        if (!reader_read(r, weft_tensor_data(t), tm->nbytes)) {
             weft_tensor_release(t);
             status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated tensor %zu", i);
-            goto err_cursor;
+            goto err_free_value;
         }
+        r->body_left -= tm->nbytes;
         status = weft_value_push_tensor(v, t);
         if (status != WEFT_OK) {
             weft_tensor_release(t);
-            goto err_cursor;
+            goto err_free_value;
         }
     }
-    cursor_destroy(&c);
     *v_p = v;
     return WEFT_OK;
 
-err_cursor:
-    cursor_destroy(&c);
 err_free_value:
     weft_value_free(v);
+    (void)weft__reader_skip_body(r);
     return status;
 }
 
