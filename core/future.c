@@ -1,3 +1,4 @@
+#include <sched.h>
 /* Futures: one-shot completion with a status, an error text, a value and callbacks. */
 #include <errno.h>
 #include <pthread.h>
@@ -9,7 +10,7 @@
 
 #include "internal.h"
 
-#define SPIN_US_DEFAULT 20
+#define SPIN_US_DEFAULT 200
 #define SPIN_US_MAX     100000
 /* wait_all/wait_any keep their waiter nodes on the stack up to this many futures. */
 #define STACK_NODES 16
@@ -445,6 +446,9 @@ static int spin_future(const weft_future_t *f, int64_t deadline_ns)
         if (weft__now_ns() >= end) {
             return is_done(f);
         }
+        /* Give the core to a runnable thread (the transport thread that will
+         * complete this future, on a machine with few cores); back at once if none. */
+        sched_yield();
     }
 }
 
@@ -512,6 +516,7 @@ static int spin_multi(weft_future_t *const *futs, size_t n, size_t need, int64_t
         if (weft__now_ns() >= end) {
             return count_done(futs, n) >= need;
         }
+        sched_yield();
     }
 }
 
