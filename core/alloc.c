@@ -40,6 +40,8 @@ static weft_allocator_t allocator = {
 
 void weft_set_allocator(const weft_allocator_t *a)
 {
+    /* Blocks kept for reuse belong to the allocator being replaced. */
+    weft_tensor_cache_clear();
     /* An allocator missing any function cannot be used consistently: keep the C library's. */
     if (a == NULL || a->malloc_fn == NULL || a->realloc_fn == NULL || a->free_fn == NULL) {
         allocator = libc_allocator;

@@ -1,5 +1,7 @@
 /* Dense contiguous tensors over refcounted storage shared by views. */
+#include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -18,7 +20,104 @@ typedef struct {
     weft_release_cb_t release;
     void *release_arg;
     int owned;
+    size_t block; /* size of the owned block when it came from the large-block cache path */
 } storage_t;
+
+/*
+ * Large blocks (>= 1 MiB, sized in whole MiB) are kept for reuse when freed, up to
+ * WEFT_TENSOR_CACHE_MB (default 1024) in at most CACHE_SLOTS blocks: a fresh large
+ * block costs the kernel a page fault and a zeroed page per 4 KiB on first touch,
+ * which halves receive bandwidth for tensors of tens of MiB.
+ */
+#define CACHE_MIN   ((size_t)1 << 20)
+#define CACHE_SLOTS 16
+
+static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
+static size_t cache_cap;
+static size_t cache_bytes;
+static int cache_n;
+static struct {
+    void *block;
+    size_t size;
+} cache[CACHE_SLOTS];
+
+static void cache_init(void)
+{
+    const char *env = getenv("WEFT_TENSOR_CACHE_MB");
+    long mb = 1024;
+    if (env != NULL && env[0] != '\0') {
+        char *end;
+        long v = strtol(env, &end, 10);
+        if (*end == '\0' && v >= 0 && v <= (1L << 30)) {
+            mb = v;
+        }
+    }
+    cache_cap = (size_t)mb << 20;
+}
+
+static void *cache_take(size_t size)
+{
+    void *b = NULL;
+
+    pthread_mutex_lock(&cache_mu);
+    /* Newest first: a block freed a moment ago may still be warm in the cache. */
+    for (int i = cache_n - 1; i >= 0; i--) {
+        if (cache[i].size == size) {
+            b = cache[i].block;
+            cache_bytes -= size;
+            memmove(&cache[i], &cache[i + 1], (size_t)(cache_n - 1 - i) * sizeof(cache[0]));
+            cache_n--;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&cache_mu);
+    return b;
+}
+
+/* Keeps @p b for reuse; 0 if the cache is full (the caller frees it). */
+static int cache_put(void *b, size_t size)
+{
+    int kept = 0;
+
+    pthread_once(&cache_once, cache_init);
+    pthread_mutex_lock(&cache_mu);
+    if (cache_bytes + size > cache_cap && cache_n > 0) {
+        /* Make room by dropping the oldest blocks. */
+        while (cache_n > 0 && cache_bytes + size > cache_cap) {
+            weft_free(cache[0].block);
+            cache_bytes -= cache[0].size;
+            memmove(&cache[0], &cache[1], (size_t)(cache_n - 1) * sizeof(cache[0]));
+            cache_n--;
+        }
+    }
+    if (cache_n == CACHE_SLOTS) {
+        weft_free(cache[0].block);
+        cache_bytes -= cache[0].size;
+        memmove(&cache[0], &cache[1], (size_t)(cache_n - 1) * sizeof(cache[0]));
+        cache_n--;
+    }
+    if (cache_bytes + size <= cache_cap) {
+        cache[cache_n].block = b;
+        cache[cache_n].size = size;
+        cache_n++;
+        cache_bytes += size;
+        kept = 1;
+    }
+    pthread_mutex_unlock(&cache_mu);
+    return kept;
+}
+
+void weft_tensor_cache_clear(void)
+{
+    pthread_mutex_lock(&cache_mu);
+    for (int i = 0; i < cache_n; i++) {
+        weft_free(cache[i].block);
+    }
+    cache_n = 0;
+    cache_bytes = 0;
+    pthread_mutex_unlock(&cache_mu);
+}
 
 struct weft_tensor {
     atomic_long refs;
@@ -156,6 +255,9 @@ static void storage_release(storage_t *s)
     if (!s->owned && s->release != NULL) {
         s->release(s->data, s->release_arg);
     }
+    if (s->block >= CACHE_MIN && cache_put(s, s->block)) {
+        return;
+    }
     weft_free(s);
 }
 
@@ -176,7 +278,19 @@ static weft_status_t tensor_alloc(weft_dtype_t dtype, int ndim, const int64_t *s
     if (__builtin_add_overflow(nbytes, header + WEFT__TENSOR_ALIGN, &total)) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: %zu bytes is too large", nbytes);
     }
-    s = weft_alloc(total);
+    size_t block = 0;
+    s = NULL;
+    if (total >= CACHE_MIN) {
+        if (total > SIZE_MAX - CACHE_MIN) {
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: %zu bytes is too large", nbytes);
+        }
+        block = (total + CACHE_MIN - 1) & ~(CACHE_MIN - 1);
+        total = block;
+        s = cache_take(block);
+    }
+    if (s == NULL) {
+        s = weft_alloc(total);
+    }
     if (s == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: out of memory for %zu bytes", nbytes);
     }
@@ -188,6 +302,7 @@ static weft_status_t tensor_alloc(weft_dtype_t dtype, int ndim, const int64_t *s
     s->release = NULL;
     s->release_arg = NULL;
     s->owned = 1;
+    s->block = block;
     if (zero && nbytes > 0) {
         memset(s->data, 0, nbytes);
     }
@@ -258,6 +373,7 @@ weft_status_t weft_tensor_wrap(weft_dtype_t dtype, int ndim, const int64_t *shap
     s->release = release;
     s->release_arg = release_arg;
     s->owned = 0;
+    s->block = 0;
     WEFT_CHECK_GOTO(tensor_new(s, dtype, ndim, shape, numel, nbytes, t_p), status,
                     err_free_storage);
     return WEFT_OK;

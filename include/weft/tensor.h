@@ -94,6 +94,12 @@ weft_device_t weft_tensor_device(const weft_tensor_t *t);
 /** True when both have the same dtype, shape and bytes. */
 int weft_tensor_equal(const weft_tensor_t *a, const weft_tensor_t *b);
 
+/**
+ * Frees the large blocks (>= 1 MiB) kept for reuse by released tensors. The cache holds
+ * at most WEFT_TENSOR_CACHE_MB MiB (default 1024; 0 disables it). Thread-safe.
+ */
+void weft_tensor_cache_clear(void);
+
 /** Product of the sizes, or -1 on overflow or a negative size. */
 int64_t weft_shape_numel(int ndim, const int64_t *shape);
 
