@@ -145,7 +145,7 @@ static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
     a->default_timeout_ms =
         o->default_timeout_ms > 0 ? o->default_timeout_ms : env_i64(to_env, 60000);
     a->peer_timeout_ms = o->peer_timeout_ms > 0 ? o->peer_timeout_ms : env_i64(peer_env, 2000);
-    a->handler_threads = o->handler_threads > 0 ? o->handler_threads : (int)env_i64(thr_env, 4);
+    a->handler_threads = o->handler_threads > 0 ? o->handler_threads : (int)env_i64(thr_env, 1);
     int64_t maxb = o->max_message_bytes > 0 ? o->max_message_bytes
                                             : env_i64(max_env, (int64_t)4 << 30);
     if (a->rendezvous_timeout_ms <= 0 || a->default_timeout_ms <= 0 || a->peer_timeout_ms < 200 ||
@@ -491,6 +491,9 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
              a->port);
     a->address = weft_strdup(addr);
     weft__join_init(a);
+    if (weft_pool_create(1, &a->bulk) != WEFT_OK) {
+        a->bulk = NULL; /* large messages are then read on the transport threads */
+    }
     grpc_server_start(a->server);
     for (int i = 0; i < SERVER_REQUESTS; i++) {
         server_request(a);
@@ -742,6 +745,10 @@ void weft_agent_free(weft_agent_t *a)
     pthread_mutex_unlock(&a->threads_mu);
     for (int i = n; i < m; i++) {
         pthread_join(a->pollers[i], NULL);
+    }
+    if (a->bulk != NULL) {
+        weft_pool_destroy(a->bulk);
+        a->bulk = NULL;
     }
     /* Every completion has been delivered: the rendezvous state can go. */
     weft__join_free(a);

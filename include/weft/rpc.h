@@ -30,7 +30,7 @@ typedef struct {
     int64_t rendezvous_timeout_ms;   /**< 0: WEFT_RENDEZVOUS_TIMEOUT_MS or 60000 */
     int64_t default_timeout_ms;      /**< per-call deadline when a call gives 0; 0: WEFT_RPC_TIMEOUT_MS or 60000 */
     int64_t peer_timeout_ms;         /**< failure detection bound; 0: WEFT_PEER_TIMEOUT_MS or 2000 */
-    int handler_threads;             /**< threads serving the transport and handlers; 0: WEFT_HANDLER_THREADS or 4 */
+    int handler_threads;             /**< threads serving the transport and handlers; 0: WEFT_HANDLER_THREADS or 1 (one more is started whenever one blocks in a weft wait) */
     int64_t max_message_bytes;       /**< largest message accepted or sent; 0: WEFT_MAX_MESSAGE_BYTES or 4 GiB */
 } weft_agent_opts_t;
 
