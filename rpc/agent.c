@@ -450,6 +450,7 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
     pthread_mutex_init(&a->sd_mu, NULL);
     atomic_init(&a->state, WEFT__AGENT_CREATED);
     atomic_init(&a->next_request_id, 1);
+    WEFT_CHECK_GOTO(weft_future_create(&a->join_done), st, err_free_agent);
     WEFT_CHECK_GOTO(resolve_opts(a, opts), st, err_free_agent);
     weft_log_set_rank(a->rank, a->name);
 
@@ -491,7 +492,7 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
              a->port);
     a->address = weft_strdup(addr);
     weft__join_init(a);
-    if (weft_pool_create(1, &a->bulk) != WEFT_OK) {
+    if (weft__bulk_create(&a->bulk) != WEFT_OK) {
         a->bulk = NULL; /* large messages are then read on the transport threads */
     }
     grpc_server_start(a->server);
@@ -536,9 +537,15 @@ weft_status_t weft_agent_join(weft_agent_t *a)
     if (atomic_load(&a->state) != WEFT__AGENT_CREATED) {
         return weft__set_error(WEFT_ERR_INVALID_STATE, "agent_join: already joined or closed");
     }
-    WEFT_CHECK(weft__rendezvous(a));
-    atomic_store(&a->state, WEFT__AGENT_JOINED);
-    return WEFT_OK;
+    atomic_store(&a->joining, true);
+    weft_status_t st = weft__rendezvous(a);
+    if (st == WEFT_OK) {
+        atomic_store(&a->state, WEFT__AGENT_JOINED);
+    }
+    /* Handlers that called out while the join was under way go on now. */
+    weft_future_complete(a->join_done, st, st == WEFT_OK ? NULL : weft_last_error(), NULL);
+    atomic_store(&a->joining, false);
+    return st;
 }
 
 weft_status_t weft_agent_init(const weft_agent_opts_t *opts, weft_agent_t **agent_p)
@@ -747,7 +754,7 @@ void weft_agent_free(weft_agent_t *a)
         pthread_join(a->pollers[i], NULL);
     }
     if (a->bulk != NULL) {
-        weft_pool_destroy(a->bulk);
+        weft__bulk_destroy(a->bulk);
         a->bulk = NULL;
     }
     /* Every completion has been delivered: the rendezvous state can go. */
@@ -783,6 +790,10 @@ void weft_agent_free(weft_agent_t *a)
             pthread_mutex_destroy(&a->peers[i].mu);
         }
         weft_free(a->peers);
+    }
+    if (a->join_done != NULL) {
+        weft_future_complete(a->join_done, WEFT_ERR_SHUTDOWN, "agent closed", NULL);
+        weft_future_release(a->join_done);
     }
     weft_free(a->name);
     weft_free(a->master_addr);

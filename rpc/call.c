@@ -459,6 +459,15 @@ static weft_status_t check_target(weft_agent_t *a, int to, bool internal)
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc: NULL agent");
     }
     int state = atomic_load(&a->state);
+    if (state == WEFT__AGENT_CREATED && atomic_load(&a->joining)) {
+        /* A handler serving a peer that joined first: wait for our own join to end. */
+        weft_status_t st = weft_future_wait(a->join_done, a->rendezvous_timeout_ms + 5000);
+        if (st != WEFT_OK) {
+            return weft__set_error(WEFT_ERR_INVALID_STATE, "rpc: the agent's join failed: %s",
+                                   weft_future_error(a->join_done));
+        }
+        state = atomic_load(&a->state);
+    }
     if (state == WEFT__AGENT_CREATED) {
         return weft__set_error(WEFT_ERR_INVALID_STATE, "rpc: the agent has not joined yet");
     }

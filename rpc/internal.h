@@ -160,6 +160,8 @@ struct weft_agent {
     int port;
 
     _Atomic int state;
+    _Atomic bool joining;      /* weft_agent_join in progress */
+    weft_future_t *join_done;  /* completes when the join ends, either way */
     bool shut_down; /* weft_agent_shutdown ran */
 
     /* gRPC */
@@ -170,7 +172,7 @@ struct weft_agent {
     grpc_arg chan_arg_v[16], server_arg_v[16];
 
     /* copies large received messages out while the transport thread reads on */
-    weft_pool_t *bulk;
+    struct weft__bulk *bulk;
 
     /* pollers */
     pthread_mutex_t threads_mu;
@@ -234,6 +236,13 @@ void weft__stream_close(weft__stream_t *s); /* client: half-close; server: finis
 void weft__stream_cancel(weft__stream_t *s);
 int weft__stream_peer(const weft__stream_t *s);
 uint64_t weft__stream_peer_max(const weft__stream_t *s);
+
+/* bulk.c */
+typedef struct weft__bulk weft__bulk_t;
+weft_status_t weft__bulk_create(weft__bulk_t **b_p);
+weft_status_t weft__bulk_submit(weft__bulk_t *b, void (*fn)(void *arg), void *arg);
+/* Runs what is queued, then stops and frees the workers. */
+void weft__bulk_destroy(weft__bulk_t *b);
 
 /* call.c */
 /* Takes ownership of @p env and @p args. */

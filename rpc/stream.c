@@ -731,7 +731,7 @@ static void recv_done(weft__op_t *op, int ok)
                 t->s = s;
                 t->bb = bb;
                 t->seq = seq;
-                if (weft_pool_submit(s->agent->bulk, bulk_run, t) == WEFT_OK) {
+                if (weft__bulk_submit(s->agent->bulk, bulk_run, t) == WEFT_OK) {
                     return; /* the task keeps the receive's reference */
                 }
                 weft_free(t);

@@ -80,6 +80,33 @@ static void chain_blocking(weft_call_t *call, void *arg)
     weft_call_reply(call, res);
 }
 
+/* Like chain_blocking, with a 2 MiB tensor travelling each way: large
+ * messages are served on the bulk queue, which must not stall behind a
+ * handler blocked in a nested call. */
+static void chain_blocking_big(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_agent_t *a = weft_call_agent(call);
+    weft_value_t *in = weft_call_take_args(call);
+    size_t len;
+    const int *n = weft_value_payload(in, &len);
+    if (*n == 0) {
+        weft_call_reply(call, in);
+        return;
+    }
+    int next = *n - 1;
+    weft_value_set_payload(in, &next, sizeof(next));
+    weft_value_t *res = NULL;
+    weft_status_t st =
+        weft_rpc_sync(a, weft_call_caller_rank(call), "chain_blocking_big", in, 0, &res);
+    weft_value_free(in);
+    if (st != WEFT_OK) {
+        weft_call_fail(call, st, "%s", weft_last_error());
+        return;
+    }
+    weft_call_reply(call, res);
+}
+
 static void setup(weft_agent_t *a, int rank, void *arg)
 {
     (void)rank;
@@ -87,6 +114,7 @@ static void setup(weft_agent_t *a, int rank, void *arg)
     weft_rpc_register(a, "scale", scale, NULL);
     weft_rpc_register(a, "chain", chain, NULL);
     weft_rpc_register(a, "chain_blocking", chain_blocking, NULL);
+    weft_rpc_register(a, "chain_blocking_big", chain_blocking_big, NULL);
 }
 
 static int body_concurrent(weft_agent_t *a, int rank, int world, void *arg)
@@ -200,6 +228,39 @@ Test(rpc_async, blocking_nested_calls_do_not_deadlock, .timeout = 60)
     ranks_opts_t o;
     int codes[2];
     ranks_opts_init(&o, 2, body_chain_blocking);
+    o.setup = setup;
+    o.handler_threads = 1;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+static int body_chain_big(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    int64_t n = (2 << 20) / 4;
+    weft_tensor_t *t = tensor_f32_range(n, 3.0f);
+    weft_value_t *args, *res = NULL;
+    weft_value_create(&args);
+    weft_value_add_tensor(args, t);
+    int depth = 8;
+    weft_value_set_payload(args, &depth, sizeof(depth));
+    weft_status_t st = weft_rpc_sync(a, 1, "chain_blocking_big", args, 20000, &res);
+    RANK_CHECK(st == WEFT_OK, "big chain: %s", weft_last_error());
+    RANK_CHECK(weft_tensor_equal(weft_value_tensor(res, 0), t), "tensor changed on the way");
+    weft_value_free(res);
+    weft_value_free(args);
+    weft_tensor_release(t);
+    return 0;
+}
+
+Test(rpc_async, blocking_nested_calls_with_large_tensors, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_chain_big);
     o.setup = setup;
     o.handler_threads = 1;
     cr_assert_eq(ranks_run(&o, codes), 0);
