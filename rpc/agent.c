@@ -147,7 +147,10 @@ static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
     a->peer_timeout_ms = o->peer_timeout_ms > 0 ? o->peer_timeout_ms : env_i64(peer_env, 2000);
     a->handler_threads = o->handler_threads > 0 ? o->handler_threads : (int)env_i64(thr_env, 1);
     int64_t maxb = o->max_message_bytes > 0 ? o->max_message_bytes
-                                            : env_i64(max_env, (int64_t)4 << 30);
+                                            : env_i64(max_env, (int64_t)WEFT__MAX_MESSAGE);
+    if (maxb > (int64_t)WEFT__MAX_MESSAGE) {
+        maxb = (int64_t)WEFT__MAX_MESSAGE; /* what one gRPC message can carry */
+    }
     if (a->rendezvous_timeout_ms <= 0 || a->default_timeout_ms <= 0 || a->peer_timeout_ms < 200 ||
         a->handler_threads < 1 || a->handler_threads > WEFT__MAX_POLLERS / 2 || maxb < 1024) {
         return weft__set_error(WEFT_ERR_INVALID_ARG,
@@ -186,6 +189,7 @@ void weft__agent_channel_args(weft_agent_t *a, bool server, grpc_channel_args *o
     INT_ARG(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
     INT_ARG(GRPC_ARG_ENABLE_RETRIES, 0);
     if (server) {
+        /* Accept the peers' keepalive pings however often they come. */
         INT_ARG(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, keep / 2);
         INT_ARG(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
     } else {

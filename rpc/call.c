@@ -226,8 +226,9 @@ void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope 
     call->request_id = env->request_id;
     call->caller = weft__stream_peer(s);
     call->function = weft_strdup(env->function != NULL ? env->function : "");
-    call->internal = strncmp(call->function, "__weft.", 7) == 0;
-    call->deadline_ns = weft__now_ns() + env->timeout_ms * 1000000;
+    call->internal = weft__fn_internal(call->function);
+    int64_t left = env->timeout_ms < WEFT__MAX_TIMEOUT_MS ? env->timeout_ms : WEFT__MAX_TIMEOUT_MS;
+    call->deadline_ns = weft__now_ns() + (left > 0 ? left : 0) * 1000000;
     if (!call->internal) {
         atomic_fetch_add(&a->calls_in_progress, 1);
         atomic_fetch_add(&a->requests_received, 1);
@@ -279,12 +280,13 @@ static void pending_insert(weft_agent_t *a, weft__pending_t *p)
     a->npending++;
 }
 
-static weft__pending_t *pending_remove(weft_agent_t *a, uint64_t id)
+/* Removes the call @p id made to @p peer (-1: any peer). */
+static weft__pending_t *pending_remove(weft_agent_t *a, uint64_t id, int peer)
 {
     weft__pending_t **pp = &a->pending[bucket(id)];
 
     for (; *pp != NULL; pp = &(*pp)->next) {
-        if ((*pp)->id == id) {
+        if ((*pp)->id == id && (peer < 0 || (*pp)->peer == peer)) {
             weft__pending_t *p = *pp;
             *pp = p->next;
             a->npending--;
@@ -309,16 +311,16 @@ static void pending_finish(weft__pending_t *p, weft_status_t st, const char *tex
     weft_free(p);
 }
 
-void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, weft_value_t *v)
+void weft__call_response(weft_agent_t *a, int peer, Weft__V1__Envelope *env, weft_value_t *v)
 {
     pthread_mutex_lock(&a->pend_mu);
-    weft__pending_t *p = pending_remove(a, env->request_id);
+    weft__pending_t *p = pending_remove(a, env->request_id, peer);
     pthread_mutex_unlock(&a->pend_mu);
 
     if (p == NULL) {
-        /* Timed out or failed already: the late answer is dropped. */
-        WEFT_DEBUG("late response %llu from rank %d dropped",
-                   (unsigned long long)env->request_id, env->src_rank);
+        /* Timed out or failed already (or not a call to this peer): dropped. */
+        WEFT_DEBUG("response %llu from rank %d matches no pending call; dropped",
+                   (unsigned long long)env->request_id, peer);
     } else if (env->status != 0) {
         weft_status_t st =
             weft_status_valid(env->status) ? (weft_status_t)env->status : WEFT_ERR_REMOTE;
@@ -334,10 +336,11 @@ void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, weft_value_t 
     weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
 }
 
-void weft__pending_fail_id(weft_agent_t *a, uint64_t id, weft_status_t st, const char *why)
+void weft__pending_fail_id(weft_agent_t *a, int peer, uint64_t id, weft_status_t st,
+                           const char *why)
 {
     pthread_mutex_lock(&a->pend_mu);
-    weft__pending_t *p = pending_remove(a, id);
+    weft__pending_t *p = pending_remove(a, id, peer);
     pthread_mutex_unlock(&a->pend_mu);
     if (p != NULL) {
         pending_finish(p, st, why, NULL);
@@ -497,8 +500,13 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
     if (fn == NULL || fn[0] == '\0' || strlen(fn) > WEFT__MAX_NAME) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc: function name missing or too long");
     }
+    /* Counted as the callee counts it: by the reserved prefix. */
+    internal = weft__fn_internal(fn);
     if (timeout_ms <= 0) {
         timeout_ms = a->default_timeout_ms;
+    }
+    if (timeout_ms > WEFT__MAX_TIMEOUT_MS) {
+        timeout_ms = WEFT__MAX_TIMEOUT_MS;
     }
     Weft__V1__Envelope env = WEFT__V1__ENVELOPE__INIT;
     uint64_t id = atomic_fetch_add(&a->next_request_id, 1);
@@ -539,7 +547,7 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
         char why[512];
         snprintf(why, sizeof(why), "%s", weft_last_error());
         pthread_mutex_lock(&a->pend_mu);
-        weft__pending_t *q = pending_remove(a, id);
+        weft__pending_t *q = pending_remove(a, id, -1);
         pthread_mutex_unlock(&a->pend_mu);
         if (q != NULL) {
             pending_finish(q, WEFT_ERR_PEER_LOST, why, NULL);

@@ -11,6 +11,7 @@
 #include <grpc/grpc.h>
 #include <grpc/support/alloc.h>
 #include <stdio.h>
+#include <string.h>
 
 #include <weft/rpc.h>
 
@@ -23,6 +24,14 @@
 #define WEFT__MAX_NAME      255
 #define WEFT__MAX_TENSORS   65536
 #define WEFT__SHUTDOWN_FN   "__weft.shutdown"
+#define WEFT__MAX_TIMEOUT_MS (1000LL * 3600 * 24 * 30) /* deadlines are clamped to 30 days */
+#define WEFT__MAX_MESSAGE   ((uint64_t)UINT32_MAX)     /* a gRPC message length is 32 bits */
+
+/* Functions of weft's own modules ("__weft." prefix): not user traffic. */
+static inline bool weft__fn_internal(const char *fn)
+{
+    return strncmp(fn, "__weft.", 7) == 0;
+}
 
 /* Every completion-queue tag is one of these; the poller calls cb(op, ok). */
 typedef struct weft__op {
@@ -248,10 +257,11 @@ void weft__bulk_destroy(weft__bulk_t *b);
 /* Takes ownership of @p env and @p args. */
 void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope *env,
                          weft_value_t *args);
-void weft__call_response(weft_agent_t *a, Weft__V1__Envelope *env, weft_value_t *v);
+void weft__call_response(weft_agent_t *a, int peer, Weft__V1__Envelope *env, weft_value_t *v);
 void weft__pending_fail_peer(weft_agent_t *a, int rank, weft_status_t st, const char *why);
 void weft__pending_sweep(weft_agent_t *a);
-void weft__pending_fail_id(weft_agent_t *a, uint64_t id, weft_status_t st, const char *why);
+void weft__pending_fail_id(weft_agent_t *a, int peer, uint64_t id, weft_status_t st,
+                           const char *why);
 void weft__pending_fail_all(weft_agent_t *a, weft_status_t st, const char *why);
 weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
                               int64_t timeout_ms, bool internal, weft_future_t **f_p);

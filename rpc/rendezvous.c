@@ -214,7 +214,12 @@ static weft_status_t check_join(weft_agent_t *a, const Weft__V1__Hello *h, char 
         snprintf(why, n, "rank %d sent no name or no address", h->rank);
         return WEFT_ERR_PROTOCOL;
     }
-    if (jn->hellos[h->rank] != NULL || jn->decided) {
+    if (jn->decided) {
+        snprintf(why, n, "rank %d came after the rendezvous ended (the world formed or timed out)",
+                 h->rank);
+        return WEFT_ERR_RENDEZVOUS;
+    }
+    if (jn->hellos[h->rank] != NULL) {
         snprintf(why, n, "rank %d joined twice", h->rank);
         return WEFT_ERR_ALREADY_EXISTS;
     }
@@ -525,7 +530,8 @@ static weft_status_t rendezvous_join(weft_agent_t *a)
         st = WEFT_OK;
         for (size_t i = 0; i < map->n_workers; i++) {
             if (map->workers[i]->rank != (int32_t)i || map->workers[i]->name == NULL ||
-                map->workers[i]->address == NULL) {
+                map->workers[i]->name[0] == '\0' || map->workers[i]->address == NULL ||
+                map->workers[i]->address[0] == '\0') {
                 st = weft__set_error(WEFT_ERR_PROTOCOL, "rendezvous: world map entry %zu is bad",
                                      i);
                 break;

@@ -110,7 +110,18 @@ static void shutdown_handler(weft_call_t *call, void *arg)
     }
     uint64_t round = get_u64(p);
     pthread_mutex_lock(&a->sd_mu);
-    if (round != sd->round || sd->calls[r] != NULL) {
+    if (sd->lost[r]) {
+        pthread_mutex_unlock(&a->sd_mu);
+        weft_call_fail(call, WEFT_ERR_PEER_LOST, "rank %d was declared lost by rank 0", r);
+        return;
+    }
+    if (sd->calls[r] != NULL) {
+        pthread_mutex_unlock(&a->sd_mu);
+        weft_call_fail(call, WEFT_ERR_PROTOCOL, "rank %d reported twice in round %llu", r,
+                       (unsigned long long)round);
+        return;
+    }
+    if (round != sd->round) {
         pthread_mutex_unlock(&a->sd_mu);
         weft_call_fail(call, WEFT_ERR_PROTOCOL, "shutdown report for round %llu, expected %llu",
                        (unsigned long long)round, (unsigned long long)sd->round);

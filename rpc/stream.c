@@ -386,10 +386,14 @@ static weft_status_t check_hello(weft_agent_t *a, const Weft__V1__Hello *h, char
         snprintf(why, n, "authentication token of rank %d does not match", h->rank);
         return WEFT_ERR_AUTH;
     }
-    if (h->rank < 0 || h->rank >= a->world_size || h->world_size != a->world_size) {
-        snprintf(why, n, "rank %d of world %d does not belong to this world of %d", h->rank,
-                 h->world_size, a->world_size);
-        return WEFT_ERR_PROTOCOL;
+    if (h->world_size != a->world_size) {
+        snprintf(why, n, "rank %d expects a world of %d, this one has %d", h->rank, h->world_size,
+                 a->world_size);
+        return WEFT_ERR_MISMATCH;
+    }
+    if (h->rank < 0 || h->rank >= a->world_size) {
+        snprintf(why, n, "rank %d is out of range 0..%d", h->rank, a->world_size - 1);
+        return WEFT_ERR_INVALID_ARG;
     }
     return WEFT_OK;
 }
@@ -452,6 +456,10 @@ static void answer_refused(weft__stream_t *s, const Weft__V1__Envelope *env, wef
     Weft__V1__Envelope resp = WEFT__V1__ENVELOPE__INIT;
     char why[600];
 
+    /* The sender counted it: count it as received, or shutdown never settles. */
+    if (env->function == NULL || !weft__fn_internal(env->function)) {
+        atomic_fetch_add(&s->agent->requests_received, 1);
+    }
     snprintf(why, sizeof(why), "%s (on %s)", weft_last_error(), s->agent->name);
     resp.kind = WEFT__V1__KIND__KIND_RESPONSE;
     resp.request_id = env->request_id;
@@ -660,11 +668,11 @@ static void client_message(weft__stream_t *s, grpc_byte_buffer *bb, bool first)
             snprintf(why, sizeof(why), "response from rank %d could not be read: %s", peer,
                      weft_last_error());
             WEFT_WARN("%s", why);
-            weft__pending_fail_id(a, env->request_id, st, why);
+            weft__pending_fail_id(a, peer, env->request_id, st, why);
             weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
             continue;
         }
-        weft__call_response(a, env, v);
+        weft__call_response(a, peer, env, v);
     }
     weft__reader_destroy(&r);
     grpc_byte_buffer_destroy(bb);

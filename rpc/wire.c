@@ -94,9 +94,21 @@ weft_status_t weft__wire_encode(Weft__V1__Envelope *env, const weft_value_t *v,
     weft__outmsg_t *m;
 
     env->payload_bytes = plen;
+    if (ntensors > WEFT__MAX_TENSORS) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "wire: %zu tensors in one message (max %d)",
+                               ntensors, WEFT__MAX_TENSORS);
+    }
     WEFT_CHECK(fill_metas(env, v, &metas));
 
     size_t elen = weft__v1__envelope__get_packed_size(env);
+    if (elen > WEFT__MAX_ENVELOPE) {
+        weft_free(metas.metas);
+        weft_free(metas.ptrs);
+        env->n_tensors = 0;
+        env->tensors = NULL;
+        return weft__set_error(WEFT_ERR_TOO_LARGE, "wire: envelope of %zu bytes (max %u)", elen,
+                               WEFT__MAX_ENVELOPE);
+    }
     size_t head = 4 + elen + plen;
     bool small = head + tbytes <= SMALL_MESSAGE;
 

@@ -31,7 +31,7 @@ typedef struct {
     int64_t default_timeout_ms;      /**< per-call deadline when a call gives 0; 0: WEFT_RPC_TIMEOUT_MS or 60000 */
     int64_t peer_timeout_ms;         /**< failure detection bound; 0: WEFT_PEER_TIMEOUT_MS or 2000 */
     int handler_threads;             /**< threads serving the transport and handlers; 0: WEFT_HANDLER_THREADS or 1 (one more is started whenever one blocks in a weft wait) */
-    int64_t max_message_bytes;       /**< largest message accepted or sent; 0: WEFT_MAX_MESSAGE_BYTES or 4 GiB */
+    int64_t max_message_bytes;       /**< largest message this rank accepts; 0: WEFT_MAX_MESSAGE_BYTES or 4 GiB - 1 (a gRPC message's limit) */
 } weft_agent_opts_t;
 
 /** Fills @p opts with "take from the environment / default" markers. */
@@ -55,7 +55,8 @@ int weft_agent_port(const weft_agent_t *a);
  * until all have arrived or the rendezvous timeout; then every rank's join
  * fails with WEFT_ERR_RENDEZVOUS and a text naming the ranks that never came.
  * Also WEFT_ERR_VERSION, WEFT_ERR_AUTH, WEFT_ERR_ALREADY_EXISTS (duplicate
- * rank or name).
+ * rank or name), WEFT_ERR_MISMATCH (another world size), WEFT_ERR_INVALID_ARG
+ * (rank out of range).
  */
 weft_status_t weft_agent_join(weft_agent_t *a);
 

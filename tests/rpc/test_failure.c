@@ -230,7 +230,9 @@ static int body_bad_input(weft_agent_t *a, int rank, int world, void *arg)
     st = rawpeer_hello(addr1, WEFT_PROTOCOL_VERSION, 1, 2, "wrong", 0, why, sizeof(why));
     RANK_CHECK(st == WEFT_ERR_AUTH, "wrong token gave %d (%s)", st, why);
     st = rawpeer_hello(addr1, WEFT_PROTOCOL_VERSION, 5, 2, "secret", 0, why, sizeof(why));
-    RANK_CHECK(st == WEFT_ERR_PROTOCOL, "rank 5 of 2 gave %d (%s)", st, why);
+    RANK_CHECK(st == WEFT_ERR_INVALID_ARG, "rank 5 of 2 gave %d (%s)", st, why);
+    st = rawpeer_hello(addr1, WEFT_PROTOCOL_VERSION, 1, 3, "secret", 0, why, sizeof(why));
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "world of 3 gave %d (%s)", st, why);
     st = rawpeer_hello(addr1, WEFT_PROTOCOL_VERSION, 1, 2, "secret", 1, why, sizeof(why));
     RANK_CHECK(st == 1000 + 3, "garbage after hello ended with %d (%s)", st, why);
     st = rawpeer_join(addr0, 99, 1, 2, "secret", why, sizeof(why));
