@@ -1,0 +1,214 @@
+/* IDX reader: http://yann.lecun.com/exdb/mnist/ describes the format. Every
+ * field is checked, so a wrong, corrupt or truncated file is reported rather
+ * than trained on. */
+#include "mnist.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <zlib.h>
+
+#define IDX_MAGIC_U8_1D 0x00000801u /* unsigned bytes, one dimension (labels) */
+#define IDX_MAGIC_U8_3D 0x00000803u /* unsigned bytes, three dimensions (images) */
+#define MAX_COUNT       10000000
+#define MAX_SIDE        1024
+#define READ_CHUNK      (1u << 24)
+
+static weft_status_t say(char *err, size_t cap, weft_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static weft_status_t say(char *err, size_t cap, weft_status_t st, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (err != NULL && cap > 0) {
+        va_start(ap, fmt);
+        vsnprintf(err, cap, fmt, ap);
+        va_end(ap);
+    }
+    return st;
+}
+
+/* Finds DIR/NAME.gz, else DIR/NAME; the path goes to @p path. */
+static weft_status_t find_file(const char *dir, const char *name, char *path, size_t cap, char *err,
+                               size_t err_cap)
+{
+    struct stat sb;
+
+    snprintf(path, cap, "%s/%s.gz", dir, name);
+    if (stat(path, &sb) == 0 && S_ISREG(sb.st_mode)) {
+        return WEFT_OK;
+    }
+    snprintf(path, cap, "%s/%s", dir, name);
+    if (stat(path, &sb) == 0 && S_ISREG(sb.st_mode)) {
+        return WEFT_OK;
+    }
+    return say(err, err_cap, WEFT_ERR_NOT_FOUND, "%s/%s.gz: no such file (nor %s/%s)", dir, name,
+               dir, name);
+}
+
+/* Reads exactly @p len bytes; WEFT_ERR_IO when the stream ends early or is corrupt. */
+static weft_status_t read_exact(gzFile gz, const char *path, void *buf, size_t len, char *err,
+                                size_t err_cap)
+{
+    uint8_t *p = buf;
+    size_t done = 0;
+
+    while (done < len) {
+        size_t want = len - done < READ_CHUNK ? len - done : READ_CHUNK;
+        int n = gzread(gz, p + done, (unsigned)want);
+        if (n < 0) {
+            int zerr;
+            const char *msg = gzerror(gz, &zerr);
+            size_t plen = strlen(path);
+            /* zlib may put the path in front of its message already. */
+            if (strncmp(msg, path, plen) == 0 && strncmp(msg + plen, ": ", 2) == 0) {
+                msg += plen + 2;
+            }
+            return say(err, err_cap, WEFT_ERR_IO, "%s: corrupt: %s", path, msg);
+        }
+        if (n == 0) {
+            return say(err, err_cap, WEFT_ERR_IO,
+                       "%s: truncated: ends after %zu of %zu expected bytes", path, done, len);
+        }
+        done += (size_t)n;
+    }
+    return WEFT_OK;
+}
+
+static uint32_t be32(const uint8_t *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
+}
+
+/*
+ * Reads one IDX file of unsigned bytes with @p ndim dimensions (1 or 3).
+ * dims[] gets the sizes; *data_p the bytes (caller frees with free).
+ */
+static weft_status_t read_idx(const char *dir, const char *name, int ndim, uint32_t *dims,
+                              uint8_t **data_p, char *err, size_t err_cap)
+{
+    char path[4096];
+    uint8_t header[16];
+    uint32_t magic = ndim == 1 ? IDX_MAGIC_U8_1D : IDX_MAGIC_U8_3D;
+    size_t header_len = 4 + 4 * (size_t)ndim;
+    size_t len = 1;
+    uint8_t *data;
+    uint8_t extra;
+    gzFile gz;
+    weft_status_t st;
+
+    st = find_file(dir, name, path, sizeof(path), err, err_cap);
+    if (st != WEFT_OK) {
+        return st;
+    }
+    errno = 0;
+    gz = gzopen(path, "rb");
+    if (gz == NULL) {
+        return say(err, err_cap, WEFT_ERR_IO, "%s: cannot open: %s", path,
+                   errno != 0 ? strerror(errno) : "out of memory");
+    }
+    st = read_exact(gz, path, header, header_len, err, err_cap);
+    if (st != WEFT_OK) {
+        goto err_close;
+    }
+    if (be32(header) != magic) {
+        st = say(err, err_cap, WEFT_ERR_IO, "%s: bad magic number 0x%08x (expected 0x%08x)", path,
+                 be32(header), magic);
+        goto err_close;
+    }
+    for (int i = 0; i < ndim; i++) {
+        dims[i] = be32(header + 4 + 4 * i);
+        uint32_t max = i == 0 ? MAX_COUNT : MAX_SIDE;
+        if (dims[i] == 0 || dims[i] > max) {
+            st = say(err, err_cap, WEFT_ERR_IO, "%s: implausible size %u in dimension %d", path,
+                     dims[i], i);
+            goto err_close;
+        }
+        len *= dims[i];
+    }
+    data = malloc(len);
+    if (data == NULL) {
+        st = say(err, err_cap, WEFT_ERR_NO_MEMORY, "%s: cannot allocate %zu bytes", path, len);
+        goto err_close;
+    }
+    st = read_exact(gz, path, data, len, err, err_cap);
+    if (st != WEFT_OK) {
+        goto err_free_data;
+    }
+    if (gzread(gz, &extra, 1) != 0) {
+        st = say(err, err_cap, WEFT_ERR_IO,
+                 "%s: corrupt: data after the %zu bytes the header gives", path, len);
+        goto err_free_data;
+    }
+    gzclose(gz);
+    *data_p = data;
+    return WEFT_OK;
+
+err_free_data:
+    free(data);
+err_close:
+    gzclose(gz);
+    return st;
+}
+
+weft_status_t mnist_load(const char *dir, const char *prefix, mnist_set_t *set_p, char *err,
+                         size_t err_cap)
+{
+    char images_name[256];
+    char labels_name[256];
+    uint32_t idims[3];
+    uint32_t ldims[1];
+    uint8_t *pixels;
+    uint8_t *labels;
+    weft_status_t st;
+
+    snprintf(images_name, sizeof(images_name), "%s-images-idx3-ubyte", prefix);
+    snprintf(labels_name, sizeof(labels_name), "%s-labels-idx1-ubyte", prefix);
+    st = read_idx(dir, images_name, 3, idims, &pixels, err, err_cap);
+    if (st != WEFT_OK) {
+        return st;
+    }
+    st = read_idx(dir, labels_name, 1, ldims, &labels, err, err_cap);
+    if (st != WEFT_OK) {
+        goto err_free_pixels;
+    }
+    if (idims[0] != ldims[0]) {
+        st = say(err, err_cap, WEFT_ERR_IO, "%s/%s: %u images but %u labels", dir, prefix, idims[0],
+                 ldims[0]);
+        goto err_free_labels;
+    }
+    for (uint32_t i = 0; i < ldims[0]; i++) {
+        if (labels[i] >= MNIST_CLASSES) {
+            st = say(err, err_cap, WEFT_ERR_IO, "%s/%s: label %u of sample %u is not 0..%d", dir,
+                     labels_name, labels[i], i, MNIST_CLASSES - 1);
+            goto err_free_labels;
+        }
+    }
+    set_p->count = idims[0];
+    set_p->rows = (int)idims[1];
+    set_p->cols = (int)idims[2];
+    set_p->pixels = pixels;
+    set_p->labels = labels;
+    return WEFT_OK;
+
+err_free_labels:
+    free(labels);
+err_free_pixels:
+    free(pixels);
+    return st;
+}
+
+void mnist_free(mnist_set_t *set)
+{
+    if (set == NULL) {
+        return;
+    }
+    free(set->pixels);
+    free(set->labels);
+    memset(set, 0, sizeof(*set));
+}
