@@ -495,6 +495,7 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
     snprintf(addr, sizeof(addr), "%s:%d", a->rank == 0 ? a->master_addr : a->listen_host,
              a->port);
     a->address = weft_strdup(addr);
+    (void)weft__direct_create(a, bind_host, a->rank == 0 ? a->master_addr : a->listen_host);
     weft__join_init(a);
     if (weft__bulk_create(&a->bulk) != WEFT_OK) {
         a->bulk = NULL; /* large messages are then read on the transport threads */
@@ -599,6 +600,14 @@ const char *weft_agent_worker_address(const weft_agent_t *a, int rank)
     return a->peers[rank].address;
 }
 
+const char *weft_agent_worker_direct_address(const weft_agent_t *a, int rank)
+{
+    if (a == NULL || rank < 0 || rank >= a->world_size) {
+        return NULL;
+    }
+    return a->peers[rank].direct_address != NULL ? a->peers[rank].direct_address : "";
+}
+
 weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name, int *rank_p)
 {
     if (a == NULL || name == NULL) {
@@ -688,6 +697,8 @@ void weft_agent_free(weft_agent_t *a)
         WEFT_DEBUG("agent freed without shutdown: closing abruptly");
     }
     atomic_store(&a->state, WEFT__AGENT_CLOSED);
+    /* Direct connections first: their threads feed the agent. */
+    weft__direct_free(a);
     if (a->server != NULL) {
         /* Server: stop accepting, cancel what is left, wait until it is done. */
         weft__op_t done = {NULL};
@@ -791,6 +802,7 @@ void weft_agent_free(weft_agent_t *a)
             weft_free(a->peers[i].name);
             weft_free(a->peers[i].address);
             weft_free(a->peers[i].lost_why);
+            weft_free(a->peers[i].direct_address);
             pthread_mutex_destroy(&a->peers[i].mu);
         }
         weft_free(a->peers);

@@ -114,7 +114,9 @@ static void call_free(weft_call_t *call)
     weft_agent_t *a = call->agent;
     bool internal = call->internal;
 
-    weft__stream_unref(call->stream);
+    if (call->stream != NULL) {
+        weft__stream_unref(call->stream);
+    }
     weft_value_free(call->args);
     weft_free(call->function);
     weft_free(call);
@@ -137,7 +139,8 @@ static void send_response(weft_call_t *call, weft_status_t st, const char *text,
     env.error = (char *)(text != NULL ? text : "");
     weft_status_t est = weft__wire_encode(&env, st == WEFT_OK ? result : NULL, &m);
     if (est == WEFT_OK && st == WEFT_OK) {
-        uint64_t limit = weft__stream_peer_max(call->stream);
+        uint64_t limit = call->stream != NULL ? weft__stream_peer_max(call->stream)
+                                              : a->peers[call->caller].max_message_bytes;
         if (limit > 0 && m->nbytes > limit) {
             char why[256];
             snprintf(why, sizeof(why),
@@ -157,7 +160,23 @@ static void send_response(weft_call_t *call, weft_status_t st, const char *text,
         }
         return;
     }
-    if (weft__stream_send(call->stream, m) != WEFT_OK) {
+    weft_status_t sst;
+    if (weft__direct_usable(a, call->caller, m->nbytes)) {
+        sst = weft__direct_send(a, call->caller, m);
+    } else if (call->stream != NULL) {
+        sst = weft__stream_send(call->stream, m);
+    } else {
+        /* The request came directly: answer on our own stream to the caller. */
+        weft__stream_t *s;
+        sst = weft__peer_stream(a, call->caller, &s);
+        if (sst == WEFT_OK) {
+            sst = weft__stream_send(s, m);
+            weft__stream_unref(s);
+        } else {
+            weft__outmsg_free(m, sst, weft_last_error());
+        }
+    }
+    if (sst != WEFT_OK) {
         WEFT_DEBUG("reply to rank %d for '%s' dropped: %s", call->caller, call->function,
                    weft_last_error());
     }
@@ -213,6 +232,12 @@ void weft_call_reply_future(weft_call_t *call, weft_future_t *f)
 void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope *env,
                          weft_value_t *args)
 {
+    weft__call_dispatch_from(a, s, weft__stream_peer(s), env, args);
+}
+
+void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer,
+                              Weft__V1__Envelope *env, weft_value_t *args)
+{
     weft_call_t *call = weft_calloc(1, sizeof(*call));
     weft__fn_t *fn = NULL;
 
@@ -220,11 +245,13 @@ void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope 
         WEFT_ERROR("no memory for an incoming call");
         goto out;
     }
-    weft__stream_ref(s);
+    if (s != NULL) {
+        weft__stream_ref(s);
+    }
     call->agent = a;
     call->stream = s;
     call->request_id = env->request_id;
-    call->caller = weft__stream_peer(s);
+    call->caller = peer;
     call->function = weft_strdup(env->function != NULL ? env->function : "");
     call->internal = weft__fn_internal(call->function);
     int64_t left = env->timeout_ms < WEFT__MAX_TIMEOUT_MS ? env->timeout_ms : WEFT__MAX_TIMEOUT_MS;
@@ -530,6 +557,7 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
         st = weft__set_error(WEFT_ERR_NO_MEMORY, "rpc: no memory");
         goto err_free_future;
     }
+    bool direct = weft__direct_usable(a, to, m->nbytes);
     WEFT_CHECK_GOTO(weft__peer_stream(a, to, &s), st, err_free_pending);
     p->id = id;
     p->internal = internal;
@@ -542,7 +570,7 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
     if (!internal) {
         atomic_fetch_add(&a->requests_sent, 1);
     }
-    if (weft__stream_send(s, m) != WEFT_OK) {
+    if ((direct ? weft__direct_send(a, to, m) : weft__stream_send(s, m)) != WEFT_OK) {
         /* The stream is dead: the call fails through its future like any lost call. */
         char why[512];
         snprintf(why, sizeof(why), "%s", weft_last_error());

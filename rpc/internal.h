@@ -92,6 +92,8 @@ weft_status_t weft__reader_envelope(weft__reader_t *r, uint64_t max_bytes,
 weft_status_t weft__reader_body(weft__reader_t *r, const Weft__V1__Envelope *env,
                                 weft_value_t **v_p);
 weft_status_t weft__reader_skip_body(weft__reader_t *r);
+/* Validates a frame's tensor headers; the body length goes to @p body_p. */
+weft_status_t weft__wire_check_frame(const Weft__V1__Envelope *env, uint64_t *body_p);
 /* Packs a standalone protobuf message into a byte buffer (Hello / WorldMap). */
 grpc_byte_buffer *weft__wire_pack(const ProtobufCMessage *m);
 /* Copies a whole byte buffer into one allocation (small control messages). */
@@ -109,6 +111,7 @@ typedef struct weft__peer {
     char *name;
     char *address;
     uint64_t max_message_bytes;
+    char *direct_address;      /* its listener for large frames; "" if none */
     pthread_mutex_t mu;
     grpc_channel *channel;     /* created on first use */
     weft__stream_t *stream;    /* our client stream to this peer */
@@ -182,6 +185,8 @@ struct weft_agent {
 
     /* copies large received messages out while the transport thread reads on */
     struct weft__bulk *bulk;
+    /* direct TCP connections for large frames */
+    struct weft__direct *direct;
 
     /* pollers */
     pthread_mutex_t threads_mu;
@@ -253,10 +258,24 @@ weft_status_t weft__bulk_submit(weft__bulk_t *b, void (*fn)(void *arg), void *ar
 /* Runs what is queued, then stops and frees the workers. */
 void weft__bulk_destroy(weft__bulk_t *b);
 
+/* direct.c */
+#define WEFT__DIRECT_MIN ((size_t)1 << 20) /* frames this large take a direct connection */
+typedef struct weft__direct weft__direct_t;
+/* Listens for direct connections; on failure large frames simply take the stream. */
+weft_status_t weft__direct_create(weft_agent_t *a, const char *bind_host, const char *adv_host);
+const char *weft__direct_address(const weft_agent_t *a);
+bool weft__direct_usable(weft_agent_t *a, int peer, size_t nbytes);
+/* Queues @p m (takes it) for the peer's direct connection. */
+weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m);
+void weft__direct_free(weft_agent_t *a);
+
 /* call.c */
 /* Takes ownership of @p env and @p args. */
 void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope *env,
                          weft_value_t *args);
+/* The same for a request that came without a stream (direct): @p peer is the caller. */
+void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer,
+                              Weft__V1__Envelope *env, weft_value_t *args);
 void weft__call_response(weft_agent_t *a, int peer, Weft__V1__Envelope *env, weft_value_t *v);
 void weft__pending_fail_peer(weft_agent_t *a, int rank, weft_status_t st, const char *why);
 void weft__pending_sweep(weft_agent_t *a);

@@ -144,6 +144,10 @@ static void install_world(weft_agent_t *a, Weft__V1__Worker **workers)
         p->name = weft_strdup(workers[i]->name);
         p->address = weft_strdup(workers[i]->address);
         p->max_message_bytes = workers[i]->max_message_bytes;
+        weft_free(p->direct_address);
+        p->direct_address = weft_strdup(workers[i]->direct_address != NULL
+                                            ? workers[i]->direct_address
+                                            : "");
         pthread_mutex_unlock(&p->mu);
     }
 }
@@ -171,6 +175,7 @@ static void decide_world_locked(weft_agent_t *a)
         w[i].rank = i;
         w[i].address = jn->hellos[i]->address;
         w[i].max_message_bytes = jn->hellos[i]->max_message_bytes;
+        w[i].direct_address = jn->hellos[i]->direct_address;
         wp[i] = &w[i];
     }
     map.protocol_version = WEFT_PROTOCOL_VERSION;
@@ -358,6 +363,7 @@ static void fill_hello(weft_agent_t *a, Weft__V1__Hello *h)
     h->auth_token.data = (uint8_t *)a->auth_token;
     h->auth_token.len = strlen(a->auth_token);
     h->max_message_bytes = a->max_message_bytes;
+    h->direct_address = (char *)weft__direct_address(a);
 }
 
 static weft_status_t rendezvous_master(weft_agent_t *a)

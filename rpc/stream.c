@@ -553,6 +553,23 @@ static void server_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq
             weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
             continue;
         }
+        if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
+            /* The answer to a request we sent on a direct connection. */
+            weft_value_t *v = NULL;
+            if (st == WEFT_OK && env->status == 0) {
+                st = weft__reader_body(&r, env, &v);
+            } else {
+                (void)weft__reader_skip_body(&r);
+            }
+            if (st != WEFT_OK) {
+                weft__pending_fail_id(a, weft__stream_peer(s), env->request_id, st,
+                                      weft_last_error());
+                weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            } else {
+                weft__call_response(a, weft__stream_peer(s), env, v);
+            }
+            continue;
+        }
         if (env->kind != WEFT__V1__KIND__KIND_REQUEST) {
             WEFT_WARN("rank %d sent a frame of kind %d on its request stream; ignored",
                       weft__stream_peer(s), (int)env->kind);
@@ -900,6 +917,7 @@ weft_status_t weft__stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_t
     hello.auth_token.data = (uint8_t *)a->auth_token;
     hello.auth_token.len = strlen(a->auth_token);
     hello.max_message_bytes = a->max_message_bytes;
+    hello.direct_address = (char *)weft__direct_address(a);
     env.kind = WEFT__V1__KIND__KIND_HELLO;
     env.src_rank = a->rank;
     env.hello = &hello;

@@ -266,6 +266,26 @@ static weft_status_t check_meta(const Weft__V1__TensorMeta *tm, size_t i, uint64
     return WEFT_OK;
 }
 
+weft_status_t weft__wire_check_frame(const Weft__V1__Envelope *env, uint64_t *body_p)
+{
+    uint64_t body = env->payload_bytes;
+
+    if (env->n_tensors > WEFT__MAX_TENSORS) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: %zu tensors (max %d)", env->n_tensors,
+                               WEFT__MAX_TENSORS);
+    }
+    for (size_t i = 0; i < env->n_tensors; i++) {
+        uint64_t nb = 0;
+        WEFT_CHECK(check_meta(env->tensors[i], i, &nb));
+        if (body + nb < body) {
+            return weft__set_error(WEFT_ERR_PROTOCOL, "wire: sizes overflow");
+        }
+        body += nb;
+    }
+    *body_p = body;
+    return WEFT_OK;
+}
+
 weft_status_t weft__reader_init(weft__reader_t *r, grpc_byte_buffer *bb)
 {
     r->total = grpc_byte_buffer_length(bb);

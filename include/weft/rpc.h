@@ -73,6 +73,12 @@ const char *weft_agent_worker_name(const weft_agent_t *a, int rank);
 weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name, int *rank_p);
 /** Borrowed "host:port" of @p rank (after join). */
 const char *weft_agent_worker_address(const weft_agent_t *a, int rank);
+/**
+ * Borrowed "host:port" of @p rank's direct listener (after join): frames of
+ * 1 MiB or more travel there over plain TCP, "" when the rank has none
+ * (WEFT_DIRECT=0), in which case they take the gRPC stream.
+ */
+const char *weft_agent_worker_direct_address(const weft_agent_t *a, int rank);
 
 /**
  * Graceful, collective shutdown: every rank calls it. Waits until no call is

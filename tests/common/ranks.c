@@ -33,6 +33,7 @@ void ranks_opts_init(ranks_opts_t *o, int world, rank_main_cb_t body)
     o->deadline_ms = 60000;
     o->body = body;
     o->skip_rank = -1;
+    o->no_direct_rank = -1;
 }
 
 int64_t now_ms(void)
@@ -70,6 +71,9 @@ static int rank_process(const ranks_opts_t *o, int rank, int port, int port_fd)
     weft_agent_opts_t ao;
     weft_agent_t *a;
 
+    if (rank == o->no_direct_rank) {
+        setenv("WEFT_DIRECT", "0", 1);
+    }
     weft_agent_opts_init(&ao);
     ao.rank = rank;
     ao.world_size = o->world;

@@ -21,6 +21,7 @@ typedef struct {
     uint64_t max_message_bytes;
     uint64_t max_message_bytes_rank1; /* rank 1's own limit, if set */
     const char *auth_token;
+    int no_direct_rank;               /* this rank runs with WEFT_DIRECT=0 (-1: none) */
     rank_setup_cb_t setup;
     rank_main_cb_t body;
     void *arg;

@@ -142,8 +142,17 @@ static int body_killed(weft_agent_t *a, int rank, int world, void *arg)
     if (rank != 0) {
         return 0; /* rank 1 dies inside "die" */
     }
-    weft_future_t *other;
+    weft_future_t *other, *large;
     RANK_CHECK(weft_rpc_async(a, 1, "slow", NULL, 30000, &other) == WEFT_OK, "async");
+    /* A large call (direct connection) pending when the peer dies fails too. */
+    int64_t big = 4 << 20;
+    weft_tensor_t *bt;
+    weft_tensor_create(WEFT_U8, 1, &big, &bt);
+    weft_value_t *bargs;
+    weft_value_create(&bargs);
+    weft_value_push_tensor(bargs, bt);
+    RANK_CHECK(weft_rpc_async(a, 1, "slow", bargs, 30000, &large) == WEFT_OK, "async large");
+    weft_value_free(bargs);
     int64_t t0 = now_ms();
     weft_status_t st = weft_rpc_sync(a, 1, "die", NULL, 30000, NULL);
     int64_t took = now_ms() - t0;
@@ -156,6 +165,9 @@ static int body_killed(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(weft_future_wait(other, 5000) == WEFT_ERR_PEER_LOST, "other pending call: %s",
                weft_future_error(other));
     weft_future_release(other);
+    RANK_CHECK(weft_future_wait(large, 5000) == WEFT_ERR_PEER_LOST, "large pending call: %s",
+               weft_future_error(large));
+    weft_future_release(large);
     st = weft_rpc_sync(a, 1, "echo", NULL, 30000, NULL);
     RANK_CHECK(st == WEFT_ERR_PEER_LOST, "later call: %s", weft_strerror(st));
     /* Calls to the live ranks keep working. */
@@ -224,6 +236,9 @@ static int body_bad_input(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(weft_rpc_sync(a, 1, "echo", NULL, 5000, NULL) == WEFT_OK, "before");
 
     RANK_CHECK(rawpeer_garbage_tcp(addr1, 65536) == 0, "garbage tcp");
+    const char *direct1 = weft_agent_worker_direct_address(a, 1);
+    RANK_CHECK(direct1 != NULL && direct1[0] != '\0', "rank 1 has a direct listener");
+    RANK_CHECK(rawpeer_garbage_tcp(direct1, 65536) == 0, "garbage on the direct port");
     int st = rawpeer_hello(addr1, 99, 1, 2, "secret", 0, why, sizeof(why));
     RANK_CHECK(st == WEFT_ERR_VERSION, "version 99 gave %d (%s)", st, why);
     RANK_CHECK(strstr(why, "version 99") != NULL, "text: %s", why);
@@ -238,7 +253,19 @@ static int body_bad_input(weft_agent_t *a, int rank, int world, void *arg)
     st = rawpeer_join(addr0, 99, 1, 2, "secret", why, sizeof(why));
     RANK_CHECK(st == WEFT_ERR_VERSION, "join with version 99 gave %d (%s)", st, why);
 
-    /* The world keeps working. */
+    /* The world keeps working, large frames (direct) included. */
+    int64_t big = 3 << 20;
+    weft_tensor_t *bt;
+    weft_tensor_create(WEFT_U8, 1, &big, &bt);
+    ((uint8_t *)weft_tensor_data(bt))[big - 1] = 7;
+    weft_value_t *bargs, *bres;
+    weft_value_create(&bargs);
+    weft_value_push_tensor(bargs, bt);
+    RANK_CHECK(weft_rpc_sync(a, 1, "echo", bargs, 10000, &bres) == WEFT_OK, "large after: %s",
+               weft_last_error());
+    RANK_CHECK(weft_tensor_equal(weft_value_tensor(bres, 0), bt), "large echo differs");
+    weft_value_free(bres);
+    weft_value_free(bargs);
     weft_value_t *args = value_of_string("still here");
     weft_value_t *res;
     RANK_CHECK(weft_rpc_sync(a, 1, "echo", args, 5000, &res) == WEFT_OK, "after: %s",

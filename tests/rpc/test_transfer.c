@@ -138,3 +138,16 @@ Test(rpc_transfer, sizes_0B_to_256MiB_byte_exact, .timeout = 300)
     o.deadline_ms = 280000;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
+
+/* Rank 1 has no direct listener: large frames to it take the stream, its large
+ * answers take rank 0's direct connection; both paths byte-exact. */
+Test(rpc_transfer, large_frames_with_one_rank_without_direct_connections, .timeout = 300)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_sizes);
+    o.setup = setup;
+    o.no_direct_rank = 1;
+    o.deadline_ms = 280000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
