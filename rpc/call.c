@@ -161,7 +161,10 @@ static void send_response(weft_call_t *call, weft_status_t st, const char *text,
         return;
     }
     weft_status_t sst;
-    if (weft__direct_usable(a, call->caller, m->nbytes)) {
+    /* Large answers go direct; so does every answer to a request that came direct,
+     * which keeps a bulk transfer's round trips off the stream. */
+    if (weft__direct_usable(a, call->caller, m->nbytes) ||
+        (call->stream == NULL && weft__direct_available(a, call->caller))) {
         sst = weft__direct_send(a, call->caller, m);
     } else if (call->stream != NULL) {
         sst = weft__stream_send(call->stream, m);

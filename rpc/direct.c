@@ -312,6 +312,16 @@ bool weft__direct_usable(weft_agent_t *a, int peer, size_t nbytes)
     return addr != NULL && addr[0] != '\0' && !d->outs[peer].unusable;
 }
 
+bool weft__direct_available(weft_agent_t *a, int peer)
+{
+    weft__direct_t *d = a->direct;
+    if (d == NULL || peer < 0 || peer >= a->world_size) {
+        return false;
+    }
+    const char *addr = a->peers[peer].direct_address;
+    return addr != NULL && addr[0] != '\0' && !d->outs[peer].unusable;
+}
+
 weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m)
 {
     weft__direct_t *d = a->direct;

@@ -265,6 +265,8 @@ typedef struct weft__direct weft__direct_t;
 weft_status_t weft__direct_create(weft_agent_t *a, const char *bind_host, const char *adv_host);
 const char *weft__direct_address(const weft_agent_t *a);
 bool weft__direct_usable(weft_agent_t *a, int peer, size_t nbytes);
+/* Whether @p peer can be reached directly at all (frames of any size). */
+bool weft__direct_available(weft_agent_t *a, int peer);
 /* Queues @p m (takes it) for the peer's direct connection. */
 weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m);
 void weft__direct_free(weft_agent_t *a);
