@@ -397,6 +397,7 @@ void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const ch
     if (!first) {
         return;
     }
+    weft__direct_cut(a, rank);
     WEFT_WARN("%s", why);
     pthread_rwlock_rdlock(&a->reg_mu);
     for (weft__listener_t *l = a->listeners; l != NULL; l = l->next) {
@@ -698,7 +699,7 @@ void weft_agent_free(weft_agent_t *a)
     }
     atomic_store(&a->state, WEFT__AGENT_CLOSED);
     /* Direct connections first: their threads feed the agent. */
-    weft__direct_free(a);
+    weft__direct_stop(a);
     if (a->server != NULL) {
         /* Server: stop accepting, cancel what is left, wait until it is done. */
         weft__op_t done = {NULL};
@@ -772,6 +773,8 @@ void weft_agent_free(weft_agent_t *a)
         weft__bulk_destroy(a->bulk);
         a->bulk = NULL;
     }
+    /* No thread is left that may look at the direct state. */
+    weft__direct_destroy(a);
     /* Every completion has been delivered: the rendezvous state can go. */
     weft__join_free(a);
     if (a->cq != NULL) {

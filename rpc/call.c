@@ -471,6 +471,10 @@ weft_status_t weft__peer_stream(weft_agent_t *a, int to, weft__stream_t **s_p)
     weft_status_t st = WEFT_OK;
     weft__peer_t *p = &a->peers[to];
 
+    if (atomic_load(&a->state) >= WEFT__AGENT_CLOSED) {
+        /* The queue is shut down: no stream can be opened any more. */
+        return weft__set_error(WEFT_ERR_SHUTDOWN, "rpc: the agent is closed");
+    }
     pthread_mutex_lock(&p->mu);
     if (p->lost) {
         st = weft__set_error(WEFT_ERR_PEER_LOST, "%s (rank %d) was lost: %s", p->name, to,
@@ -572,16 +576,21 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
     pthread_mutex_unlock(&a->pend_mu);
     if (!internal) {
         atomic_fetch_add(&a->requests_sent, 1);
+        m->user_request = true;
     }
-    if ((direct ? weft__direct_send(a, to, m) : weft__stream_send(s, m)) != WEFT_OK) {
-        /* The stream is dead: the call fails through its future like any lost call. */
+    weft_status_t sst = direct ? weft__direct_send(a, to, m) : weft__stream_send(s, m);
+    if (sst != WEFT_OK) {
+        /* Not sent: the call fails through its future like any lost call. */
         char why[512];
         snprintf(why, sizeof(why), "%s", weft_last_error());
+        if (!internal) {
+            atomic_fetch_sub(&a->requests_sent, 1);
+        }
         pthread_mutex_lock(&a->pend_mu);
         weft__pending_t *q = pending_remove(a, id, -1);
         pthread_mutex_unlock(&a->pend_mu);
         if (q != NULL) {
-            pending_finish(q, WEFT_ERR_PEER_LOST, why, NULL);
+            pending_finish(q, sst, why, NULL);
         }
     }
     weft__stream_unref(s);

@@ -25,6 +25,7 @@
 #define DIRECT_MAGIC   0x42544657u /* "WFTB" little-endian */
 #define DIRECT_VERSION 1u
 #define MAX_TOKEN      4096
+#define HANDSHAKE_S    10 /* a connection that has not shaken hands by then is dropped */
 
 typedef struct conn_in {
     struct conn_in *next;
@@ -32,18 +33,20 @@ typedef struct conn_in {
     int fd;
     int peer;
     pthread_t thread;
+    _Atomic bool done; /* the reader has finished: the acceptor reaps it */
 } conn_in_t;
 
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int fd;           /* -1 until connected */
-    bool started;     /* sender thread running */
-    bool unusable;    /* connect failed: this peer's frames take the stream */
+    bool started;           /* sender thread running */
+    _Atomic bool unusable;  /* connect failed: this peer's frames take the stream */
     weft__outmsg_t *qh, *qt;
     pthread_t thread;
     weft_agent_t *agent;
     int peer;
+    bool cut; /* the peer was lost: nothing more goes this way */
 } conn_out_t;
 
 struct weft__direct {
@@ -223,11 +226,12 @@ static int open_out(weft_agent_t *a, int peer)
         return -1;
     }
     size_t tlen = strlen(a->auth_token);
-    uint8_t hdr[16];
+    uint8_t hdr[20];
     put_u32(hdr, DIRECT_MAGIC);
     put_u32(hdr + 4, DIRECT_VERSION);
     put_u32(hdr + 8, (uint32_t)a->rank);
-    put_u32(hdr + 12, (uint32_t)tlen);
+    put_u32(hdr + 12, (uint32_t)a->world_size);
+    put_u32(hdr + 16, (uint32_t)tlen);
     uint8_t ok = 1;
     if (!write_all(fd, hdr, sizeof(hdr)) || !write_all(fd, a->auth_token, tlen) ||
         !read_all(fd, &ok, 1) || ok != 0) {
@@ -273,15 +277,30 @@ static void *sender_main(void *arg)
             c->qt = NULL;
         }
         m->next = NULL;
-        if (c->fd < 0 && !c->unusable) {
+        if (atomic_load(&d->stop) || c->cut) {
+            pthread_mutex_unlock(&c->mu);
+            weft__outmsg_free(m, WEFT_ERR_PEER_LOST, "direct connection closed");
+            pthread_mutex_lock(&c->mu);
+            continue;
+        }
+        if (c->fd < 0 && !atomic_load(&c->unusable)) {
             pthread_mutex_unlock(&c->mu);
             int fd = open_out(a, c->peer);
             pthread_mutex_lock(&c->mu);
+            if (fd >= 0 && (atomic_load(&d->stop) || c->cut)) {
+                /* Closed or cut while we connected. */
+                close(fd);
+                fd = -1;
+                pthread_mutex_unlock(&c->mu);
+                weft__outmsg_free(m, WEFT_ERR_PEER_LOST, "direct connection closed");
+                pthread_mutex_lock(&c->mu);
+                continue;
+            }
             c->fd = fd;
-            c->unusable = fd < 0;
+            atomic_store(&c->unusable, fd < 0);
         }
         int fd = c->fd;
-        bool unusable = c->unusable;
+        bool unusable = atomic_load(&c->unusable);
         pthread_mutex_unlock(&c->mu);
         if (unusable) {
             send_on_stream(a, c->peer, m);
@@ -291,6 +310,10 @@ static void *sender_main(void *arg)
             char why[300];
             snprintf(why, sizeof(why), "direct connection to %s (rank %d) broke while sending",
                      a->peers[c->peer].name != NULL ? a->peers[c->peer].name : "?", c->peer);
+            if (m->user_request) {
+                /* Never delivered: uncount it, or shutdown's counters cannot agree. */
+                atomic_fetch_sub(&a->requests_sent, 1);
+            }
             weft__outmsg_free(m, WEFT_ERR_PEER_LOST, why);
             if (!weft__agent_closing(a)) {
                 weft__agent_peer_lost(a, c->peer, WEFT_ERR_PEER_LOST, why);
@@ -304,22 +327,34 @@ static void *sender_main(void *arg)
 
 bool weft__direct_usable(weft_agent_t *a, int peer, size_t nbytes)
 {
+    return nbytes >= WEFT__DIRECT_MIN && weft__direct_available(a, peer);
+}
+
+void weft__direct_cut(weft_agent_t *a, int peer)
+{
     weft__direct_t *d = a->direct;
-    if (d == NULL || nbytes < WEFT__DIRECT_MIN || peer < 0 || peer >= a->world_size) {
-        return false;
+    if (d == NULL || peer < 0 || peer >= a->world_size) {
+        return;
     }
-    const char *addr = a->peers[peer].direct_address;
-    return addr != NULL && addr[0] != '\0' && !d->outs[peer].unusable;
+    conn_out_t *c = &d->outs[peer];
+    pthread_mutex_lock(&c->mu);
+    c->cut = true;
+    if (c->fd >= 0) {
+        shutdown(c->fd, SHUT_RDWR); /* a send blocked on the lost peer returns */
+    }
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
 }
 
 bool weft__direct_available(weft_agent_t *a, int peer)
 {
     weft__direct_t *d = a->direct;
-    if (d == NULL || peer < 0 || peer >= a->world_size) {
+    if (d == NULL || atomic_load(&d->stop) || peer < 0 || peer >= a->world_size) {
         return false;
     }
     const char *addr = a->peers[peer].direct_address;
-    return addr != NULL && addr[0] != '\0' && !d->outs[peer].unusable;
+    return addr != NULL && addr[0] != '\0' && !atomic_load(&d->outs[peer].unusable) &&
+           !d->outs[peer].cut;
 }
 
 weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m)
@@ -336,10 +371,13 @@ weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m)
     }
     weft__stream_unref(s);
     pthread_mutex_lock(&c->mu);
-    if (atomic_load(&d->stop)) {
+    if (atomic_load(&d->stop) || c->cut) {
+        bool stopped = atomic_load(&d->stop);
         pthread_mutex_unlock(&c->mu);
-        weft__outmsg_free(m, WEFT_ERR_SHUTDOWN, "agent closed");
-        return weft__set_error(WEFT_ERR_SHUTDOWN, "rpc: the agent is closed");
+        weft__outmsg_free(m, stopped ? WEFT_ERR_SHUTDOWN : WEFT_ERR_PEER_LOST,
+                          stopped ? "agent closed" : "peer lost");
+        return stopped ? weft__set_error(WEFT_ERR_SHUTDOWN, "rpc: the agent is closed")
+                       : weft__set_error(WEFT_ERR_PEER_LOST, "rpc: rank %d was lost", peer);
     }
     if (!c->started) {
         if (pthread_create(&c->thread, NULL, sender_main, c) != 0) {
@@ -372,7 +410,11 @@ typedef struct {
 static void dispatch_run(void *arg)
 {
     dispatch_t *t = arg;
-    weft__call_dispatch_from(t->agent, NULL, t->peer, t->env, t->args);
+    if (t->env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
+        weft__call_response(t->agent, t->peer, t->env, t->args);
+    } else {
+        weft__call_dispatch_from(t->agent, NULL, t->peer, t->env, t->args);
+    }
     weft_free(t);
 }
 
@@ -447,51 +489,71 @@ static bool read_frame(conn_in_t *c)
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
         return ok;
     }
-    /* The body, straight into its destinations. */
-    weft_value_t *v;
-    if (weft_value_create(&v) != WEFT_OK) {
+    /* The body, straight into its destinations: allocate them all first, so that a
+     * failure to allocate leaves the connection framed (the body is skipped). */
+    weft_value_t *v = NULL;
+    void *pl = NULL;
+    weft_status_t ast = weft_value_create(&v);
+    if (ast == WEFT_OK && env->payload_bytes > 0) {
+        pl = weft_alloc(env->payload_bytes);
+        if (pl == NULL) {
+            ast = weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for a %llu-byte payload",
+                                  (unsigned long long)env->payload_bytes);
+        }
+    }
+    for (size_t i = 0; ast == WEFT_OK && i < env->n_tensors; i++) {
+        const Weft__V1__TensorMeta *tm = env->tensors[i];
+        weft_tensor_t *t;
+        ast = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t);
+        if (ast == WEFT_OK && weft_value_push_tensor(v, t) != WEFT_OK) {
+            weft_tensor_release(t);
+            ast = weft__set_error(WEFT_ERR_NO_MEMORY, "no memory");
+        }
+    }
+    if (ast != WEFT_OK) {
+        weft_free(pl);
+        weft_value_free(v);
+        bool framed = skip_all(c->fd, body);
+        if (env->kind == WEFT__V1__KIND__KIND_REQUEST) {
+            refuse(a, c->peer, env, ast);
+        } else if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
+            weft__pending_fail_id(a, c->peer, env->request_id, ast, weft_last_error());
+        }
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        return false;
+        return framed;
     }
     bool ok = true;
-    if (env->payload_bytes > 0) {
-        void *pl = weft_alloc(env->payload_bytes);
-        ok = pl != NULL && read_all(c->fd, pl, env->payload_bytes) &&
-             weft_value_take_payload(v, pl, env->payload_bytes) == WEFT_OK;
-        if (!ok) {
+    if (pl != NULL) {
+        ok = read_all(c->fd, pl, env->payload_bytes);
+        if (weft_value_take_payload(v, pl, env->payload_bytes) != WEFT_OK) {
             weft_free(pl);
         }
     }
     for (size_t i = 0; ok && i < env->n_tensors; i++) {
-        const Weft__V1__TensorMeta *tm = env->tensors[i];
-        weft_tensor_t *t;
-        ok = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t) ==
-             WEFT_OK;
-        if (ok && !read_all(c->fd, weft_tensor_data(t), tm->nbytes)) {
-            weft_tensor_release(t);
-            ok = false;
-        } else if (ok && weft_value_push_tensor(v, t) != WEFT_OK) {
-            weft_tensor_release(t);
-            ok = false;
-        }
+        weft_tensor_t *t = weft_value_tensor(v, i);
+        ok = read_all(c->fd, weft_tensor_data(t), env->tensors[i]->nbytes);
     }
     if (!ok) {
+        /* The connection broke mid-frame: the peer is going away. Keep the shutdown
+         * counters whole: the sender counted this request. */
+        if (env->kind == WEFT__V1__KIND__KIND_REQUEST &&
+            (env->function == NULL || !weft__fn_internal(env->function))) {
+            atomic_fetch_add(&a->requests_received, 1);
+        }
         weft_value_free(v);
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
         return false;
     }
-    if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
-        weft__call_response(a, c->peer, env, v);
-        return true;
-    }
-    if (env->kind != WEFT__V1__KIND__KIND_REQUEST) {
+    if (env->kind != WEFT__V1__KIND__KIND_REQUEST &&
+        env->kind != WEFT__V1__KIND__KIND_RESPONSE) {
         WEFT_WARN("direct connection from rank %d: frame of kind %d ignored", c->peer,
                   (int)env->kind);
         weft_value_free(v);
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
         return true;
     }
-    /* Handlers run on the bulk queue: this thread goes back to the socket. */
+    /* Handlers and completions (whose callbacks may make calls of their own) run on
+     * the bulk queue: this thread goes back to the socket. */
     dispatch_t *t = weft_alloc(sizeof(*t));
     if (t != NULL) {
         t->agent = a;
@@ -503,23 +565,31 @@ static bool read_frame(conn_in_t *c)
         }
         weft_free(t);
     }
-    weft__call_dispatch_from(a, NULL, c->peer, env, v);
+    if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
+        weft__call_response(a, c->peer, env, v);
+    } else {
+        weft__call_dispatch_from(a, NULL, c->peer, env, v);
+    }
     return true;
 }
 
 static bool handshake_in(conn_in_t *c)
 {
     weft_agent_t *a = c->agent;
-    uint8_t hdr[16];
+    uint8_t hdr[20];
     uint8_t status = 1;
 
+    /* Bounded: a connection that says nothing is dropped. */
+    struct timeval tv = {HANDSHAKE_S, 0};
+    setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     if (!read_all(c->fd, hdr, sizeof(hdr))) {
         return false;
     }
-    uint32_t magic = get_u32(hdr), version = get_u32(hdr + 4), tlen = get_u32(hdr + 12);
+    uint32_t magic = get_u32(hdr), version = get_u32(hdr + 4), tlen = get_u32(hdr + 16);
     int rank = (int)get_u32(hdr + 8);
+    int world = (int)get_u32(hdr + 12);
     if (magic != DIRECT_MAGIC || version != DIRECT_VERSION || tlen > MAX_TOKEN || rank < 0 ||
-        rank >= a->world_size) {
+        rank >= a->world_size || world != a->world_size) {
         WEFT_WARN("refused a direct connection: bad handshake (magic %08x version %u rank %d)",
                   magic, version, rank);
         (void)write_all(c->fd, &status, 1);
@@ -537,6 +607,8 @@ static bool handshake_in(conn_in_t *c)
     }
     status = 0;
     c->peer = rank;
+    struct timeval none = {0, 0};
+    setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
     return write_all(c->fd, &status, 1);
 }
 
@@ -549,7 +621,28 @@ static void *reader_main(void *arg)
         }
     }
     shutdown(c->fd, SHUT_RDWR);
+    atomic_store(&c->done, true);
     return NULL;
+}
+
+/* Joins and frees the readers that have finished. Called with d->mu held. */
+static int reap_locked(weft__direct_t *d)
+{
+    int live = 0;
+    conn_in_t **pp = &d->ins;
+    while (*pp != NULL) {
+        conn_in_t *c = *pp;
+        if (atomic_load(&c->done)) {
+            *pp = c->next;
+            pthread_join(c->thread, NULL);
+            close(c->fd);
+            weft_free(c);
+        } else {
+            live++;
+            pp = &c->next;
+        }
+    }
+    return live;
 }
 
 static void *acceptor_main(void *arg)
@@ -564,6 +657,17 @@ static void *acceptor_main(void *arg)
         }
         int fd = accept4(d->listen_fd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS) {
+                usleep(100 * 1000); /* out of descriptors: do not spin on the backlog */
+            }
+            continue;
+        }
+        pthread_mutex_lock(&d->mu);
+        int live = reap_locked(d);
+        pthread_mutex_unlock(&d->mu);
+        if (live >= 4 * d->agent->world_size + 16) {
+            WEFT_WARN("direct: %d connections open already; refusing another", live);
+            close(fd);
             continue;
         }
         tune(fd);
@@ -618,8 +722,12 @@ weft_status_t weft__direct_create(weft_agent_t *a, const char *bind_host, const 
     struct sockaddr_in sa = {0};
     sa.sin_family = AF_INET;
     sa.sin_port = 0;
+    if (strcmp(bind_host, "localhost") == 0 || strcmp(bind_host, "::1") == 0 ||
+        strcmp(bind_host, "[::1]") == 0) {
+        bind_host = "127.0.0.1"; /* loopback stays loopback */
+    }
     if (inet_pton(AF_INET, bind_host, &sa.sin_addr) != 1) {
-        sa.sin_addr.s_addr = htonl(INADDR_ANY);
+        sa.sin_addr.s_addr = htonl(INADDR_ANY); /* a host name: listen as gRPC does */
     }
     d->listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     socklen_t sl = sizeof(sa);
@@ -662,7 +770,7 @@ const char *weft__direct_address(const weft_agent_t *a)
     return a->direct != NULL ? a->direct->address : "";
 }
 
-void weft__direct_free(weft_agent_t *a)
+void weft__direct_stop(weft_agent_t *a)
 {
     weft__direct_t *d = a->direct;
     if (d == NULL) {
@@ -671,6 +779,7 @@ void weft__direct_free(weft_agent_t *a)
     atomic_store(&d->stop, true);
     if (d->acceptor_started) {
         pthread_join(d->acceptor, NULL);
+        d->acceptor_started = false;
     }
     /* Senders fail what is left (a quiet world has nothing queued) and exit; a send
      * blocked on a stalled peer is cut. */
@@ -678,6 +787,7 @@ void weft__direct_free(weft_agent_t *a)
         conn_out_t *c = &d->outs[i];
         pthread_mutex_lock(&c->mu);
         bool started = c->started;
+        c->started = false;
         if (c->fd >= 0) {
             shutdown(c->fd, SHUT_RDWR);
         }
@@ -688,9 +798,8 @@ void weft__direct_free(weft_agent_t *a)
         }
         if (c->fd >= 0) {
             close(c->fd);
+            c->fd = -1;
         }
-        pthread_mutex_destroy(&c->mu);
-        pthread_cond_destroy(&c->cv);
     }
     /* Readers are blocked in recv: cut their sockets, then join. */
     pthread_mutex_lock(&d->mu);
@@ -707,7 +816,23 @@ void weft__direct_free(weft_agent_t *a)
         weft_free(ins);
         ins = next;
     }
-    close(d->listen_fd);
+    if (d->listen_fd >= 0) {
+        close(d->listen_fd);
+        d->listen_fd = -1;
+    }
+}
+
+void weft__direct_destroy(weft_agent_t *a)
+{
+    weft__direct_t *d = a->direct;
+    if (d == NULL) {
+        return;
+    }
+    weft__direct_stop(a);
+    for (int i = 0; i < a->world_size; i++) {
+        pthread_mutex_destroy(&d->outs[i].mu);
+        pthread_cond_destroy(&d->outs[i].cv);
+    }
     weft_free(d->outs);
     weft_free(d->address);
     pthread_mutex_destroy(&d->mu);

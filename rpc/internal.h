@@ -46,6 +46,7 @@ typedef struct weft__outmsg {
     grpc_byte_buffer *bb;      /* NULL: "finish the stream" marker */
     size_t nbytes;
     weft_future_t *sent;       /* optional: completes when handed to the transport */
+    bool user_request;         /* a user REQUEST (counted in requests_sent) */
     grpc_status_code fin_code; /* finish marker on a server stream: the status to send */
     char *fin_text;
 } weft__outmsg_t;
@@ -269,7 +270,12 @@ bool weft__direct_usable(weft_agent_t *a, int peer, size_t nbytes);
 bool weft__direct_available(weft_agent_t *a, int peer);
 /* Queues @p m (takes it) for the peer's direct connection. */
 weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m);
-void weft__direct_free(weft_agent_t *a);
+/* Stops the threads and closes the sockets (first thing at free); the state stays
+ * readable until weft__direct_destroy, after the last thread that may look at it. */
+void weft__direct_stop(weft_agent_t *a);
+void weft__direct_destroy(weft_agent_t *a);
+/* The peer is lost: nothing more is sent to it directly. */
+void weft__direct_cut(weft_agent_t *a, int peer);
 
 /* call.c */
 /* Takes ownership of @p env and @p args. */

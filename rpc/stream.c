@@ -514,12 +514,15 @@ static void server_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq
     if (weft__reader_init(&r, bb) != WEFT_OK) {
         grpc_byte_buffer_destroy(bb);
         finish(s, GRPC_STATUS_INVALID_ARGUMENT, "unreadable message");
+        turn_wait(s, seq); /* keep the turns moving for the messages after it */
+        turn_done(s);
         return;
     }
     bool hello_first = first;
     turn_wait(s, seq);
     while (weft__reader_more(&r)) {
         Weft__V1__Envelope *env = NULL;
+        weft_value_t *args = NULL;
         weft_status_t st = weft__reader_envelope(&r, a->max_message_bytes, &env);
         if (env == NULL) {
             /* Not even an envelope: this peer does not speak weft; end its stream. */
@@ -565,10 +568,11 @@ static void server_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq
                 weft__pending_fail_id(a, weft__stream_peer(s), env->request_id, st,
                                       weft_last_error());
                 weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-            } else {
-                weft__call_response(a, weft__stream_peer(s), env, v);
+                continue;
             }
-            continue;
+            /* Completed after the turn, with the requests: callbacks may take time. */
+            args = v;
+            goto keep;
         }
         if (env->kind != WEFT__V1__KIND__KIND_REQUEST) {
             WEFT_WARN("rank %d sent a frame of kind %d on its request stream; ignored",
@@ -577,7 +581,6 @@ static void server_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq
             weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
             continue;
         }
-        weft_value_t *args = NULL;
         if (st == WEFT_OK) {
             st = weft__reader_body(&r, env, &args);
         } else {
@@ -589,11 +592,18 @@ static void server_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq
             weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
             continue;
         }
+    keep:
         if (nreq == cap) {
             req_t *bigger = weft_alloc(2 * cap * sizeof(*bigger));
             if (bigger == NULL) {
                 weft_value_free(args);
-                answer_refused(s, env, WEFT_ERR_NO_MEMORY);
+                weft__set_error(WEFT_ERR_NO_MEMORY, "no memory");
+                if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
+                    weft__pending_fail_id(a, weft__stream_peer(s), env->request_id,
+                                          WEFT_ERR_NO_MEMORY, "no memory for a response");
+                } else {
+                    answer_refused(s, env, WEFT_ERR_NO_MEMORY);
+                }
                 weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
                 continue;
             }
@@ -615,7 +625,11 @@ static void server_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq
         stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
     }
     for (size_t i = 0; i < nreq; i++) {
-        weft__call_dispatch(a, s, reqs[i].env, reqs[i].args);
+        if (reqs[i].env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
+            weft__call_response(a, weft__stream_peer(s), reqs[i].env, reqs[i].args);
+        } else {
+            weft__call_dispatch(a, s, reqs[i].env, reqs[i].args);
+        }
     }
     if (reqs != local) {
         weft_free(reqs);
