@@ -12,9 +12,9 @@
 #include "internal.h"
 
 #define container_of(p, type, member) ((type *)((char *)(p)-offsetof(type, member)))
-#define SERVER_REQUESTS 8
-#define POLL_MS         20
-#define SWEEP_NS        (10 * 1000000LL)
+#define SERVER_REQUESTS               8
+#define POLL_MS                       20
+#define SWEEP_NS                      (10 * 1000000LL)
 
 /* ------------------------------------------------------------ environment */
 
@@ -75,10 +75,10 @@ static bool is_loopback(const char *host)
 
 static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
 {
-    static const char *const rank_env[] = {"WEFT_RANK", "RANK", "SLURM_PROCID",
-                                           "OMPI_COMM_WORLD_RANK", "PMI_RANK", NULL};
-    static const char *const world_env[] = {"WEFT_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS",
-                                            "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", NULL};
+    static const char *const rank_env[] = {
+        "WEFT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", NULL};
+    static const char *const world_env[] = {"WEFT_WORLD_SIZE",      "WORLD_SIZE", "SLURM_NTASKS",
+                                            "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",   NULL};
     static const char *const addr_env[] = {"WEFT_MASTER_ADDR", "MASTER_ADDR", NULL};
     static const char *const port_env[] = {"WEFT_MASTER_PORT", "MASTER_PORT", NULL};
     static const char *const name_env[] = {"WEFT_NAME", NULL};
@@ -234,8 +234,8 @@ static void *poller_main(void *arg)
 
     weft__set_block_hook(block_hook, a);
     for (;;) {
-        gpr_timespec dl = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                       gpr_time_from_millis(POLL_MS, GPR_TIMESPAN));
+        gpr_timespec dl =
+            gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(POLL_MS, GPR_TIMESPAN));
         grpc_event ev = grpc_completion_queue_next(a->cq, dl, NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN) {
             break;
@@ -246,7 +246,8 @@ static void *poller_main(void *arg)
         }
         int64_t now = weft__now_ns();
         int64_t next = atomic_load(&a->next_sweep_ns);
-        if (now >= next && atomic_compare_exchange_strong(&a->next_sweep_ns, &next, now + SWEEP_NS)) {
+        if (now >= next &&
+            atomic_compare_exchange_strong(&a->next_sweep_ns, &next, now + SWEEP_NS)) {
             weft__pending_sweep(a);
         }
     }
@@ -493,8 +494,7 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
         st = weft__set_error(WEFT_ERR_TRANSPORT, "agent_create: cannot listen on %s", addr);
         goto err_destroy_grpc;
     }
-    snprintf(addr, sizeof(addr), "%s:%d", a->rank == 0 ? a->master_addr : a->listen_host,
-             a->port);
+    snprintf(addr, sizeof(addr), "%s:%d", a->rank == 0 ? a->master_addr : a->listen_host, a->port);
     a->address = weft_strdup(addr);
     (void)weft__direct_create(a, bind_host, a->rank == 0 ? a->master_addr : a->listen_host);
     weft__join_init(a);

@@ -153,8 +153,8 @@ static void send_response(weft_call_t *call, weft_status_t st, const char *text,
     }
     if (est != WEFT_OK) {
         char why[512];
-        snprintf(why, sizeof(why), "result of '%s' on %s could not be encoded: %s",
-                 call->function, a->name, weft_last_error());
+        snprintf(why, sizeof(why), "result of '%s' on %s could not be encoded: %s", call->function,
+                 a->name, weft_last_error());
         if (st == WEFT_OK) {
             send_response(call, est, why, NULL);
         }
@@ -238,8 +238,8 @@ void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope 
     weft__call_dispatch_from(a, s, weft__stream_peer(s), env, args);
 }
 
-void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer,
-                              Weft__V1__Envelope *env, weft_value_t *args)
+void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer, Weft__V1__Envelope *env,
+                              weft_value_t *args)
 {
     weft_call_t *call = weft_calloc(1, sizeof(*call));
     weft__fn_t *fn = NULL;
@@ -332,8 +332,7 @@ static weft__pending_t *pending_remove(weft_agent_t *a, uint64_t id, int peer)
     return NULL;
 }
 
-static void pending_finish(weft__pending_t *p, weft_status_t st, const char *text,
-                           weft_value_t *v)
+static void pending_finish(weft__pending_t *p, weft_status_t st, const char *text, weft_value_t *v)
 {
     weft_future_complete(p->f, st, text, v);
     weft_future_release(p->f);
@@ -459,8 +458,7 @@ void weft__pending_sweep(weft_agent_t *a)
         weft__pending_t *next = list->next;
         char text[512];
         snprintf(text, sizeof(text), "call to '%s' on %s (rank %d) passed its deadline", list->fn,
-                 a->peers[list->peer].name != NULL ? a->peers[list->peer].name : "?",
-                 list->peer);
+                 a->peers[list->peer].name != NULL ? a->peers[list->peer].name : "?", list->peer);
         pending_finish(list, WEFT_ERR_TIMEOUT, text, NULL);
         list = next;
     }
@@ -674,8 +672,8 @@ weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
 
     WEFT_CHECK(check_target(a, to_rank, true));
     if (channel < 1 || channel > WEFT_CHANNEL_MAX) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_send: channel %u out of 1..%d",
-                               channel, WEFT_CHANNEL_MAX);
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_send: channel %u out of 1..%d", channel,
+                               WEFT_CHANNEL_MAX);
     }
     Weft__V1__Envelope env = WEFT__V1__ENVELOPE__INIT;
     env.kind = WEFT__V1__KIND__KIND_ONEWAY;

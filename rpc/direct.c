@@ -39,9 +39,9 @@ typedef struct conn_in {
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int fd;           /* -1 until connected */
-    bool started;           /* sender thread running */
-    _Atomic bool unusable;  /* connect failed: this peer's frames take the stream */
+    int fd;                /* -1 until connected */
+    bool started;          /* sender thread running */
+    _Atomic bool unusable; /* connect failed: this peer's frames take the stream */
     weft__outmsg_t *qh, *qt;
     pthread_t thread;
     weft_agent_t *agent;
@@ -210,8 +210,7 @@ static void put_u32(uint8_t *p, uint32_t v)
 
 static uint32_t get_u32(const uint8_t *p)
 {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
-           ((uint32_t)p[3] << 24);
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
 /* Connects and shakes hands; -1 on failure. */
@@ -476,10 +475,9 @@ static bool read_frame(conn_in_t *c)
         return false;
     }
     if (a->max_message_bytes > 0 && 4 + (uint64_t)elen + body > a->max_message_bytes) {
-        st = weft__set_error(WEFT_ERR_TOO_LARGE,
-                             "wire: message of %llu bytes exceeds the limit of %llu bytes",
-                             (unsigned long long)(4 + elen + body),
-                             (unsigned long long)a->max_message_bytes);
+        st = weft__set_error(
+            WEFT_ERR_TOO_LARGE, "wire: message of %llu bytes exceeds the limit of %llu bytes",
+            (unsigned long long)(4 + elen + body), (unsigned long long)a->max_message_bytes);
         bool ok = skip_all(c->fd, body);
         if (env->kind == WEFT__V1__KIND__KIND_REQUEST) {
             refuse(a, c->peer, env, st);
@@ -544,8 +542,7 @@ static bool read_frame(conn_in_t *c)
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
         return false;
     }
-    if (env->kind != WEFT__V1__KIND__KIND_REQUEST &&
-        env->kind != WEFT__V1__KIND__KIND_RESPONSE) {
+    if (env->kind != WEFT__V1__KIND__KIND_REQUEST && env->kind != WEFT__V1__KIND__KIND_RESPONSE) {
         WEFT_WARN("direct connection from rank %d: frame of kind %d ignored", c->peer,
                   (int)env->kind);
         weft_value_free(v);

@@ -18,14 +18,14 @@
 #include "../core/internal.h"
 #include "wire.pb-c.h"
 
-#define WEFT__METHOD_STREAM "/weft.v1.Agent/Stream"
-#define WEFT__METHOD_JOIN   "/weft.v1.Agent/Join"
-#define WEFT__MAX_ENVELOPE  (16u << 20)
-#define WEFT__MAX_NAME      255
-#define WEFT__MAX_TENSORS   65536
-#define WEFT__SHUTDOWN_FN   "__weft.shutdown"
+#define WEFT__METHOD_STREAM  "/weft.v1.Agent/Stream"
+#define WEFT__METHOD_JOIN    "/weft.v1.Agent/Join"
+#define WEFT__MAX_ENVELOPE   (16u << 20)
+#define WEFT__MAX_NAME       255
+#define WEFT__MAX_TENSORS    65536
+#define WEFT__SHUTDOWN_FN    "__weft.shutdown"
 #define WEFT__MAX_TIMEOUT_MS (1000LL * 3600 * 24 * 30) /* deadlines are clamped to 30 days */
-#define WEFT__MAX_MESSAGE   ((uint64_t)UINT32_MAX)     /* a gRPC message length is 32 bits */
+#define WEFT__MAX_MESSAGE    ((uint64_t)UINT32_MAX)    /* a gRPC message length is 32 bits */
 
 /* Functions of weft's own modules ("__weft." prefix): not user traffic. */
 static inline bool weft__fn_internal(const char *fn)
@@ -43,7 +43,7 @@ typedef struct weft__op {
 /* An encoded message ready to send. */
 typedef struct weft__outmsg {
     struct weft__outmsg *next;
-    grpc_byte_buffer *bb;      /* NULL: "finish the stream" marker */
+    grpc_byte_buffer *bb; /* NULL: "finish the stream" marker */
     size_t nbytes;
     weft_future_t *sent;       /* optional: completes when handed to the transport */
     bool user_request;         /* a user REQUEST (counted in requests_sent) */
@@ -98,8 +98,7 @@ weft_status_t weft__wire_check_frame(const Weft__V1__Envelope *env, uint64_t *bo
 /* Packs a standalone protobuf message into a byte buffer (Hello / WorldMap). */
 grpc_byte_buffer *weft__wire_pack(const ProtobufCMessage *m);
 /* Copies a whole byte buffer into one allocation (small control messages). */
-weft_status_t weft__wire_flatten(grpc_byte_buffer *bb, size_t max, uint8_t **buf_p,
-                                 size_t *len_p);
+weft_status_t weft__wire_flatten(grpc_byte_buffer *bb, size_t max, uint8_t **buf_p, size_t *len_p);
 /* grpc status -> weft status, once, at the boundary. */
 weft_status_t weft__grpc_status(grpc_status_code code);
 
@@ -112,10 +111,10 @@ typedef struct weft__peer {
     char *name;
     char *address;
     uint64_t max_message_bytes;
-    char *direct_address;      /* its listener for large frames; "" if none */
+    char *direct_address; /* its listener for large frames; "" if none */
     pthread_mutex_t mu;
-    grpc_channel *channel;     /* created on first use */
-    weft__stream_t *stream;    /* our client stream to this peer */
+    grpc_channel *channel;  /* created on first use */
+    weft__stream_t *stream; /* our client stream to this peer */
     bool lost;
     char *lost_why;
 } weft__peer_t;
@@ -173,9 +172,9 @@ struct weft_agent {
     int port;
 
     _Atomic int state;
-    _Atomic bool joining;      /* weft_agent_join in progress */
-    weft_future_t *join_done;  /* completes when the join ends, either way */
-    bool shut_down; /* weft_agent_shutdown ran */
+    _Atomic bool joining;     /* weft_agent_join in progress */
+    weft_future_t *join_done; /* completes when the join ends, either way */
+    bool shut_down;           /* weft_agent_shutdown ran */
 
     /* gRPC */
     grpc_completion_queue *cq;
@@ -238,7 +237,8 @@ void weft__agent_request_more(weft_agent_t *a);
 bool weft__agent_closing(const weft_agent_t *a);
 void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const char *why);
 void weft__agent_track_stream(weft_agent_t *a, weft__stream_t *s, bool add);
-void weft__agent_channel_args(weft_agent_t *a, bool server, grpc_channel_args *out, grpc_arg *store);
+void weft__agent_channel_args(weft_agent_t *a, bool server, grpc_channel_args *out,
+                              grpc_arg *store);
 
 /* stream.c */
 weft_status_t weft__stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_t **s_p);
@@ -282,8 +282,8 @@ void weft__direct_cut(weft_agent_t *a, int peer);
 void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope *env,
                          weft_value_t *args);
 /* The same for a request that came without a stream (direct): @p peer is the caller. */
-void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer,
-                              Weft__V1__Envelope *env, weft_value_t *args);
+void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer, Weft__V1__Envelope *env,
+                              weft_value_t *args);
 void weft__call_response(weft_agent_t *a, int peer, Weft__V1__Envelope *env, weft_value_t *v);
 void weft__pending_fail_peer(weft_agent_t *a, int rank, weft_status_t st, const char *why);
 void weft__pending_sweep(weft_agent_t *a);

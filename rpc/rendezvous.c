@@ -145,9 +145,8 @@ static void install_world(weft_agent_t *a, Weft__V1__Worker **workers)
         p->address = weft_strdup(workers[i]->address);
         p->max_message_bytes = workers[i]->max_message_bytes;
         weft_free(p->direct_address);
-        p->direct_address = weft_strdup(workers[i]->direct_address != NULL
-                                            ? workers[i]->direct_address
-                                            : "");
+        p->direct_address =
+            weft_strdup(workers[i]->direct_address != NULL ? workers[i]->direct_address : "");
         pthread_mutex_unlock(&p->mu);
     }
 }
@@ -200,8 +199,9 @@ static weft_status_t check_join(weft_agent_t *a, const Weft__V1__Hello *h, char 
                  h->protocol_version, WEFT_PROTOCOL_VERSION);
         return WEFT_ERR_VERSION;
     }
-    if (a->auth_token[0] != '\0' && (h->auth_token.len != strlen(a->auth_token) ||
-                                     memcmp(h->auth_token.data, a->auth_token, h->auth_token.len))) {
+    if (a->auth_token[0] != '\0' &&
+        (h->auth_token.len != strlen(a->auth_token) ||
+         memcmp(h->auth_token.data, a->auth_token, h->auth_token.len))) {
         snprintf(why, n, "rank %d presented the wrong authentication token", h->rank);
         return WEFT_ERR_AUTH;
     }
@@ -397,7 +397,8 @@ static weft_status_t rendezvous_master(weft_agent_t *a)
     }
 
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    int64_t dl = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + a->rendezvous_timeout_ms * 1000000;
+    int64_t dl =
+        (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + a->rendezvous_timeout_ms * 1000000;
     ts.tv_sec = dl / 1000000000LL;
     ts.tv_nsec = dl % 1000000000LL;
 
@@ -469,12 +470,12 @@ static weft_status_t rendezvous_join(weft_agent_t *a)
     grpc_channel *ch = grpc_channel_create(target, creds, a->chan_args);
     grpc_channel_credentials_release(creds);
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
-    gpr_timespec dl = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                   gpr_time_from_millis(a->rendezvous_timeout_ms + 3000,
-                                                        GPR_TIMESPAN));
-    grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
-                                               grpc_slice_from_static_string(WEFT__METHOD_JOIN),
-                                               NULL, dl, NULL);
+    gpr_timespec dl =
+        gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                     gpr_time_from_millis(a->rendezvous_timeout_ms + 3000, GPR_TIMESPAN));
+    grpc_call *call =
+        grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                 grpc_slice_from_static_string(WEFT__METHOD_JOIN), NULL, dl, NULL);
     Weft__V1__Hello h = WEFT__V1__HELLO__INIT;
     fill_hello(a, &h);
     grpc_byte_buffer *bb = weft__wire_pack(&h.base);
@@ -524,7 +525,7 @@ static weft_status_t rendezvous_join(weft_agent_t *a)
     }
     if (map->status != 0) {
         st = weft__set_error(weft_status_valid(map->status) ? (weft_status_t)map->status
-                                                           : WEFT_ERR_RENDEZVOUS,
+                                                            : WEFT_ERR_RENDEZVOUS,
                              "rendezvous refused by the master: %s", map->error);
     } else if (map->protocol_version != WEFT_PROTOCOL_VERSION) {
         st = weft__set_error(WEFT_ERR_VERSION, "rendezvous: the master speaks version %u, not %d",
@@ -538,8 +539,8 @@ static weft_status_t rendezvous_join(weft_agent_t *a)
             if (map->workers[i]->rank != (int32_t)i || map->workers[i]->name == NULL ||
                 map->workers[i]->name[0] == '\0' || map->workers[i]->address == NULL ||
                 map->workers[i]->address[0] == '\0') {
-                st = weft__set_error(WEFT_ERR_PROTOCOL, "rendezvous: world map entry %zu is bad",
-                                     i);
+                st =
+                    weft__set_error(WEFT_ERR_PROTOCOL, "rendezvous: world map entry %zu is bad", i);
                 break;
             }
         }

@@ -14,7 +14,7 @@ typedef struct weft__sd_state {
     uint64_t round;
     int reported;
     weft_call_t **calls;
-    uint64_t *sent, *recv;         /* this round */
+    uint64_t *sent, *recv;           /* this round */
     uint64_t *prev_sent, *prev_recv; /* the previous round */
     bool prev_valid;
     bool *lost;
@@ -66,8 +66,8 @@ static void decide_locked(weft_agent_t *a, sd_state_t *sd)
     /* With a lost rank, requests to it can never be counted as received. */
     bool done = same && (any_lost || sent == recv);
     WEFT_DEBUG("shutdown round %llu: sent %llu received %llu same %d -> %s",
-               (unsigned long long)sd->round, (unsigned long long)sent,
-               (unsigned long long)recv, same, done ? "done" : "again");
+               (unsigned long long)sd->round, (unsigned long long)sent, (unsigned long long)recv,
+               same, done ? "done" : "again");
     for (int i = 0; i < a->world_size; i++) {
         sd->prev_sent[i] = sd->sent[i];
         sd->prev_recv[i] = sd->recv[i];
@@ -250,8 +250,8 @@ weft_status_t weft__shutdown_barrier(weft_agent_t *a, int64_t deadline_ns)
         st = weft_future_wait(f, left_ms + 1000);
         if (st != WEFT_OK) {
             char why[1024];
-            snprintf(why, sizeof(why), "%s", weft_future_done(f) ? weft_future_error(f)
-                                                                  : "rank 0 did not answer");
+            snprintf(why, sizeof(why), "%s",
+                     weft_future_done(f) ? weft_future_error(f) : "rank 0 did not answer");
             weft_future_release(f);
             weft_value_free(v);
             return weft__set_error(st, "shutdown: %s", why);

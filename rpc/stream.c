@@ -24,7 +24,7 @@ struct weft__stream {
 
     /* send side */
     weft__outmsg_t *qh, *qt;
-    weft__outmsg_t *inflight;  /* a chain: several frames may go out as one gRPC message */
+    weft__outmsg_t *inflight; /* a chain: several frames may go out as one gRPC message */
     grpc_byte_buffer *merged; /* the coalesced buffer of the chain, if any */
     bool sending;
     bool md_sent;
@@ -879,9 +879,9 @@ weft_status_t weft__stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_t
         }
     }
     grpc_slice method = grpc_slice_from_static_string(WEFT__METHOD_STREAM);
-    grpc_call *call = grpc_channel_create_call(p->channel, NULL, GRPC_PROPAGATE_DEFAULTS, a->cq,
-                                               method, NULL, gpr_inf_future(GPR_CLOCK_REALTIME),
-                                               NULL);
+    grpc_call *call =
+        grpc_channel_create_call(p->channel, NULL, GRPC_PROPAGATE_DEFAULTS, a->cq, method, NULL,
+                                 gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (call == NULL) {
         return weft__set_error(WEFT_ERR_TRANSPORT, "rpc: cannot open a stream to %s", p->address);
     }

@@ -150,8 +150,8 @@ weft_status_t weft__wire_encode(Weft__V1__Envelope *env, const weft_value_t *v,
                 continue;
             }
             weft_tensor_retain(t);
-            slices[nslices++] = grpc_slice_new_with_user_data(weft_tensor_data(t), nb,
-                                                              tensor_slice_release, t);
+            slices[nslices++] =
+                grpc_slice_new_with_user_data(weft_tensor_data(t), nb, tensor_slice_release, t);
         }
     }
     m->bb = grpc_raw_byte_buffer_create(slices, nslices);
@@ -257,10 +257,9 @@ static weft_status_t check_meta(const Weft__V1__TensorMeta *tm, size_t i, uint64
     }
     uint64_t es = weft_dtype_size((weft_dtype_t)tm->dtype);
     if ((uint64_t)numel > UINT64_MAX / es || (uint64_t)numel * es != tm->nbytes) {
-        return weft__set_error(WEFT_ERR_PROTOCOL,
-                               "wire: tensor %zu says %llu bytes but its shape holds %lld x %llu",
-                               i, (unsigned long long)tm->nbytes, (long long)numel,
-                               (unsigned long long)es);
+        return weft__set_error(
+            WEFT_ERR_PROTOCOL, "wire: tensor %zu says %llu bytes but its shape holds %lld x %llu",
+            i, (unsigned long long)tm->nbytes, (long long)numel, (unsigned long long)es);
     }
     *nbytes_p = tm->nbytes;
     return WEFT_OK;
@@ -375,10 +374,9 @@ weft_status_t weft__reader_envelope(weft__reader_t *r, uint64_t max_bytes,
     }
     r->body_left = body;
     if (max_bytes > 0 && 4 + elen + body > max_bytes) {
-        status = weft__set_error(WEFT_ERR_TOO_LARGE,
-                                 "wire: message of %llu bytes exceeds the limit of %llu bytes",
-                                 (unsigned long long)(4 + elen + body),
-                                 (unsigned long long)max_bytes);
+        status = weft__set_error(
+            WEFT_ERR_TOO_LARGE, "wire: message of %llu bytes exceeds the limit of %llu bytes",
+            (unsigned long long)(4 + elen + body), (unsigned long long)max_bytes);
         goto out_free_buf;
     }
     status = WEFT_OK;
@@ -462,8 +460,7 @@ grpc_byte_buffer *weft__wire_pack(const ProtobufCMessage *m)
     return bb;
 }
 
-weft_status_t weft__wire_flatten(grpc_byte_buffer *bb, size_t max, uint8_t **buf_p,
-                                 size_t *len_p)
+weft_status_t weft__wire_flatten(grpc_byte_buffer *bb, size_t max, uint8_t **buf_p, size_t *len_p)
 {
     cursor_t c;
     size_t n = grpc_byte_buffer_length(bb);

@@ -20,18 +20,24 @@ typedef struct weft_agent weft_agent_t;
 typedef struct weft_call weft_call_t;
 
 typedef struct {
-    const char *name;                /**< worker name; NULL: WEFT_NAME or "worker<rank>" */
-    int rank;                        /**< -1: from WEFT_RANK / RANK / SLURM_PROCID / OMPI_COMM_WORLD_RANK */
-    int world_size;                  /**< -1: from WEFT_WORLD_SIZE / WORLD_SIZE / SLURM_NTASKS / OMPI_COMM_WORLD_SIZE */
-    const char *master_addr;         /**< NULL: WEFT_MASTER_ADDR / MASTER_ADDR, else "127.0.0.1" */
-    int master_port;                 /**< -1: WEFT_MASTER_PORT / MASTER_PORT (rank 0 may use 0: any free port) */
-    const char *listen_host;         /**< host other ranks reach this one at; NULL: WEFT_LISTEN_HOST, else master_addr when it is loopback, else this host's name */
-    const char *auth_token;          /**< shared secret checked in every Hello; NULL: WEFT_AUTH_TOKEN or none */
-    int64_t rendezvous_timeout_ms;   /**< 0: WEFT_RENDEZVOUS_TIMEOUT_MS or 60000 */
-    int64_t default_timeout_ms;      /**< per-call deadline when a call gives 0; 0: WEFT_RPC_TIMEOUT_MS or 60000 */
-    int64_t peer_timeout_ms;         /**< failure detection bound; 0: WEFT_PEER_TIMEOUT_MS or 2000 */
-    int handler_threads;             /**< threads serving the transport and handlers; 0: WEFT_HANDLER_THREADS or 1 (one more is started whenever one blocks in a weft wait) */
-    int64_t max_message_bytes;       /**< largest message this rank accepts; 0: WEFT_MAX_MESSAGE_BYTES or 4 GiB - 1 (a gRPC message's limit) */
+    const char *name; /**< worker name; NULL: WEFT_NAME or "worker<rank>" */
+    int rank;         /**< -1: from WEFT_RANK / RANK / SLURM_PROCID / OMPI_COMM_WORLD_RANK */
+    int world_size; /**< -1: from WEFT_WORLD_SIZE / WORLD_SIZE / SLURM_NTASKS / OMPI_COMM_WORLD_SIZE
+                     */
+    const char *master_addr; /**< NULL: WEFT_MASTER_ADDR / MASTER_ADDR, else "127.0.0.1" */
+    int master_port; /**< -1: WEFT_MASTER_PORT / MASTER_PORT (rank 0 may use 0: any free port) */
+    const char *listen_host; /**< host other ranks reach this one at; NULL: WEFT_LISTEN_HOST, else
+                                master_addr when it is loopback, else this host's name */
+    const char
+        *auth_token; /**< shared secret checked in every Hello; NULL: WEFT_AUTH_TOKEN or none */
+    int64_t rendezvous_timeout_ms; /**< 0: WEFT_RENDEZVOUS_TIMEOUT_MS or 60000 */
+    int64_t default_timeout_ms; /**< per-call deadline when a call gives 0; 0: WEFT_RPC_TIMEOUT_MS
+                                   or 60000 */
+    int64_t peer_timeout_ms;    /**< failure detection bound; 0: WEFT_PEER_TIMEOUT_MS or 2000 */
+    int handler_threads; /**< threads serving the transport and handlers; 0: WEFT_HANDLER_THREADS or
+                            1 (one more is started whenever one blocks in a weft wait) */
+    int64_t max_message_bytes; /**< largest message this rank accepts; 0: WEFT_MAX_MESSAGE_BYTES or
+                                  4 GiB - 1 (a gRPC message's limit) */
 } weft_agent_opts_t;
 
 /** Fills @p opts with "take from the environment / default" markers. */

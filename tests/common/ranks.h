@@ -13,20 +13,20 @@ typedef void (*rank_setup_cb_t)(weft_agent_t *a, int rank, void *arg);
 
 typedef struct {
     int world;
-    int64_t deadline_ms;      /* whole run; ranks still alive then are killed (default 60000) */
-    int handler_threads;      /* 0: default */
-    int64_t peer_timeout_ms;  /* 0: default */
-    int64_t call_timeout_ms;  /* 0: default */
+    int64_t deadline_ms;     /* whole run; ranks still alive then are killed (default 60000) */
+    int handler_threads;     /* 0: default */
+    int64_t peer_timeout_ms; /* 0: default */
+    int64_t call_timeout_ms; /* 0: default */
     int64_t rendezvous_timeout_ms;
     uint64_t max_message_bytes;
     uint64_t max_message_bytes_rank1; /* rank 1's own limit, if set */
     const char *auth_token;
-    int no_direct_rank;               /* this rank runs with WEFT_DIRECT=0 (-1: none) */
+    int no_direct_rank; /* this rank runs with WEFT_DIRECT=0 (-1: none) */
     rank_setup_cb_t setup;
     rank_main_cb_t body;
     void *arg;
-    int skip_rank;            /* -1: none; this rank is never started (rendezvous tests) */
-    int no_shutdown;          /* 1: free the agent without the collective shutdown */
+    int skip_rank;   /* -1: none; this rank is never started (rendezvous tests) */
+    int no_shutdown; /* 1: free the agent without the collective shutdown */
     /* Called instead of body when join fails; returns the rank's exit code. */
     int (*join_failed)(int rank, weft_status_t st, const char *why, void *arg);
 } ranks_opts_t;

@@ -52,10 +52,10 @@ static void run_batch(grpc_call *call, grpc_completion_queue *cq, grpc_op *ops, 
 {
     int tag;
     if (grpc_call_start_batch(call, ops, n, &tag, NULL) == GRPC_CALL_OK) {
-        grpc_completion_queue_pluck(cq, &tag,
-                                    gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                                 gpr_time_from_seconds(10, GPR_TIMESPAN)),
-                                    NULL);
+        grpc_completion_queue_pluck(
+            cq, &tag,
+            gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_seconds(10, GPR_TIMESPAN)),
+            NULL);
     }
 }
 
@@ -69,9 +69,9 @@ int rawpeer_hello(const char *address, uint32_t version, int rank, int world, co
     grpc_channel_credentials_release(creds);
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
     grpc_call *call = grpc_channel_create_call(
-        ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, grpc_slice_from_static_string("/weft.v1.Agent/Stream"),
-        NULL, gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_seconds(15, GPR_TIMESPAN)),
-        NULL);
+        ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+        grpc_slice_from_static_string("/weft.v1.Agent/Stream"), NULL,
+        gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_seconds(15, GPR_TIMESPAN)), NULL);
     Weft__V1__Hello h = WEFT__V1__HELLO__INIT;
     Weft__V1__Envelope env = WEFT__V1__ENVELOPE__INIT;
     h.protocol_version = version;

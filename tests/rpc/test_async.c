@@ -41,8 +41,7 @@ static void chain(weft_call_t *call, void *arg)
     weft_value_create(&args);
     weft_value_set_payload(args, &next, sizeof(next));
     weft_future_t *f;
-    weft_status_t st =
-        weft_rpc_async(a, weft_call_caller_rank(call), "chain", args, 0, &f);
+    weft_status_t st = weft_rpc_async(a, weft_call_caller_rank(call), "chain", args, 0, &f);
     weft_value_free(args);
     if (st != WEFT_OK) {
         weft_call_fail(call, st, "%s", weft_last_error());

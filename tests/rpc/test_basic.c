@@ -103,12 +103,10 @@ static int body_errors(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(st == WEFT_ERR_INVALID_ARG, "remote error status %d", st);
     RANK_CHECK(strstr(weft_last_error(), "division by zero") != NULL, "text: %s",
                weft_last_error());
-    RANK_CHECK(strstr(weft_last_error(), "worker1") != NULL, "names worker: %s",
-               weft_last_error());
+    RANK_CHECK(strstr(weft_last_error(), "worker1") != NULL, "names worker: %s", weft_last_error());
     st = weft_rpc_sync(a, 1, "no_such_fn", NULL, 5000, &res);
     RANK_CHECK(st == WEFT_ERR_NO_SUCH_FUNCTION, "unknown fn status %d", st);
-    RANK_CHECK(strstr(weft_last_error(), "no_such_fn") != NULL, "names fn: %s",
-               weft_last_error());
+    RANK_CHECK(strstr(weft_last_error(), "no_such_fn") != NULL, "names fn: %s", weft_last_error());
     st = weft_rpc_sync_to(a, "nobody", "echo", NULL, 5000, &res);
     RANK_CHECK(st == WEFT_ERR_NOT_FOUND, "unknown worker %d", st);
     st = weft_rpc_sync(a, 7, "echo", NULL, 5000, &res);

@@ -63,8 +63,7 @@ static void setup(weft_agent_t *a, int rank, void *arg)
 static int body(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)arg;
-    RANK_CHECK(weft_agent_register_channel(a, CHANNEL, on_message, NULL) ==
-                   WEFT_ERR_ALREADY_EXISTS,
+    RANK_CHECK(weft_agent_register_channel(a, CHANNEL, on_message, NULL) == WEFT_ERR_ALREADY_EXISTS,
                "second registration");
     RANK_CHECK(weft_agent_register_channel(a, 0, on_message, NULL) == WEFT_ERR_INVALID_ARG,
                "channel 0");

@@ -156,11 +156,10 @@ static int body_killed(weft_agent_t *a, int rank, int world, void *arg)
     int64_t t0 = now_ms();
     weft_status_t st = weft_rpc_sync(a, 1, "die", NULL, 30000, NULL);
     int64_t took = now_ms() - t0;
-    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "call to a killed peer gave %s: %s",
-               weft_strerror(st), weft_last_error());
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "call to a killed peer gave %s: %s", weft_strerror(st),
+               weft_last_error());
     RANK_CHECK(took < 2000, "detected after %lld ms", (long long)took);
-    fprintf(stderr, "killed peer detected after %lld ms: %s\n", (long long)took,
-            weft_last_error());
+    fprintf(stderr, "killed peer detected after %lld ms: %s\n", (long long)took, weft_last_error());
     /* The other pending call to it fails too, and new calls fail at once. */
     RANK_CHECK(weft_future_wait(other, 5000) == WEFT_ERR_PEER_LOST, "other pending call: %s",
                weft_future_error(other));
@@ -206,8 +205,7 @@ static int body_frozen(weft_agent_t *a, int rank, int world, void *arg)
     kill(pid, SIGKILL);
     RANK_CHECK(st == WEFT_ERR_PEER_LOST, "call to a frozen peer gave %s: %s", weft_strerror(st),
                weft_last_error());
-    fprintf(stderr, "frozen peer detected after %lld ms: %s\n", (long long)took,
-            weft_last_error());
+    fprintf(stderr, "frozen peer detected after %lld ms: %s\n", (long long)took, weft_last_error());
     RANK_CHECK(took < 10000, "detected after %lld ms", (long long)took);
     return 0;
 }
@@ -370,8 +368,7 @@ static int body_drain(weft_agent_t *a, int rank, int world, void *arg)
     }
     weft_future_t *fs[6];
     for (int i = 0; i < 6; i++) {
-        RANK_CHECK(weft_rpc_async(a, 1 + i % 2, "slow", NULL, 20000, &fs[i]) == WEFT_OK,
-                   "async");
+        RANK_CHECK(weft_rpc_async(a, 1 + i % 2, "slow", NULL, 20000, &fs[i]) == WEFT_OK, "async");
     }
     weft_status_t st = weft_agent_shutdown(a, 20000);
     RANK_CHECK(st == WEFT_OK, "shutdown: %s", weft_last_error());

@@ -105,9 +105,9 @@ static int body_sizes(weft_agent_t *a, int rank, int world, void *arg)
     if (rank != 0) {
         return 0;
     }
-    const size_t sizes[] = {0,        1,        7,         4095,       4096,      16383,
-                            16384,    65537,    1u << 20,  (1u << 20) + 3, 16u << 20,
-                            64u << 20, 256u << 20};
+    const size_t sizes[] = {0,         1,         7,         4095,     4096,
+                            16383,     16384,     65537,     1u << 20, (1u << 20) + 3,
+                            16u << 20, 64u << 20, 256u << 20};
     for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++) {
         int64_t n = (int64_t)sizes[k];
         weft_tensor_t *t;
