@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "counting_alloc.h"
 #include "internal.h"
 
 static const int all_values[] = {
@@ -120,30 +121,7 @@ Test(status, last_error_is_thread_local)
 
 /* ---- allocator ---- */
 
-static atomic_long n_alloc;
-static atomic_long n_free;
-
-static void *count_malloc(size_t size, void *ctx)
-{
-    (void)ctx;
-    atomic_fetch_add(&n_alloc, 1);
-    return malloc(size);
-}
-
-static void *count_realloc(void *p, size_t size, void *ctx)
-{
-    (void)ctx;
-    return realloc(p, size);
-}
-
-static void count_free(void *p, void *ctx)
-{
-    (void)ctx;
-    atomic_fetch_add(&n_free, 1);
-    free(p);
-}
-
-static const weft_allocator_t counting = {count_malloc, count_realloc, count_free, NULL};
+/* n_alloc, n_free, counting, use_counting, check_balanced */
 
 Test(alloc, zero_size_gives_unique_pointers)
 {
