@@ -623,6 +623,26 @@ weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name, in
     return weft__set_error(WEFT_ERR_NOT_FOUND, "no worker named '%s' in this world", name);
 }
 
+/* Waits until at most @p target streams are alive or @p deadline_ns passes;
+ * returns how many are left. */
+static int wait_streams(weft_agent_t *a, int target, int64_t deadline_ns)
+{
+    pthread_mutex_lock(&a->streams_mu);
+    while (a->nstreams > target && weft__now_ns() < deadline_ns) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20000000;
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&a->streams_cv, &a->streams_mu, &ts);
+    }
+    int left = a->nstreams;
+    pthread_mutex_unlock(&a->streams_mu);
+    return left;
+}
+
 /* Closes every stream and the server, then the queue and the threads. */
 static void close_transport(weft_agent_t *a, int64_t deadline_ns)
 {
@@ -637,26 +657,12 @@ static void close_transport(weft_agent_t *a, int64_t deadline_ns)
         pthread_mutex_unlock(&p->mu);
     }
     /* Wait for the streams to end gracefully, each side closing its own. */
-    pthread_mutex_lock(&a->streams_mu);
+    /* Our client streams stay referenced by their peers until free: wait for the rest. */
     int held = 0;
     for (int i = 0; i < a->world_size; i++) {
         held += a->peers[i].stream != NULL ? 1 : 0;
     }
-    while (a->nstreams > held && weft__now_ns() < deadline_ns) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 20000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
-        pthread_cond_timedwait(&a->streams_cv, &a->streams_mu, &ts);
-        held = 0;
-        for (int i = 0; i < a->world_size; i++) {
-            held += a->peers[i].stream != NULL ? 1 : 0;
-        }
-    }
-    pthread_mutex_unlock(&a->streams_mu);
+    (void)wait_streams(a, held, deadline_ns);
 }
 
 weft_status_t weft_agent_shutdown(weft_agent_t *a, int64_t timeout_ms)
@@ -727,22 +733,10 @@ void weft_agent_free(weft_agent_t *a)
     if (a->cq != NULL) {
         weft__pending_fail_all(a, WEFT_ERR_SHUTDOWN, "the agent was closed");
         /* Wait (bounded) for every stream's operations to come back through the queue. */
-        pthread_mutex_lock(&a->streams_mu);
-        int64_t dl = weft__now_ns() + 10000 * 1000000LL;
-        while (a->nstreams > 0 && weft__now_ns() < dl) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 20000000;
-            if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000;
-            }
-            pthread_cond_timedwait(&a->streams_cv, &a->streams_mu, &ts);
+        int left = wait_streams(a, 0, weft__now_ns() + 10000 * 1000000LL);
+        if (left > 0) {
+            WEFT_WARN("%d streams still open at close", left);
         }
-        if (a->nstreams > 0) {
-            WEFT_WARN("%d streams still open at close", a->nstreams);
-        }
-        pthread_mutex_unlock(&a->streams_mu);
         for (int i = 0; a->peers != NULL && i < a->world_size; i++) {
             if (a->peers[i].channel != NULL) {
                 grpc_channel_destroy(a->peers[i].channel);

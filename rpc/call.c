@@ -1,6 +1,7 @@
 /* Calls: the registry of functions, incoming calls and their replies,
  * outgoing calls (pending table, deadlines), module channel sends. */
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -377,16 +378,18 @@ void weft__pending_fail_id(weft_agent_t *a, int peer, uint64_t id, weft_status_t
 }
 
 /* Fails every pending call matching @p rank (-1: all). */
-static void fail_matching(weft_agent_t *a, int rank, weft_status_t st, const char *why)
+/* Takes out every pending call to @p rank (-1: any rank) whose deadline is at or
+ * before @p due_ns (INT64_MAX: any deadline); returns them as a list. */
+static weft__pending_t *take_matching(weft_agent_t *a, int rank, int64_t due_ns)
 {
     weft__pending_t *list = NULL;
 
     pthread_mutex_lock(&a->pend_mu);
-    for (size_t b = 0; b < WEFT__PENDING_BUCKETS; b++) {
+    for (size_t b = 0; a->npending > 0 && b < WEFT__PENDING_BUCKETS; b++) {
         weft__pending_t **pp = &a->pending[b];
         while (*pp != NULL) {
             weft__pending_t *p = *pp;
-            if (rank < 0 || p->peer == rank) {
+            if ((rank < 0 || p->peer == rank) && p->deadline_ns <= due_ns) {
                 *pp = p->next;
                 a->npending--;
                 if (!p->internal) {
@@ -403,6 +406,13 @@ static void fail_matching(weft_agent_t *a, int rank, weft_status_t st, const cha
         pthread_cond_broadcast(&a->pend_cv);
     }
     pthread_mutex_unlock(&a->pend_mu);
+    return list;
+}
+
+static void fail_matching(weft_agent_t *a, int rank, weft_status_t st, const char *why)
+{
+    weft__pending_t *list = take_matching(a, rank, INT64_MAX);
+
     while (list != NULL) {
         weft__pending_t *next = list->next;
         char text[1024];
@@ -425,35 +435,8 @@ void weft__pending_fail_all(weft_agent_t *a, weft_status_t st, const char *why)
 
 void weft__pending_sweep(weft_agent_t *a)
 {
-    int64_t now = weft__now_ns();
-    weft__pending_t *list = NULL;
+    weft__pending_t *list = take_matching(a, -1, weft__now_ns());
 
-    pthread_mutex_lock(&a->pend_mu);
-    if (a->npending == 0) {
-        pthread_mutex_unlock(&a->pend_mu);
-        return;
-    }
-    for (size_t b = 0; b < WEFT__PENDING_BUCKETS; b++) {
-        weft__pending_t **pp = &a->pending[b];
-        while (*pp != NULL) {
-            weft__pending_t *p = *pp;
-            if (p->deadline_ns <= now) {
-                *pp = p->next;
-                a->npending--;
-                if (!p->internal) {
-                    atomic_fetch_sub(&a->pending_user, 1);
-                }
-                p->next = list;
-                list = p;
-            } else {
-                pp = &p->next;
-            }
-        }
-    }
-    if (a->npending == 0) {
-        pthread_cond_broadcast(&a->pend_cv);
-    }
-    pthread_mutex_unlock(&a->pend_mu);
     while (list != NULL) {
         weft__pending_t *next = list->next;
         char text[512];
