@@ -6,9 +6,11 @@
 #include <weft/alloc.h>
 #include <weft/log.h>
 #include <weft/tensor.h>
+#include <weft/reduce.h>
 #include <weft/value.h>
 #include <weft/future.h>
 #include <weft/pool.h>
 #include <weft/rpc.h>
+#include <weft/collectives.h>
 
 #endif

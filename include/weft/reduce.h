@@ -1,0 +1,94 @@
+/*
+ * Element-wise reduction kernels (the arithmetic of the collectives) and f16/bf16 conversions.
+ * On x86-64 CPUs with F16C (f16) or AVX2 (bf16) the half-precision kernels use vector paths,
+ * chosen at first use; they give the same results (NaN payloads aside). WEFT_REDUCE_SIMD=0 in the
+ * environment keeps the portable kernels.
+ */
+#ifndef WEFT_REDUCE_H
+#define WEFT_REDUCE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <weft/status.h>
+#include <weft/tensor.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Values cross the wire: never renumber. */
+typedef enum {
+    WEFT_SUM = 0,
+    WEFT_AVG = 1,
+    WEFT_PRODUCT = 2,
+    WEFT_MIN = 3,
+    WEFT_MAX = 4,
+    WEFT_BAND = 5,
+    WEFT_BOR = 6,
+    WEFT_BXOR = 7,
+    WEFT_REDUCE_OP_COUNT = 8,
+} weft_reduce_op_t;
+
+/** "sum", "avg", "product", "min", "max", "band", "bor", "bxor"; "invalid" for another value.
+ * Thread-safe. */
+const char *weft_reduce_op_name(weft_reduce_op_t op);
+
+/**
+ * Whether @p op applies to @p dtype. Reductions take f32 f64 f16 bf16 i8 i32 i64 u8; bool is
+ * refused. Bitwise ops (band, bor, bxor) apply to the integer dtypes only. Records the reason for
+ * weft_last_error() on failure ("reduce: bxor applies to integer dtypes, not f32"). Thread-safe.
+ * @return WEFT_OK; WEFT_ERR_INVALID_ARG for an op or dtype outside its enum; WEFT_ERR_DTYPE for
+ *         bool, or a bitwise op on a floating dtype.
+ */
+weft_status_t weft_reduce_check(weft_reduce_op_t op, weft_dtype_t dtype);
+
+/**
+ * dst[i] = dst[i] (op) src[i] for i < n. AVG reduces as SUM does: scale once afterwards with
+ * weft_reduce_finish. Integer sum and product wrap around; float min/max give NaN when either
+ * operand is NaN; f16/bf16 compute each element in f32 and round back to nearest even.
+ * The pair must pass weft_reduce_check; a pair it refuses leaves @p dst unchanged.
+ * @param[in,out] dst n elements; borrowed for the call.
+ * @param[in] src n elements; borrowed for the call. It may be @p dst itself but may not overlap
+ *            it otherwise.
+ * Thread-safe (on buffers no other thread writes).
+ */
+void weft_reduce_into(void *dst, const void *src, size_t n, weft_dtype_t dtype,
+                      weft_reduce_op_t op);
+
+/**
+ * dst[i] = a[i] (op) b[i] for i < n, out of place: reduces straight from a received buffer into
+ * the output. Same arithmetic and preconditions as weft_reduce_into.
+ * @param[out] dst n elements; borrowed for the call. It may be @p a or @p b (or both) but may
+ *             not overlap either otherwise.
+ * @param[in] a, b n elements each; borrowed for the call; they may be the same buffer.
+ * Thread-safe (on buffers no other thread writes).
+ */
+void weft_reduce_to(void *dst, const void *a, const void *b, size_t n, weft_dtype_t dtype,
+                    weft_reduce_op_t op);
+
+/**
+ * Completes a reduction of @p count contributions. AVG divides every element by @p count: floats
+ * by IEEE division correctly rounded to the dtype, integers truncating toward zero as C does.
+ * Other ops, and count <= 1, leave @p dst unchanged.
+ * @param[in,out] dst n elements; borrowed for the call.
+ * @param[in] count number of contributions, >= 1.
+ * Thread-safe (on buffers no other thread writes).
+ */
+void weft_reduce_finish(void *dst, size_t n, weft_dtype_t dtype, weft_reduce_op_t op, int count);
+
+/** IEEE binary16 bits to f32 (exact: subnormals, infinities; NaN stays NaN). Thread-safe. */
+float weft_f16_to_f32(uint16_t h);
+/** f32 to IEEE binary16 bits, rounding to nearest even: overflow gives inf, small values
+ * subnormals or zero, NaN a quiet NaN of the same sign. Thread-safe. */
+uint16_t weft_f32_to_f16(float f);
+/** bfloat16 bits to f32 (exact). Thread-safe. */
+float weft_bf16_to_f32(uint16_t h);
+/** f32 to bfloat16 bits, rounding to nearest even: overflow gives inf, NaN a quiet NaN with the
+ * same sign and leading payload bits. Thread-safe. */
+uint16_t weft_f32_to_bf16(float f);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
