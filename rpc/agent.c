@@ -407,6 +407,31 @@ void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const ch
     pthread_rwlock_unlock(&a->reg_mu);
 }
 
+weft_status_t weft_agent_module(weft_agent_t *a, uint32_t channel, weft_module_create_cb_t create,
+                                weft_module_destroy_cb_t destroy, void **state_p)
+{
+    weft_status_t st = WEFT_OK;
+
+    if (a == NULL || create == NULL || state_p == NULL || channel < 1 ||
+        channel > WEFT_CHANNEL_MAX) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_module: bad argument");
+    }
+    pthread_mutex_lock(&a->module_mu);
+    if (a->module_state[channel] == NULL) {
+        void *state = NULL;
+        st = create(a, &state);
+        if (st == WEFT_OK) {
+            a->module_state[channel] = state;
+            a->module_destroy[channel] = destroy;
+        }
+    }
+    if (st == WEFT_OK) {
+        *state_p = a->module_state[channel];
+    }
+    pthread_mutex_unlock(&a->module_mu);
+    return st;
+}
+
 weft_status_t weft_agent_on_peer_lost(weft_agent_t *a, weft_peer_lost_cb_t cb, void *arg)
 {
     if (a == NULL || cb == NULL) {
@@ -454,6 +479,8 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
     pthread_mutex_init(&a->streams_mu, NULL);
     pthread_cond_init(&a->streams_cv, NULL);
     pthread_mutex_init(&a->sd_mu, NULL);
+    pthread_mutex_init(&a->module_mu, NULL);
+    pthread_mutex_init(&a->chan_mu, NULL);
     atomic_init(&a->state, WEFT__AGENT_CREATED);
     atomic_init(&a->next_request_id, 1);
     WEFT_CHECK_GOTO(weft_future_create(&a->join_done), st, err_free_agent);
@@ -778,6 +805,13 @@ void weft_agent_free(weft_agent_t *a)
         grpc_server_destroy(a->server);
     }
     weft__shutdown_free(a);
+    /* Upper modules' state, now that nothing can call into it any more. */
+    for (int c = 0; c <= WEFT_CHANNEL_MAX; c++) {
+        if (a->module_state[c] != NULL && a->module_destroy[c] != NULL) {
+            a->module_destroy[c](a->module_state[c]);
+        }
+        a->module_state[c] = NULL;
+    }
     if (a->server != NULL) {
         pthread_mutex_lock(&grpc_init_mu);
         grpc_shutdown();
@@ -820,5 +854,13 @@ void weft_agent_free(weft_agent_t *a)
     pthread_mutex_destroy(&a->streams_mu);
     pthread_cond_destroy(&a->streams_cv);
     pthread_mutex_destroy(&a->sd_mu);
+    pthread_mutex_destroy(&a->module_mu);
+    while (a->early_head != NULL) {
+        weft__early_t *e = a->early_head;
+        a->early_head = e->next;
+        weft_value_free(e->v);
+        weft_free(e);
+    }
+    pthread_mutex_destroy(&a->chan_mu);
     weft_free(a);
 }

@@ -63,15 +63,64 @@ weft_status_t weft_agent_register_channel(weft_agent_t *a, uint32_t channel, wef
                                "register_channel: channel %u out of 1..%d or NULL callback",
                                channel, WEFT_CHANNEL_MAX);
     }
-    pthread_rwlock_wrlock(&a->reg_mu);
+    pthread_mutex_lock(&a->chan_mu);
     if (a->channel_cb[channel] != NULL) {
-        pthread_rwlock_unlock(&a->reg_mu);
+        pthread_mutex_unlock(&a->chan_mu);
         return weft__set_error(WEFT_ERR_ALREADY_EXISTS, "register_channel: %u is taken", channel);
     }
     a->channel_cb[channel] = cb;
     a->channel_arg[channel] = arg;
-    pthread_rwlock_unlock(&a->reg_mu);
+    /* Messages that came first are delivered now, in the order they came; deliveries
+     * racing with this wait on chan_mu, so they come after. */
+    weft__early_t **pp = &a->early_head;
+    a->early_tail = NULL;
+    while (*pp != NULL) {
+        weft__early_t *e = *pp;
+        if (e->channel == channel) {
+            *pp = e->next;
+            a->nearly--;
+            cb(a, e->src, e->v, arg);
+            weft_free(e);
+        } else {
+            a->early_tail = e;
+            pp = &e->next;
+        }
+    }
+    atomic_store(&a->chan_ready[channel], true);
+    pthread_mutex_unlock(&a->chan_mu);
     return WEFT_OK;
+}
+
+void weft__channel_deliver(weft_agent_t *a, uint32_t channel, int src, weft_value_t *v)
+{
+    if (!atomic_load(&a->chan_ready[channel])) {
+        pthread_mutex_lock(&a->chan_mu);
+        if (!atomic_load(&a->chan_ready[channel])) {
+            weft__early_t *e = a->nearly < WEFT__EARLY_MAX ? weft_alloc(sizeof(*e)) : NULL;
+            if (e == NULL) {
+                pthread_mutex_unlock(&a->chan_mu);
+                WEFT_WARN("dropped a message on unregistered channel %u from rank %d", channel,
+                          src);
+                weft_value_free(v);
+                return;
+            }
+            e->next = NULL;
+            e->channel = channel;
+            e->src = src;
+            e->v = v;
+            if (a->early_tail == NULL) {
+                a->early_head = a->early_tail = e;
+            } else {
+                a->early_tail->next = e;
+                a->early_tail = e;
+            }
+            a->nearly++;
+            pthread_mutex_unlock(&a->chan_mu);
+            return;
+        }
+        pthread_mutex_unlock(&a->chan_mu);
+    }
+    a->channel_cb[channel](a, src, v, a->channel_arg[channel]);
 }
 
 /* ------------------------------------------------------------ incoming calls */

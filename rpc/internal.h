@@ -204,7 +204,16 @@ struct weft_agent {
     weft__fn_t *fns;
     weft_channel_cb_t channel_cb[WEFT_CHANNEL_MAX + 1];
     void *channel_arg[WEFT_CHANNEL_MAX + 1];
+    /* one-way messages that came before their channel was registered */
+    pthread_mutex_t chan_mu;
+    _Atomic bool chan_ready[WEFT_CHANNEL_MAX + 1];
+    struct weft__early *early_head, *early_tail;
+    int nearly;
     weft__listener_t *listeners;
+    /* upper modules' per-agent state, by channel */
+    pthread_mutex_t module_mu;
+    void *module_state[WEFT_CHANNEL_MAX + 1];
+    weft_module_destroy_cb_t module_destroy[WEFT_CHANNEL_MAX + 1];
 
     /* outgoing calls */
     pthread_mutex_t pend_mu;
@@ -231,6 +240,17 @@ struct weft_agent {
     pthread_mutex_t sd_mu;
     struct weft__sd_state *sd;
 };
+
+/* A one-way message kept until its channel is registered (at most WEFT__EARLY_MAX). */
+#define WEFT__EARLY_MAX 65536
+typedef struct weft__early {
+    struct weft__early *next;
+    uint32_t channel;
+    int src;
+    weft_value_t *v;
+} weft__early_t;
+/* Delivers a one-way message to its channel, or keeps it until the channel exists. */
+void weft__channel_deliver(weft_agent_t *a, uint32_t channel, int src, weft_value_t *v);
 
 /* agent.c */
 void weft__agent_request_more(weft_agent_t *a);

@@ -474,26 +474,14 @@ static void deliver_oneway(weft__stream_t *s, Weft__V1__Envelope *env, weft_valu
 {
     weft_agent_t *a = s->agent;
     uint32_t ch = env->channel;
-    weft_channel_cb_t cb = NULL;
-    void *arg = NULL;
 
-    if (ch >= 1 && ch <= WEFT_CHANNEL_MAX) {
-        pthread_rwlock_rdlock(&a->reg_mu);
-        cb = a->channel_cb[ch];
-        arg = a->channel_arg[ch];
-        pthread_rwlock_unlock(&a->reg_mu);
-    }
-    if (st != WEFT_OK) {
+    if (st != WEFT_OK || ch < 1 || ch > WEFT_CHANNEL_MAX) {
         WEFT_WARN("dropped a message on channel %u from rank %d: %s", ch, weft__stream_peer(s),
-                  weft_last_error());
+                  st != WEFT_OK ? weft_last_error() : "no such channel");
         weft_value_free(v);
-    } else if (cb == NULL) {
-        WEFT_WARN("dropped a message on unregistered channel %u from rank %d", ch,
-                  weft__stream_peer(s));
-        weft_value_free(v);
-    } else {
-        cb(a, weft__stream_peer(s), v, arg);
+        return;
     }
+    weft__channel_deliver(a, ch, weft__stream_peer(s), v);
 }
 
 typedef struct {

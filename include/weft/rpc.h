@@ -201,6 +201,18 @@ weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
 /** Adds a listener for lost peers. */
 weft_status_t weft_agent_on_peer_lost(weft_agent_t *a, weft_peer_lost_cb_t cb, void *arg);
 
+/** Makes a module's state for @p a (see weft_agent_module). */
+typedef weft_status_t (*weft_module_create_cb_t)(weft_agent_t *a, void **state_p);
+/** Frees a module's state at weft_agent_free, once the transport is closed. */
+typedef void (*weft_module_destroy_cb_t)(void *state);
+/**
+ * The state of the module that owns @p channel, created on first use by
+ * @p create (once, under a lock) and freed by @p destroy when the agent is
+ * freed. Lets upper modules keep per-agent state without the agent knowing them.
+ */
+weft_status_t weft_agent_module(weft_agent_t *a, uint32_t channel, weft_module_create_cb_t create,
+                                weft_module_destroy_cb_t destroy, void **state_p);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,610 @@
+/* The per-agent context of the collectives: the channel they speak on, the
+ * mailbox of received pieces, aborts and lost ranks; sending and receiving a
+ * piece of an operation; point-to-point delivery. */
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "internal.h"
+
+/* ------------------------------------------------------------ context */
+
+static void ctx_destroy(void *state)
+{
+    coll_ctx_t *ctx = state;
+
+    while (ctx->msgs != NULL) {
+        coll_msg_t *m = ctx->msgs;
+        ctx->msgs = m->next;
+        coll__msg_free(m);
+    }
+    while (ctx->precvs != NULL) {
+        coll_precv_t *p = ctx->precvs;
+        ctx->precvs = p->next;
+        weft_future_complete(p->f, WEFT_ERR_SHUTDOWN, "the agent was closed", NULL);
+        weft_future_release(p->f);
+        weft_tensor_release(p->dst);
+        weft_free(p);
+    }
+    while (ctx->aborts != NULL) {
+        coll_abort_t *x = ctx->aborts;
+        ctx->aborts = x->next;
+        weft_free(x->why);
+        weft_free(x);
+    }
+    int n = weft_agent_world_size(ctx->agent);
+    for (int i = 0; i < n; i++) {
+        weft_free(ctx->why[i]);
+    }
+    weft_free(ctx->why);
+    weft_free(ctx->lost);
+    weft_free(ctx->groups);
+    pthread_mutex_destroy(&ctx->mu);
+    pthread_cond_destroy(&ctx->cv);
+    weft_free(ctx);
+}
+
+void coll__msg_free(coll_msg_t *m)
+{
+    if (m == NULL) {
+        return;
+    }
+    weft__v1__coll_header__free_unpacked(m->hdr, NULL);
+    weft_value_free(m->value);
+    weft_free(m);
+}
+
+weft_tensor_t *coll__msg_tensor(const coll_msg_t *m)
+{
+    return weft_value_tensor(m->value, 0);
+}
+
+/* Completes a posted receive with a matching message. Called without ctx->mu. */
+static void deliver_p2p(coll_precv_t *p, coll_msg_t *m)
+{
+    weft_tensor_t *t = coll__msg_tensor(m);
+    size_t want = weft_tensor_nbytes(p->dst);
+
+    if (t == NULL ? want != 0
+                  : weft_tensor_dtype(t) != weft_tensor_dtype(p->dst) ||
+                        weft_tensor_numel(t) != weft_tensor_numel(p->dst)) {
+        weft_future_fail(p->f, WEFT_ERR_MISMATCH,
+                         "recv: rank %u sent %lld elements of %s with tag %d, this rank expects "
+                         "%lld of %s",
+                         m->hdr->src, t == NULL ? 0LL : (long long)weft_tensor_numel(t),
+                         t == NULL ? "-" : weft_dtype_name(weft_tensor_dtype(t)), m->hdr->tag,
+                         (long long)weft_tensor_numel(p->dst),
+                         weft_dtype_name(weft_tensor_dtype(p->dst)));
+    } else {
+        if (want > 0) {
+            memcpy(weft_tensor_data(p->dst), weft_tensor_data(t), want);
+        }
+        weft_value_t *v = NULL;
+        int src = (int)m->hdr->src;
+        if (weft_value_create(&v) == WEFT_OK) {
+            weft_value_set_payload(v, &src, sizeof(src));
+        }
+        weft_future_complete(p->f, WEFT_OK, NULL, v);
+    }
+    weft_future_release(p->f);
+    weft_tensor_release(p->dst);
+    weft_free(p);
+    coll__msg_free(m);
+}
+
+static bool p2p_matches(const coll_precv_t *p, const Weft__V1__CollHeader *h)
+{
+    return h->op == WEFT__V1__COLL_OP__COLL_OP_P2P && h->group == p->group &&
+           (p->src == WEFT_ANY_SOURCE || (uint32_t)p->src == h->src) && h->tag == p->tag;
+}
+
+static void on_message(weft_agent_t *a, int src_world, weft_value_t *msg, void *arg)
+{
+    coll_ctx_t *ctx = arg;
+    size_t len;
+    const void *pl = weft_value_payload(msg, &len);
+    Weft__V1__CollHeader *h =
+        pl != NULL ? weft__v1__coll_header__unpack(NULL, len, pl) : NULL;
+
+    (void)a;
+    if (h == NULL || h->version != COLL_VERSION) {
+        WEFT_WARN("collectives: dropped an unreadable message from rank %d", src_world);
+        if (h != NULL) {
+            weft__v1__coll_header__free_unpacked(h, NULL);
+        }
+        weft_value_free(msg);
+        return;
+    }
+    if (h->kind == WEFT__V1__COLL_KIND__COLL_ABORT) {
+        coll_abort_t *x = weft_calloc(1, sizeof(*x));
+        if (x != NULL) {
+            x->group = h->group;
+            x->seq = h->seq;
+            x->why = weft_strdup(h->error != NULL ? h->error : "aborted");
+            pthread_mutex_lock(&ctx->mu);
+            x->next = ctx->aborts;
+            ctx->aborts = x;
+            pthread_cond_broadcast(&ctx->cv);
+            pthread_mutex_unlock(&ctx->mu);
+        }
+        weft__v1__coll_header__free_unpacked(h, NULL);
+        weft_value_free(msg);
+        return;
+    }
+    coll_msg_t *m = weft_calloc(1, sizeof(*m));
+    if (m == NULL) {
+        weft__v1__coll_header__free_unpacked(h, NULL);
+        weft_value_free(msg);
+        return;
+    }
+    m->hdr = h;
+    m->value = msg;
+    pthread_mutex_lock(&ctx->mu);
+    if (h->op == WEFT__V1__COLL_OP__COLL_OP_P2P) {
+        /* The oldest matching posted receive takes it. */
+        coll_precv_t **pp = &ctx->precvs;
+        coll_precv_t *hit = NULL;
+        while (*pp != NULL) {
+            if (p2p_matches(*pp, h)) {
+                hit = *pp;
+                *pp = hit->next;
+                break;
+            }
+            pp = &(*pp)->next;
+        }
+        if (hit != NULL) {
+            pthread_mutex_unlock(&ctx->mu);
+            deliver_p2p(hit, m);
+            return;
+        }
+    }
+    /* Kept in arrival order (the oldest first) until an operation takes it. */
+    coll_msg_t **tail = &ctx->msgs;
+    while (*tail != NULL) {
+        tail = &(*tail)->next;
+    }
+    *tail = m;
+    pthread_cond_broadcast(&ctx->cv);
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+static void on_lost(weft_agent_t *a, int rank, const char *why, void *arg)
+{
+    coll_ctx_t *ctx = arg;
+    coll_precv_t *fail = NULL;
+
+    (void)a;
+    pthread_mutex_lock(&ctx->mu);
+    ctx->lost[rank] = true;
+    weft_free(ctx->why[rank]);
+    ctx->why[rank] = weft_strdup(why);
+    /* Posted receives that can only be served by the lost rank fail now. */
+    coll_precv_t **pp = &ctx->precvs;
+    while (*pp != NULL) {
+        coll_precv_t *p = *pp;
+        int from = p->src == WEFT_ANY_SOURCE ? -1 : p->g->world[p->src];
+        if (from == rank || (p->src == WEFT_ANY_SOURCE && p->g->size == 2)) {
+            *pp = p->next;
+            p->next = fail;
+            fail = p;
+        } else {
+            pp = &p->next;
+        }
+    }
+    pthread_cond_broadcast(&ctx->cv);
+    pthread_mutex_unlock(&ctx->mu);
+    while (fail != NULL) {
+        coll_precv_t *next = fail->next;
+        weft_future_fail(fail->f, WEFT_ERR_PEER_LOST, "recv: rank %d was lost: %s", rank, why);
+        weft_future_release(fail->f);
+        weft_tensor_release(fail->dst);
+        weft_free(fail);
+        fail = next;
+    }
+}
+
+static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
+{
+    int n = weft_agent_world_size(a);
+    coll_ctx_t *ctx = weft_calloc(1, sizeof(*ctx));
+
+    if (ctx == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: no memory");
+    }
+    ctx->agent = a;
+    ctx->lost = weft_calloc((size_t)n, sizeof(bool));
+    ctx->why = weft_calloc((size_t)n, sizeof(char *));
+    pthread_mutex_init(&ctx->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&ctx->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (ctx->lost == NULL || ctx->why == NULL) {
+        ctx_destroy(ctx);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: no memory");
+    }
+    weft_status_t st = weft_agent_register_channel(a, WEFT_CHANNEL_COLLECTIVES, on_message, ctx);
+    if (st == WEFT_OK) {
+        st = weft_agent_on_peer_lost(a, on_lost, ctx);
+    }
+    if (st != WEFT_OK) {
+        ctx_destroy(ctx);
+        return st;
+    }
+    *state_p = ctx;
+    return WEFT_OK;
+}
+
+weft_status_t coll__ctx(weft_agent_t *a, coll_ctx_t **ctx_p)
+{
+    void *state;
+    WEFT_CHECK(weft_agent_module(a, WEFT_CHANNEL_COLLECTIVES, ctx_create, ctx_destroy, &state));
+    *ctx_p = state;
+    return WEFT_OK;
+}
+
+/* ------------------------------------------------------------ pieces of operations */
+
+const char *coll__kind_name(coll_kind_t k)
+{
+    switch ((int)k) {
+    case OP_BARRIER:
+        return "barrier";
+    case OP_BROADCAST:
+        return "broadcast";
+    case OP_ALL_REDUCE:
+        return "all_reduce";
+    case WEFT__V1__COLL_OP__COLL_OP_P2P:
+        return "send/recv";
+    default:
+        return "unknown";
+    }
+}
+
+static void release_cb(void *data, void *arg)
+{
+    (void)data;
+    weft_future_complete(arg, WEFT_OK, NULL, NULL);
+    weft_future_release(arg);
+}
+
+/* Packs @p h into a value with @p data (borrowed; *released_p tells when). */
+static weft_status_t send_header(coll_group_t *g, int dst, Weft__V1__CollHeader *h, void *data,
+                                 size_t count, weft_dtype_t dtype, weft_future_t **released_p)
+{
+    weft_status_t st;
+    weft_value_t *v;
+    weft_future_t *rel = NULL;
+
+    WEFT_CHECK(weft_value_create(&v));
+    size_t n = weft__v1__coll_header__get_packed_size(h);
+    uint8_t *buf = weft_alloc(n == 0 ? 1 : n);
+    if (buf == NULL) {
+        weft_value_free(v);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: no memory");
+    }
+    weft__v1__coll_header__pack(h, buf);
+    st = weft_value_take_payload(v, buf, n);
+    if (st != WEFT_OK) {
+        weft_free(buf);
+        weft_value_free(v);
+        return st;
+    }
+    if (data != NULL) {
+        weft_tensor_t *t;
+        int64_t cnt = (int64_t)count;
+        WEFT_CHECK_GOTO(weft_future_create(&rel), st, err_free_value);
+        st = weft_tensor_wrap(dtype, 1, &cnt, data, count * weft_dtype_size(dtype), WEFT_CPU,
+                              release_cb, weft_future_retain(rel), &t);
+        if (st != WEFT_OK) {
+            weft_future_release(rel); /* the retain for the callback */
+            goto err_free_future;
+        }
+        st = weft_value_push_tensor(v, t);
+        if (st != WEFT_OK) {
+            weft_tensor_release(t);
+            goto err_free_future;
+        }
+    }
+    st = weft_agent_send(g->ctx->agent, g->world[dst], WEFT_CHANNEL_COLLECTIVES, v, NULL);
+    weft_value_free(v); /* the transport holds its own references to the bytes */
+    if (released_p != NULL) {
+        *released_p = rel;
+    } else if (rel != NULL) {
+        weft_future_release(rel);
+    }
+    return st;
+
+err_free_future:
+    weft_future_release(rel);
+err_free_value:
+    weft_value_free(v);
+    return st;
+}
+
+weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, int dst,
+                         void *data, size_t count, weft_dtype_t dtype, weft_future_t **released_p)
+{
+    Weft__V1__CollHeader h = WEFT__V1__COLL_HEADER__INIT;
+
+    h.version = COLL_VERSION;
+    h.kind = WEFT__V1__COLL_KIND__COLL_DATA;
+    h.group = g->id;
+    h.group_hash = g->hash;
+    h.seq = d->seq;
+    h.step = step;
+    h.src = (uint32_t)g->rank;
+    h.op = (Weft__V1__CollOp)d->kind;
+    h.dtype = (int32_t)d->dtype;
+    h.reduce_op = (int32_t)d->rop;
+    h.root = d->root;
+    h.count = d->count;
+    return send_header(g, dst, &h, data, count, dtype, released_p);
+}
+
+void coll__abort(coll_group_t *g, uint64_t seq, const char *why)
+{
+    Weft__V1__CollHeader h = WEFT__V1__COLL_HEADER__INIT;
+
+    h.version = COLL_VERSION;
+    h.kind = WEFT__V1__COLL_KIND__COLL_ABORT;
+    h.group = g->id;
+    h.group_hash = g->hash;
+    h.seq = seq;
+    h.src = (uint32_t)g->rank;
+    h.error = (char *)why;
+    for (int r = 0; r < g->size; r++) {
+        if (r != g->rank) {
+            (void)send_header(g, r, &h, NULL, 0, WEFT_U8, NULL);
+        }
+    }
+    /* And here, so that this rank's own later waits on it fail the same way. */
+    coll_abort_t *x = weft_calloc(1, sizeof(*x));
+    if (x != NULL) {
+        x->group = g->id;
+        x->seq = seq;
+        x->why = weft_strdup(why);
+        pthread_mutex_lock(&g->ctx->mu);
+        x->next = g->ctx->aborts;
+        g->ctx->aborts = x;
+        pthread_cond_broadcast(&g->ctx->cv);
+        pthread_mutex_unlock(&g->ctx->mu);
+    }
+}
+
+static void describe(char *buf, size_t n, uint32_t op, int32_t dtype, int32_t rop, int32_t root,
+                     uint64_t count)
+{
+    int k = snprintf(buf, n, "%s(count=%llu, dtype=%s", coll__kind_name((coll_kind_t)op),
+                     (unsigned long long)count,
+                     weft_dtype_valid(dtype) ? weft_dtype_name((weft_dtype_t)dtype) : "?");
+    if (k > 0 && (size_t)k < n && op == OP_ALL_REDUCE) {
+        k += snprintf(buf + k, n - (size_t)k, ", op=%s", weft_reduce_op_name((weft_reduce_op_t)rop));
+    }
+    if (k > 0 && (size_t)k < n && op == OP_BROADCAST) {
+        k += snprintf(buf + k, n - (size_t)k, ", root=%d", root);
+    }
+    if (k > 0 && (size_t)k < n) {
+        snprintf(buf + k, n - (size_t)k, ")");
+    }
+}
+
+/* Compares the sender's view with ours; fills @p why on a mismatch. */
+static bool same_op(const coll_group_t *g, const coll_desc_t *d, const Weft__V1__CollHeader *h,
+                    char *why, size_t n)
+{
+    if (h->group_hash == g->hash && h->op == (Weft__V1__CollOp)d->kind &&
+        h->dtype == (int32_t)d->dtype && h->count == d->count &&
+        (d->kind != OP_ALL_REDUCE || h->reduce_op == (int32_t)d->rop) &&
+        (d->kind != OP_BROADCAST || h->root == d->root)) {
+        return true;
+    }
+    char mine[160], theirs[160];
+    describe(mine, sizeof(mine), (uint32_t)d->kind, (int32_t)d->dtype, (int32_t)d->rop, d->root,
+             d->count);
+    describe(theirs, sizeof(theirs), (uint32_t)h->op, h->dtype, h->reduce_op, h->root, h->count);
+    if (h->group_hash != g->hash) {
+        snprintf(why, n,
+                 "operation %llu of group %u: rank %u has another member list for this group "
+                 "(groups created in another order?)",
+                 (unsigned long long)d->seq, g->id, h->src);
+    } else {
+        snprintf(why, n, "operation %llu of group %u: rank %u called %s, rank %d called %s",
+                 (unsigned long long)d->seq, g->id, h->src, theirs, g->rank, mine);
+    }
+    return false;
+}
+
+weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
+                         int64_t deadline_ns, coll_msg_t **m_p)
+{
+    coll_ctx_t *ctx = g->ctx;
+    weft_status_t st = WEFT_OK;
+    char why[700];
+
+    pthread_mutex_lock(&ctx->mu);
+    for (;;) {
+        for (coll_abort_t *x = ctx->aborts; x != NULL; x = x->next) {
+            if (x->group == g->id && x->seq == d->seq) {
+                st = weft__set_error(WEFT_ERR_MISMATCH, "%s", x->why);
+                goto out;
+            }
+        }
+        coll_msg_t **pp = &ctx->msgs;
+        for (; *pp != NULL; pp = &(*pp)->next) {
+            const Weft__V1__CollHeader *h = (*pp)->hdr;
+            if (h->group == g->id && h->seq == d->seq && h->step == step && h->src == (uint32_t)src &&
+                h->op != WEFT__V1__COLL_OP__COLL_OP_P2P) {
+                break;
+            }
+        }
+        if (*pp != NULL) {
+            coll_msg_t *m = *pp;
+            *pp = m->next;
+            m->next = NULL;
+            pthread_mutex_unlock(&ctx->mu);
+            if (!same_op(g, d, m->hdr, why, sizeof(why))) {
+                coll__msg_free(m);
+                coll__abort(g, d->seq, why);
+                return weft__set_error(WEFT_ERR_MISMATCH, "%s", why);
+            }
+            *m_p = m;
+            return WEFT_OK;
+        }
+        for (int r = 0; r < g->size; r++) {
+            int w = g->world[r];
+            if (ctx->lost[w]) {
+                st = weft__set_error(WEFT_ERR_PEER_LOST, "%s: group rank %d (world rank %d) was lost: %s",
+                                     coll__kind_name(d->kind), r, w,
+                                     ctx->why[w] != NULL ? ctx->why[w] : "");
+                goto out;
+            }
+        }
+        int64_t now = weft__now_ns();
+        if (now >= deadline_ns) {
+            st = weft__set_error(WEFT_ERR_TIMEOUT,
+                                 "%s: waited for group rank %d past the deadline (operation %llu "
+                                 "of group %u)",
+                                 coll__kind_name(d->kind), src, (unsigned long long)d->seq, g->id);
+            goto out;
+        }
+        int64_t wake = deadline_ns < now + 200000000LL ? deadline_ns : now + 200000000LL;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        int64_t abs = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + (wake - now);
+        ts.tv_sec = abs / 1000000000LL;
+        ts.tv_nsec = abs % 1000000000LL;
+        pthread_cond_timedwait(&ctx->cv, &ctx->mu, &ts);
+    }
+out:
+    pthread_mutex_unlock(&ctx->mu);
+    return st;
+}
+
+/* ------------------------------------------------------------ point to point */
+
+weft_status_t coll__p2p_send(coll_group_t *g, const weft_tensor_t *t, int dst, int tag,
+                             weft_future_t **f_p)
+{
+    Weft__V1__CollHeader h = WEFT__V1__COLL_HEADER__INIT;
+    weft_future_t *rel = NULL;
+
+    h.version = COLL_VERSION;
+    h.kind = WEFT__V1__COLL_KIND__COLL_DATA;
+    h.group = g->id;
+    h.group_hash = g->hash;
+    h.src = (uint32_t)g->rank;
+    h.op = WEFT__V1__COLL_OP__COLL_OP_P2P;
+    h.dtype = (int32_t)weft_tensor_dtype(t);
+    h.count = (uint64_t)weft_tensor_numel(t);
+    h.tag = tag;
+    WEFT_CHECK(send_header(g, dst, &h, weft_tensor_data(t), (size_t)weft_tensor_numel(t),
+                           weft_tensor_dtype(t), &rel));
+    /* The send is done when the transport no longer reads the tensor's bytes. */
+    *f_p = rel;
+    return WEFT_OK;
+}
+
+weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag,
+                             weft_future_t **f_p)
+{
+    coll_ctx_t *ctx = g->ctx;
+    coll_precv_t *p = weft_calloc(1, sizeof(*p));
+    weft_future_t *f;
+
+    if (p == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "recv: no memory");
+    }
+    weft_status_t st = weft_future_create(&f);
+    if (st != WEFT_OK) {
+        weft_free(p);
+        return st;
+    }
+    p->group = g->id;
+    p->src = src;
+    p->tag = tag;
+    p->dst = weft_tensor_retain(t);
+    p->f = weft_future_retain(f);
+    p->g = g;
+    pthread_mutex_lock(&ctx->mu);
+    if (src != WEFT_ANY_SOURCE && ctx->lost[g->world[src]]) {
+        pthread_mutex_unlock(&ctx->mu);
+        weft_future_release(p->f);
+        weft_tensor_release(p->dst);
+        weft_free(p);
+        weft_future_release(f);
+        return weft__set_error(WEFT_ERR_PEER_LOST, "recv: group rank %d was lost", src);
+    }
+    /* A message that came before the receive was posted: the oldest match. */
+    coll_msg_t **pp = &ctx->msgs;
+    for (; *pp != NULL; pp = &(*pp)->next) {
+        Weft__V1__CollHeader *h = (*pp)->hdr;
+        if (p2p_matches(p, h)) {
+            break;
+        }
+    }
+    if (*pp != NULL) {
+        coll_msg_t *m = *pp;
+        *pp = m->next;
+        pthread_mutex_unlock(&ctx->mu);
+        deliver_p2p(p, m);
+    } else {
+        coll_precv_t **tail = &ctx->precvs;
+        while (*tail != NULL) {
+            tail = &(*tail)->next;
+        }
+        *tail = p;
+        pthread_mutex_unlock(&ctx->mu);
+    }
+    *f_p = f;
+    return WEFT_OK;
+}
+
+void coll__p2p_cancel(coll_group_t *g, weft_future_t *f, weft_status_t st, const char *why)
+{
+    coll_ctx_t *ctx = g->ctx;
+    coll_precv_t *hit = NULL;
+
+    pthread_mutex_lock(&ctx->mu);
+    for (coll_precv_t **pp = &ctx->precvs; *pp != NULL; pp = &(*pp)->next) {
+        if ((*pp)->f == f) {
+            hit = *pp;
+            *pp = hit->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    if (hit != NULL) {
+        weft_future_complete(hit->f, st, why, NULL);
+        weft_future_release(hit->f);
+        weft_tensor_release(hit->dst);
+        weft_free(hit);
+    }
+}
+
+void coll__purge(coll_group_t *g, uint64_t seq)
+{
+    coll_ctx_t *ctx = g->ctx;
+    coll_msg_t *drop = NULL;
+
+    pthread_mutex_lock(&ctx->mu);
+    coll_msg_t **pp = &ctx->msgs;
+    while (*pp != NULL) {
+        coll_msg_t *m = *pp;
+        if (m->hdr->group == g->id && m->hdr->seq == seq &&
+            m->hdr->op != WEFT__V1__COLL_OP__COLL_OP_P2P) {
+            *pp = m->next;
+            m->next = drop;
+            drop = m;
+        } else {
+            pp = &m->next;
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    while (drop != NULL) {
+        coll_msg_t *next = drop->next;
+        coll__msg_free(drop);
+        drop = next;
+    }
+}

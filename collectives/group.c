@@ -1,0 +1,359 @@
+/* Process groups: the world and sub-groups, each with a worker thread that runs
+ * its collective operations in the order they were issued. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define DEFAULT_TIMEOUT_MS 60000
+
+static uint64_t hash_members(const int *world, int n)
+{
+    uint64_t h = 1469598103934665603ull; /* FNV-1a over the member list */
+    for (int i = 0; i < n; i++) {
+        uint32_t v = (uint32_t)world[i];
+        for (int b = 0; b < 4; b++) {
+            h ^= (v >> (8 * b)) & 0xff;
+            h *= 1099511628211ull;
+        }
+    }
+    return h ^ (uint64_t)n;
+}
+
+static int64_t default_timeout(void)
+{
+    const char *e = getenv("WEFT_COLL_TIMEOUT_MS");
+    if (e != NULL) {
+        char *end;
+        long long v = strtoll(e, &end, 10);
+        if (*end == '\0' && v > 0) {
+            return v;
+        }
+    }
+    return DEFAULT_TIMEOUT_MS;
+}
+
+static void *worker_main(void *arg);
+
+static weft_status_t group_new(coll_ctx_t *ctx, uint32_t id, const int *world, int n, int rank,
+                               weft_pg_t **pg_p)
+{
+    weft_pg_t *pg = weft_calloc(1, sizeof(*pg));
+    coll_group_t *g = weft_calloc(1, sizeof(*g));
+
+    if (pg == NULL || g == NULL || (g->world = weft_calloc((size_t)n, sizeof(int))) == NULL) {
+        weft_free(pg);
+        weft_free(g);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "new_group: no memory");
+    }
+    memcpy(g->world, world, (size_t)n * sizeof(int));
+    g->ctx = ctx;
+    g->id = id;
+    g->size = n;
+    g->rank = rank;
+    g->hash = hash_members(world, n);
+    atomic_init(&g->timeout_ms, default_timeout());
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
+    if (rank >= 0) {
+        if (pthread_create(&g->thread, NULL, worker_main, g) != 0) {
+            pthread_mutex_destroy(&g->mu);
+            pthread_cond_destroy(&g->cv);
+            weft_free(g->world);
+            weft_free(g);
+            weft_free(pg);
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "new_group: cannot start a thread");
+        }
+        g->started = true;
+    }
+    pg->g = g;
+    *pg_p = pg;
+    return WEFT_OK;
+}
+
+weft_status_t weft_pg_world(weft_agent_t *a, weft_pg_t **pg_p)
+{
+    coll_ctx_t *ctx;
+
+    if (a == NULL || pg_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "pg_world: NULL argument");
+    }
+    WEFT_CHECK(coll__ctx(a, &ctx));
+    int n = weft_agent_world_size(a);
+    int *world = weft_alloc((size_t)n * sizeof(int));
+    if (world == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "pg_world: no memory");
+    }
+    for (int i = 0; i < n; i++) {
+        world[i] = i;
+    }
+    weft_status_t st = group_new(ctx, 0, world, n, weft_agent_rank(a), pg_p);
+    weft_free(world);
+    return st;
+}
+
+weft_status_t weft_pg_new(weft_agent_t *a, const int *ranks, int n, weft_pg_t **pg_p)
+{
+    coll_ctx_t *ctx;
+
+    if (a == NULL || pg_p == NULL || ranks == NULL || n < 1) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "new_group: NULL argument or no ranks");
+    }
+    int world = weft_agent_world_size(a);
+    if (n > world) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "new_group: %d ranks in a world of %d", n,
+                               world);
+    }
+    int me = -1;
+    for (int i = 0; i < n; i++) {
+        if (ranks[i] < 0 || ranks[i] >= world) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG,
+                                   "new_group: rank %d is not in the world of %d", ranks[i],
+                                   world);
+        }
+        for (int j = 0; j < i; j++) {
+            if (ranks[j] == ranks[i]) {
+                return weft__set_error(WEFT_ERR_INVALID_ARG, "new_group: rank %d is listed twice",
+                                       ranks[i]);
+            }
+        }
+        if (ranks[i] == weft_agent_rank(a)) {
+            me = i;
+        }
+    }
+    WEFT_CHECK(coll__ctx(a, &ctx));
+    pthread_mutex_lock(&ctx->mu);
+    uint32_t id = ++ctx->next_group; /* every rank creates groups in the same order */
+    pthread_mutex_unlock(&ctx->mu);
+    return group_new(ctx, id, ranks, n, me, pg_p);
+}
+
+int weft_pg_rank(const weft_pg_t *pg)
+{
+    return pg->g->rank;
+}
+
+int weft_pg_size(const weft_pg_t *pg)
+{
+    return pg->g->size;
+}
+
+int weft_pg_world_rank(const weft_pg_t *pg, int r)
+{
+    if (r < 0 || r >= pg->g->size) {
+        return -1;
+    }
+    return pg->g->world[r];
+}
+
+void weft_pg_set_timeout(weft_pg_t *pg, int64_t timeout_ms)
+{
+    if (timeout_ms > 0) {
+        atomic_store(&pg->g->timeout_ms, timeout_ms);
+    }
+}
+
+void weft_pg_free(weft_pg_t *pg)
+{
+    if (pg == NULL) {
+        return;
+    }
+    coll_group_t *g = pg->g;
+    if (g->started) {
+        pthread_mutex_lock(&g->mu);
+        g->stop = true; /* the worker runs what is queued, then exits */
+        pthread_cond_broadcast(&g->cv);
+        pthread_mutex_unlock(&g->mu);
+        pthread_join(g->thread, NULL);
+    }
+    pthread_mutex_destroy(&g->mu);
+    pthread_cond_destroy(&g->cv);
+    weft_free(g->world);
+    weft_free(g);
+    weft_free(pg);
+}
+
+/* ------------------------------------------------------------ the worker */
+
+static void *worker_main(void *arg)
+{
+    coll_group_t *g = arg;
+
+    pthread_mutex_lock(&g->mu);
+    for (;;) {
+        while (g->qh == NULL && !g->stop) {
+            pthread_cond_wait(&g->cv, &g->mu);
+        }
+        coll_op_t *op = g->qh;
+        if (op == NULL) {
+            break;
+        }
+        g->qh = op->next;
+        if (g->qh == NULL) {
+            g->qt = NULL;
+        }
+        pthread_mutex_unlock(&g->mu);
+        coll__run(g, op);
+        pthread_mutex_lock(&g->mu);
+    }
+    pthread_mutex_unlock(&g->mu);
+    return NULL;
+}
+
+/* Queues a collective; with @p work_p NULL waits for it. */
+static weft_status_t submit(weft_pg_t *pg, coll_kind_t kind, weft_tensor_t *t, int root,
+                            weft_reduce_op_t rop, weft_future_t **work_p)
+{
+    coll_group_t *g = pg->g;
+    weft_future_t *f;
+
+    if (g->rank < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE,
+                               "%s: this rank is not a member of group %u", coll__kind_name(kind),
+                               g->id);
+    }
+    if (t != NULL) {
+        if (weft_tensor_device(t).type != WEFT_DEVICE_CPU) {
+            return weft__set_error(WEFT_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported here",
+                                   coll__kind_name(kind));
+        }
+        weft_dtype_t dt = weft_tensor_dtype(t);
+        if (dt == WEFT_BOOL) {
+            return weft__set_error(WEFT_ERR_DTYPE, "%s: bool tensors are not supported",
+                                   coll__kind_name(kind));
+        }
+        if (kind == OP_ALL_REDUCE) {
+            WEFT_CHECK(weft_reduce_check(rop, dt));
+        }
+    }
+    if (kind == OP_BROADCAST && (root < 0 || root >= g->size)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "broadcast: root %d is not in the group of %d",
+                               root, g->size);
+    }
+    coll_op_t *op = weft_calloc(1, sizeof(*op));
+    if (op == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "%s: no memory", coll__kind_name(kind));
+    }
+    weft_status_t cst = weft_future_create(&f);
+    if (cst != WEFT_OK) {
+        weft_free(op);
+        return cst;
+    }
+    op->kind = kind;
+    op->t = t != NULL ? weft_tensor_retain(t) : NULL;
+    op->root = root;
+    op->rop = rop;
+    op->f = weft_future_retain(f);
+    pthread_mutex_lock(&g->mu);
+    op->seq = g->next_seq++;
+    if (g->qt == NULL) {
+        g->qh = g->qt = op;
+    } else {
+        g->qt->next = op;
+        g->qt = op;
+    }
+    pthread_cond_signal(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    if (work_p != NULL) {
+        *work_p = f;
+        return WEFT_OK;
+    }
+    /* The operation fails by its own deadline; the margin covers a last step. */
+    weft_status_t st = weft_future_wait(f, atomic_load(&g->timeout_ms) + 5000);
+    if (st != WEFT_OK) {
+        weft__set_error(st, "%s", weft_future_done(f) ? weft_future_error(f) : "timed out");
+    }
+    weft_future_release(f);
+    return st;
+}
+
+weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p)
+{
+    return submit(pg, OP_BARRIER, NULL, 0, WEFT_SUM, work_p);
+}
+
+weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
+                                  weft_future_t **work_p)
+{
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "broadcast: NULL tensor");
+    }
+    return submit(pg, OP_BROADCAST, t, root, WEFT_SUM, work_p);
+}
+
+weft_status_t weft_coll_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
+                                   weft_future_t **work_p)
+{
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "all_reduce: NULL tensor");
+    }
+    return submit(pg, OP_ALL_REDUCE, t, 0, op, work_p);
+}
+
+/* ------------------------------------------------------------ point to point */
+
+weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int dst, int tag,
+                             weft_future_t **work_p)
+{
+    coll_group_t *g = pg->g;
+    weft_future_t *f;
+
+    if (g->rank < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE, "send: not a member of group %u", g->id);
+    }
+    if (t == NULL || dst < 0 || dst >= g->size || tag < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "send: NULL tensor, destination %d out of the group of %d, or "
+                               "negative tag %d",
+                               dst, g->size, tag);
+    }
+    WEFT_CHECK(coll__p2p_send(g, t, dst, tag, &f));
+    if (work_p != NULL) {
+        *work_p = f;
+        return WEFT_OK;
+    }
+    weft_status_t st = weft_future_wait(f, atomic_load(&g->timeout_ms));
+    if (st != WEFT_OK) {
+        weft__set_error(st, "send: %s", weft_future_done(f) ? weft_future_error(f) : "timed out");
+    }
+    weft_future_release(f);
+    return st;
+}
+
+weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
+                             weft_future_t **work_p, int *src_p)
+{
+    coll_group_t *g = pg->g;
+    weft_future_t *f;
+
+    if (g->rank < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE, "recv: not a member of group %u", g->id);
+    }
+    if (t == NULL || (src != WEFT_ANY_SOURCE && (src < 0 || src >= g->size)) || tag < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "recv: NULL tensor, source %d out of the group of %d, or negative "
+                               "tag %d",
+                               src, g->size, tag);
+    }
+    WEFT_CHECK(coll__p2p_recv(g, t, src, tag, &f));
+    if (work_p != NULL) {
+        *work_p = f;
+        return WEFT_OK;
+    }
+    int64_t to = atomic_load(&g->timeout_ms);
+    weft_status_t st = weft_future_wait(f, to);
+    if (st == WEFT_ERR_TIMEOUT && !weft_future_done(f)) {
+        coll__p2p_cancel(g, f, WEFT_ERR_TIMEOUT, "recv: no matching send before the deadline");
+    }
+    st = weft_future_status(f);
+    if (st != WEFT_OK) {
+        weft__set_error(st, "%s", weft_future_error(f));
+    } else if (src_p != NULL) {
+        size_t len;
+        const int *s = weft_value_payload(weft_future_value(f), &len);
+        *src_p = s != NULL && len == sizeof(int) ? *s : -1;
+    }
+    weft_future_release(f);
+    return st;
+}

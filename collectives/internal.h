@@ -1,0 +1,144 @@
+/* collectives internals: per-agent context, mailbox, groups, operations. Not installed. */
+#ifndef WEFT_COLLECTIVES_INTERNAL_H
+#define WEFT_COLLECTIVES_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include <weft/collectives.h>
+
+#include "../core/internal.h"
+#include "collectives.pb-c.h"
+
+#define COLL_VERSION 1
+
+/* A received message waiting to be matched. */
+typedef struct coll_msg {
+    struct coll_msg *next;
+    Weft__V1__CollHeader *hdr; /* owned */
+    weft_value_t *value;       /* owned; its tensor 0 is the data, if any */
+} coll_msg_t;
+
+/* A posted point-to-point receive. */
+typedef struct coll_precv {
+    struct coll_precv *next;
+    uint32_t group;
+    int src; /* group rank or WEFT_ANY_SOURCE */
+    int tag;
+    weft_tensor_t *dst; /* reference held until completion */
+    weft_future_t *f;
+    struct coll_group *g;
+} coll_precv_t;
+
+typedef struct coll_abort {
+    struct coll_abort *next;
+    uint32_t group;
+    uint64_t seq;
+    char *why;
+} coll_abort_t;
+
+/* Per-agent state (weft_agent_module on WEFT_CHANNEL_COLLECTIVES). */
+typedef struct coll_ctx {
+    weft_agent_t *agent;
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* a message, an abort or a loss arrived */
+    coll_msg_t *msgs;
+    coll_precv_t *precvs;
+    coll_abort_t *aborts;
+    bool *lost;   /* by world rank */
+    char **why;   /* by world rank */
+    uint32_t next_group;
+    struct coll_group **groups; /* member groups by id, for p2p delivery */
+    size_t ngroups_cap;
+} coll_ctx_t;
+
+typedef enum {
+    OP_BARRIER = WEFT__V1__COLL_OP__COLL_OP_BARRIER,
+    OP_BROADCAST = WEFT__V1__COLL_OP__COLL_OP_BROADCAST,
+    OP_ALL_REDUCE = WEFT__V1__COLL_OP__COLL_OP_ALL_REDUCE,
+} coll_kind_t;
+
+/* One queued collective operation. */
+typedef struct coll_op {
+    struct coll_op *next;
+    coll_kind_t kind;
+    uint64_t seq;
+    weft_tensor_t *t; /* reference held */
+    int root;
+    weft_reduce_op_t rop;
+    weft_future_t *f;
+} coll_op_t;
+
+/* Shared state of a group; handles point at it. */
+typedef struct coll_group {
+    coll_ctx_t *ctx;
+    uint32_t id;
+    uint64_t hash;
+    int size;
+    int rank; /* -1: not a member */
+    int *world; /* group rank -> world rank */
+    _Atomic int64_t timeout_ms;
+    /* the worker */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    coll_op_t *qh, *qt;
+    uint64_t next_seq;
+    bool stop;
+    bool started;
+    int running; /* ops queued or running */
+    pthread_t thread;
+} coll_group_t;
+
+struct weft_pg {
+    coll_group_t *g;
+};
+
+/* context.c */
+weft_status_t coll__ctx(weft_agent_t *a, coll_ctx_t **ctx_p);
+void coll__ctx_add_group(coll_ctx_t *ctx, coll_group_t *g);
+void coll__ctx_remove_group(coll_ctx_t *ctx, coll_group_t *g);
+
+/* The sender's view of an operation, carried by every message of it. */
+typedef struct {
+    coll_kind_t kind;
+    uint64_t seq;
+    weft_dtype_t dtype;
+    weft_reduce_op_t rop;
+    int root;
+    uint64_t count;
+} coll_desc_t;
+
+/* Sends one piece of an operation to group rank @p dst. @p data may be NULL;
+ * its bytes are sent without copying: *released_p (if not NULL) completes when
+ * the transport no longer reads them. */
+weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, int dst,
+                         void *data, size_t count, weft_dtype_t dtype, weft_future_t **released_p);
+/* Waits for the piece (@p step) of operation @p d from group rank @p src. Checks
+ * the sender's view against ours (a mismatch aborts the operation everywhere).
+ * The message is the caller's: free with coll__msg_free. */
+weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
+                         int64_t deadline_ns, coll_msg_t **m_p);
+void coll__msg_free(coll_msg_t *m);
+/* Tells every member that operation @p seq failed here (they fail it too). */
+void coll__abort(coll_group_t *g, uint64_t seq, const char *why);
+/* The data tensor of a received message (NULL if none). */
+weft_tensor_t *coll__msg_tensor(const coll_msg_t *m);
+
+/* p2p (context.c: delivery happens in the channel callback) */
+weft_status_t coll__p2p_send(coll_group_t *g, const weft_tensor_t *t, int dst, int tag,
+                             weft_future_t **f_p);
+weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag,
+                             weft_future_t **f_p);
+
+/* Withdraws a posted receive (its future fails with @p st) if it is still posted. */
+void coll__p2p_cancel(coll_group_t *g, weft_future_t *f, weft_status_t st, const char *why);
+
+/* Drops the pieces of operation @p seq nobody took. */
+void coll__purge(coll_group_t *g, uint64_t seq);
+
+/* ops.c */
+void coll__run(coll_group_t *g, coll_op_t *op);
+const char *coll__kind_name(coll_kind_t k);
+
+#endif

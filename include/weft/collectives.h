@@ -1,0 +1,96 @@
+/* Process groups and collective operations over the RPC agent's connections. */
+#ifndef WEFT_COLLECTIVES_H
+#define WEFT_COLLECTIVES_H
+
+#include <stdint.h>
+
+#include <weft/future.h>
+#include <weft/reduce.h>
+#include <weft/rpc.h>
+#include <weft/tensor.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** A process group: a set of ranks of the world with ranks of its own (0..size-1). */
+typedef struct weft_pg weft_pg_t;
+
+#define WEFT_ANY_SOURCE (-1)
+
+/**
+ * The group of the whole world of @p a (group rank = world rank). Each call
+ * returns a new handle to the same group (id 0). Caller frees with weft_pg_free,
+ * before the agent. Thread-safe.
+ */
+weft_status_t weft_pg_world(weft_agent_t *a, weft_pg_t **pg_p);
+
+/**
+ * Creates a sub-group of the world from @p n distinct world @p ranks, like
+ * torch's new_group: every rank of the world calls it, in the same order with
+ * the same list (groups are numbered by order of creation). A rank not in the
+ * list gets a non-member handle (weft_pg_rank() == -1) on which every
+ * operation fails with WEFT_ERR_INVALID_STATE. Group rank i is @p ranks[i].
+ * @return WEFT_ERR_INVALID_ARG for a bad or repeated rank.
+ */
+weft_status_t weft_pg_new(weft_agent_t *a, const int *ranks, int n, weft_pg_t **pg_p);
+
+/** This rank's rank in the group, -1 if not a member. */
+int weft_pg_rank(const weft_pg_t *pg);
+/** Number of ranks in the group. */
+int weft_pg_size(const weft_pg_t *pg);
+/** World rank of group rank @p r (-1 if out of range). */
+int weft_pg_world_rank(const weft_pg_t *pg, int r);
+/** Deadline of each operation of the group (default WEFT_COLL_TIMEOUT_MS or 60000). */
+void weft_pg_set_timeout(weft_pg_t *pg, int64_t timeout_ms);
+/** Waits (bounded by the timeout) for the group's operations, then frees it. NULL: no-op. */
+void weft_pg_free(weft_pg_t *pg);
+
+/*
+ * Operations. Each one is asynchronous when @p work_p is not NULL: it returns at
+ * once and *work_p gets a future that completes when the operation is done on
+ * this rank (wait with weft_future_wait; caller releases it). With @p work_p
+ * NULL the call blocks and returns the operation's status (text in
+ * weft_last_error()). Tensors are borrowed: they must stay valid, and unchanged
+ * by the caller, until the operation completes. Operations of one group run in
+ * the order they were issued; groups run concurrently.
+ *
+ * Statuses of a failed operation: WEFT_ERR_MISMATCH when ranks called
+ * different operations (op, count, dtype, root or reduce op; the text names the
+ * ranks and values) — every member gets it; WEFT_ERR_PEER_LOST when a member
+ * died; WEFT_ERR_TIMEOUT at the group's deadline; WEFT_ERR_DTYPE for a reduce
+ * op that does not apply to the dtype.
+ */
+
+/** Sends @p t to group rank @p dst with @p tag (>= 0). */
+weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int dst, int tag,
+                             weft_future_t **work_p);
+/**
+ * Receives into @p t (same dtype and element count as sent) from group rank
+ * @p src or WEFT_ANY_SOURCE, with @p tag. The future's value carries the
+ * source's group rank as a 4-byte payload; with @p work_p NULL it goes to
+ * @p src_p (may be NULL).
+ */
+weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
+                             weft_future_t **work_p, int *src_p);
+
+/** Every member waits until all members have called it. */
+weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p);
+
+/** Copies @p t of group rank @p root into @p t on every member. */
+weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
+                                  weft_future_t **work_p);
+
+/**
+ * Reduces @p t element-wise over the members with @p op; every member ends with
+ * the same result, bit for bit, in @p t (in place). f16 and bf16 accumulate
+ * in f32. Algorithm by size (WEFT_COLL_ALGO=direct|ring overrides): direct
+ * exchange for small tensors, ring reduce-scatter + all-gather for large ones.
+ */
+weft_status_t weft_coll_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
+                                   weft_future_t **work_p);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

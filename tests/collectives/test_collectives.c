@@ -1,0 +1,444 @@
+/* Collectives against references computed locally: every dtype x reduce op,
+ * world sizes 1 to 8, direct and ring, broadcast from every root, sub-groups,
+ * point-to-point, mismatches and a dead rank. */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ranks.h"
+#include <weft/collectives.h>
+
+static const weft_dtype_t DTYPES[] = {WEFT_F32, WEFT_F64, WEFT_F16, WEFT_BF16,
+                                      WEFT_I8,  WEFT_I32, WEFT_I64, WEFT_U8};
+#define NDTYPES 8
+
+/* Small integer contributions, so that every result is exact in every dtype. */
+static double contribution(int rank, size_t i, weft_reduce_op_t op)
+{
+    if (op == WEFT_PRODUCT) {
+        return (double)(1 + (int)((rank + i) % 2)); /* 1 or 2: products stay powers of two */
+    }
+    return (double)((rank * 7 + (int)i * 3) % 5);
+}
+
+static void store(void *p, weft_dtype_t dt, size_t i, double v)
+{
+    switch (dt) {
+    case WEFT_F32:
+        ((float *)p)[i] = (float)v;
+        break;
+    case WEFT_F64:
+        ((double *)p)[i] = v;
+        break;
+    case WEFT_F16:
+        ((uint16_t *)p)[i] = weft_f32_to_f16((float)v);
+        break;
+    case WEFT_BF16:
+        ((uint16_t *)p)[i] = weft_f32_to_bf16((float)v);
+        break;
+    case WEFT_I8:
+        ((int8_t *)p)[i] = (int8_t)v;
+        break;
+    case WEFT_I32:
+        ((int32_t *)p)[i] = (int32_t)v;
+        break;
+    case WEFT_I64:
+        ((int64_t *)p)[i] = (int64_t)v;
+        break;
+    default:
+        ((uint8_t *)p)[i] = (uint8_t)v;
+        break;
+    }
+}
+
+/* The reference: contributions reduced in rank order in double, then stored. */
+static double reference(int world, size_t i, weft_reduce_op_t op, weft_dtype_t dt)
+{
+    bool integer = dt == WEFT_I8 || dt == WEFT_I32 || dt == WEFT_I64 || dt == WEFT_U8;
+    long long iacc = (long long)contribution(0, i, op);
+    double acc = contribution(0, i, op);
+    for (int r = 1; r < world; r++) {
+        double c = contribution(r, i, op);
+        long long ic = (long long)c;
+        switch (op) {
+        case WEFT_SUM:
+        case WEFT_AVG:
+            acc += c;
+            iacc += ic;
+            break;
+        case WEFT_PRODUCT:
+            acc *= c;
+            iacc *= ic;
+            break;
+        case WEFT_MIN:
+            acc = c < acc ? c : acc;
+            break;
+        case WEFT_MAX:
+            acc = c > acc ? c : acc;
+            break;
+        case WEFT_BAND:
+            iacc &= ic;
+            break;
+        case WEFT_BOR:
+            iacc |= ic;
+            break;
+        default:
+            iacc ^= ic;
+            break;
+        }
+    }
+    if (op == WEFT_BAND || op == WEFT_BOR || op == WEFT_BXOR) {
+        return (double)iacc;
+    }
+    if (op == WEFT_AVG) {
+        if (integer) {
+            return (double)((long long)acc / world);
+        }
+        /* The division happens in f32 for f32/f16/bf16 and in f64 for f64. */
+        return dt == WEFT_F64 ? acc / world : (double)((float)acc / (float)world);
+    }
+    return acc;
+}
+
+static int check_all_reduce(weft_pg_t *pg, int world, size_t count, weft_dtype_t dt,
+                            weft_reduce_op_t op)
+{
+    int rank = weft_pg_rank(pg);
+    int64_t n = (int64_t)count;
+    weft_tensor_t *t, *want;
+    weft_tensor_empty(dt, 1, &n, &t);
+    weft_tensor_empty(dt, 1, &n, &want);
+    for (size_t i = 0; i < count; i++) {
+        store(weft_tensor_data(t), dt, i, contribution(rank, i, op));
+        store(weft_tensor_data(want), dt, i, reference(world, i, op, dt));
+    }
+    weft_status_t st = weft_coll_all_reduce(pg, t, op, NULL);
+    RANK_CHECK(st == WEFT_OK, "all_reduce %s %s x%zu: %s", weft_dtype_name(dt),
+               weft_reduce_op_name(op), count, weft_last_error());
+    RANK_CHECK(weft_tensor_equal(t, want), "all_reduce %s %s x%zu on %d ranks: wrong result",
+               weft_dtype_name(dt), weft_reduce_op_name(op), count, world);
+    weft_tensor_release(t);
+    weft_tensor_release(want);
+    return 0;
+}
+
+static int check_broadcast(weft_pg_t *pg, size_t count, weft_dtype_t dt, int root)
+{
+    int rank = weft_pg_rank(pg);
+    int64_t n = (int64_t)count;
+    weft_tensor_t *t, *want;
+    weft_tensor_empty(dt, 1, &n, &t);
+    weft_tensor_empty(dt, 1, &n, &want);
+    for (size_t i = 0; i < count; i++) {
+        store(weft_tensor_data(t), dt, i, (double)((rank + (int)i) % 100));
+        store(weft_tensor_data(want), dt, i, (double)((root + (int)i) % 100));
+    }
+    weft_status_t st = weft_coll_broadcast(pg, t, root, NULL);
+    RANK_CHECK(st == WEFT_OK, "broadcast from %d: %s", root, weft_last_error());
+    RANK_CHECK(weft_tensor_equal(t, want), "broadcast %s x%zu from %d: wrong data",
+               weft_dtype_name(dt), count, root);
+    weft_tensor_release(t);
+    weft_tensor_release(want);
+    return 0;
+}
+
+static int body_world(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    RANK_CHECK(weft_pg_size(pg) == world && weft_pg_rank(pg) == weft_agent_rank(a), "ranks");
+    /* Small counts take the direct exchange, large ones the ring (counts not divisible by
+     * the world size included). */
+    const size_t counts[] = {0, 1, 13, 40003};
+    for (int d = 0; d < NDTYPES; d++) {
+        for (int op = 0; op < WEFT_REDUCE_OP_COUNT; op++) {
+            if (weft_reduce_check((weft_reduce_op_t)op, DTYPES[d]) != WEFT_OK) {
+                continue;
+            }
+            for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+                if (check_all_reduce(pg, world, counts[c], DTYPES[d], (weft_reduce_op_t)op) != 0) {
+                    return 1;
+                }
+            }
+        }
+    }
+    for (int root = 0; root < world; root++) {
+        if (check_broadcast(pg, 1000, DTYPES[root % NDTYPES], root) != 0 ||
+            check_broadcast(pg, 0, WEFT_F32, root) != 0) {
+            return 1;
+        }
+    }
+    RANK_CHECK(check_broadcast(pg, 3 << 20, WEFT_F32, world - 1) == 0, "large broadcast");
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
+    /* Bitwise ops on a float are refused before anything is sent. */
+    int64_t one = 4;
+    weft_tensor_t *f;
+    weft_tensor_create(WEFT_F32, 1, &one, &f);
+    RANK_CHECK(weft_coll_all_reduce(pg, f, WEFT_BXOR, NULL) == WEFT_ERR_DTYPE, "bxor on f32");
+    weft_tensor_release(f);
+    weft_pg_free(pg);
+    return 0;
+}
+
+#define WORLD_TEST(N)                                                                              \
+    Test(collectives, world_of_##N, .timeout = 240)                                                \
+    {                                                                                              \
+        ranks_opts_t o;                                                                            \
+        int codes[N];                                                                              \
+        ranks_opts_init(&o, N, body_world);                                                        \
+        o.deadline_ms = 230000;                                                                    \
+        cr_assert_eq(ranks_run(&o, codes), 0);                                                     \
+    }
+
+WORLD_TEST(1)
+WORLD_TEST(2)
+WORLD_TEST(3)
+WORLD_TEST(4)
+WORLD_TEST(5)
+WORLD_TEST(6)
+WORLD_TEST(7)
+WORLD_TEST(8)
+
+static int body_ring_large(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    weft_pg_world(a, &pg);
+    /* 8 MiB of f32 and of f16 through the ring. */
+    RANK_CHECK(check_all_reduce(pg, world, (8u << 20) / 4 + 3, WEFT_F32, WEFT_SUM) == 0, "f32");
+    RANK_CHECK(check_all_reduce(pg, world, (8u << 20) / 2 + 1, WEFT_F16, WEFT_AVG) == 0, "f16");
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, large_ring_all_reduce, .timeout = 240)
+{
+    ranks_opts_t o;
+    int codes[4];
+    ranks_opts_init(&o, 4, body_ring_large);
+    o.deadline_ms = 230000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* The seeds' sub-group {1, 3}, two half-world groups at once, then MAX over the world. */
+static int body_groups(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *w, *odd, *lo, *hi;
+    weft_pg_world(a, &w);
+    int odd_ranks[] = {1, 3};
+    int lo_ranks[] = {0, 1}, hi_ranks[] = {2, 3};
+    RANK_CHECK(weft_pg_new(a, odd_ranks, 2, &odd) == WEFT_OK, "new_group");
+    RANK_CHECK(weft_pg_new(a, lo_ranks, 2, &lo) == WEFT_OK, "new_group lo");
+    RANK_CHECK(weft_pg_new(a, hi_ranks, 2, &hi) == WEFT_OK, "new_group hi");
+    int64_t n = 1;
+    weft_tensor_t *t;
+    weft_tensor_empty(WEFT_F32, 1, &n, &t);
+    float *v = weft_tensor_data(t);
+    *v = (float)rank;
+    if (rank == 1 || rank == 3) {
+        RANK_CHECK(weft_pg_rank(odd) == (rank == 1 ? 0 : 1), "group rank");
+        RANK_CHECK(weft_coll_all_reduce(odd, t, WEFT_SUM, NULL) == WEFT_OK, "odd sum");
+        RANK_CHECK(*v == 4.0f, "sum over {1,3} is %f", *v);
+    } else {
+        RANK_CHECK(weft_pg_rank(odd) == -1, "non-member rank");
+        RANK_CHECK(weft_coll_all_reduce(odd, t, WEFT_SUM, NULL) == WEFT_ERR_INVALID_STATE,
+                   "non-member use");
+    }
+    /* Both half groups at once, asynchronously. */
+    *v = (float)(rank + 1);
+    weft_pg_t *mine = rank < 2 ? lo : hi;
+    weft_future_t *f;
+    RANK_CHECK(weft_coll_all_reduce(mine, t, WEFT_PRODUCT, &f) == WEFT_OK, "async");
+    RANK_CHECK(weft_future_wait(f, 30000) == WEFT_OK, "half group: %s", weft_future_error(f));
+    weft_future_release(f);
+    RANK_CHECK(*v == (rank < 2 ? 2.0f : 12.0f), "product %f", *v);
+    RANK_CHECK(weft_coll_all_reduce(w, t, WEFT_MAX, NULL) == WEFT_OK, "max");
+    RANK_CHECK(*v == 12.0f, "max %f", *v);
+    RANK_CHECK(world == 4, "world");
+    weft_tensor_release(t);
+    weft_pg_free(odd);
+    weft_pg_free(lo);
+    weft_pg_free(hi);
+    weft_pg_free(w);
+    return 0;
+}
+
+Test(collectives, sub_groups_and_concurrent_groups, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[4];
+    ranks_opts_init(&o, 4, body_groups);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* The seeds' p2p chain 0 -> 1 -> 2 with +100, isend/irecv, any source and tags. */
+static int body_p2p(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    weft_pg_world(a, &pg);
+    int64_t n = 4;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    float *v = weft_tensor_data(t);
+    if (rank == 0) {
+        for (int i = 0; i < 4; i++) {
+            v[i] = (float)i;
+        }
+        RANK_CHECK(weft_coll_send(pg, t, 1, 0, NULL) == WEFT_OK, "send: %s", weft_last_error());
+    } else if (rank < world) {
+        int src = -1;
+        RANK_CHECK(weft_coll_recv(pg, t, rank - 1, 0, NULL, &src) == WEFT_OK, "recv: %s",
+                   weft_last_error());
+        RANK_CHECK(src == rank - 1, "src %d", src);
+        for (int i = 0; i < 4; i++) {
+            RANK_CHECK(v[i] == (float)(100 * (rank - 1) + i), "chain value %f", v[i]);
+            v[i] += 100.0f;
+        }
+        if (rank + 1 < world) {
+            RANK_CHECK(weft_coll_send(pg, t, rank + 1, 0, NULL) == WEFT_OK, "forward");
+        }
+    }
+    /* Everyone sends to rank 0 with its rank as tag; rank 0 receives from any source,
+     * tags in reverse order, while its own sends are in flight. */
+    weft_tensor_t *mine;
+    int64_t one = 1;
+    weft_tensor_create(WEFT_I32, 1, &one, &mine);
+    *(int32_t *)weft_tensor_data(mine) = rank * 10;
+    weft_future_t *sf;
+    RANK_CHECK(weft_coll_send(pg, mine, 0, rank, &sf) == WEFT_OK, "isend");
+    if (rank == 0) {
+        for (int tag = world - 1; tag >= 0; tag--) {
+            weft_tensor_t *in;
+            weft_tensor_create(WEFT_I32, 1, &one, &in);
+            int src = -1;
+            RANK_CHECK(weft_coll_recv(pg, in, WEFT_ANY_SOURCE, tag, NULL, &src) == WEFT_OK,
+                       "recv tag %d: %s", tag, weft_last_error());
+            RANK_CHECK(src == tag && *(int32_t *)weft_tensor_data(in) == tag * 10,
+                       "tag %d from %d", tag, src);
+            weft_tensor_release(in);
+        }
+        /* A wrong size is refused, not written. */
+        weft_tensor_t *wrong;
+        int64_t two = 2;
+        weft_tensor_create(WEFT_I32, 1, &two, &wrong);
+        weft_future_t *rf;
+        weft_tensor_t *x;
+        weft_tensor_create(WEFT_I32, 1, &one, &x);
+        RANK_CHECK(weft_coll_send(pg, x, 0, 99, NULL) == WEFT_OK, "self send");
+        RANK_CHECK(weft_coll_recv(pg, wrong, 0, 99, &rf, NULL) == WEFT_OK, "irecv");
+        RANK_CHECK(weft_future_wait(rf, 10000) == WEFT_ERR_MISMATCH, "size mismatch: %s",
+                   weft_future_error(rf));
+        weft_future_release(rf);
+        weft_tensor_release(x);
+        weft_tensor_release(wrong);
+    }
+    RANK_CHECK(weft_future_wait(sf, 10000) == WEFT_OK, "isend done");
+    weft_future_release(sf);
+    weft_tensor_release(mine);
+    weft_tensor_release(t);
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier");
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, point_to_point, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_p2p);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* Mismatched calls: every member gets WEFT_ERR_MISMATCH naming ranks and values, and the
+ * group goes on working. */
+static int body_mismatch(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    weft_pg_world(a, &pg);
+    weft_pg_set_timeout(pg, 20000);
+    int64_t n = rank == 2 ? 6 : 5;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    weft_status_t st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "count mismatch gave %s", weft_strerror(st));
+    RANK_CHECK(strstr(weft_last_error(), "count=6") != NULL &&
+                   strstr(weft_last_error(), "count=5") != NULL,
+               "text: %s", weft_last_error());
+    weft_tensor_release(t);
+    n = 5;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    st = weft_coll_all_reduce(pg, t, rank == 0 ? WEFT_MAX : WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "op mismatch gave %s", weft_strerror(st));
+    RANK_CHECK(strstr(weft_last_error(), "op=max") != NULL, "text: %s", weft_last_error());
+    st = weft_coll_broadcast(pg, t, rank == 1 ? 1 : 0, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "root mismatch gave %s", weft_strerror(st));
+    /* Different operations altogether. */
+    st = rank == world - 1 ? weft_coll_broadcast(pg, t, 0, NULL)
+                           : weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "op kind mismatch gave %s", weft_strerror(st));
+    /* And then it works. */
+    float *v = weft_tensor_data(t);
+    for (int i = 0; i < 5; i++) {
+        v[i] = 1.0f;
+    }
+    RANK_CHECK(weft_coll_all_reduce(pg, t, WEFT_SUM, NULL) == WEFT_OK, "after: %s",
+               weft_last_error());
+    RANK_CHECK(v[4] == (float)world, "sum after mismatches %f", v[4]);
+    weft_tensor_release(t);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, mismatched_calls_fail_everywhere, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[4];
+    ranks_opts_init(&o, 4, body_mismatch);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+static int body_dead(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    (void)world;
+    weft_pg_t *pg;
+    weft_pg_world(a, &pg);
+    weft_pg_set_timeout(pg, 30000);
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "first barrier");
+    if (rank == 2) {
+        /* Dies while the others are inside the next operation; first let its part of
+         * the barrier leave the process (a rank that dies at once may take it along). */
+        usleep(500 * 1000);
+        raise(SIGKILL);
+    }
+    int64_t n = 100000;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    int64_t t0 = now_ms();
+    weft_status_t st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "all_reduce with a dead rank gave %s: %s",
+               weft_strerror(st), weft_last_error());
+    RANK_CHECK(now_ms() - t0 < 10000, "failed after %lld ms", (long long)(now_ms() - t0));
+    weft_tensor_release(t);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, dead_rank_fails_pending_operations, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[4];
+    ranks_opts_init(&o, 4, body_dead);
+    ranks_run(&o, codes);
+    cr_assert_eq(codes[0], 0);
+    cr_assert_eq(codes[1], 0);
+    cr_assert_eq(codes[2], 128 + SIGKILL);
+    cr_assert_eq(codes[3], 0);
+}
