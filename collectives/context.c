@@ -255,6 +255,18 @@ const char *coll__kind_name(coll_kind_t k)
         return "broadcast";
     case OP_ALL_REDUCE:
         return "all_reduce";
+    case OP_REDUCE:
+        return "reduce";
+    case OP_GATHER:
+        return "gather";
+    case OP_SCATTER:
+        return "scatter";
+    case OP_ALL_GATHER:
+        return "all_gather";
+    case OP_REDUCE_SCATTER:
+        return "reduce_scatter";
+    case OP_ALL_TO_ALL:
+        return "all_to_all";
     case WEFT__V1__COLL_OP__COLL_OP_P2P:
         return "send/recv";
     default:
@@ -379,10 +391,12 @@ static void describe(char *buf, size_t n, uint32_t op, int32_t dtype, int32_t ro
     int k = snprintf(buf, n, "%s(count=%llu, dtype=%s", coll__kind_name((coll_kind_t)op),
                      (unsigned long long)count,
                      weft_dtype_valid(dtype) ? weft_dtype_name((weft_dtype_t)dtype) : "?");
-    if (k > 0 && (size_t)k < n && op == OP_ALL_REDUCE) {
+    bool reducing = op == OP_ALL_REDUCE || op == OP_REDUCE || op == OP_REDUCE_SCATTER;
+    bool rooted = op == OP_BROADCAST || op == OP_REDUCE || op == OP_GATHER || op == OP_SCATTER;
+    if (k > 0 && (size_t)k < n && reducing) {
         k += snprintf(buf + k, n - (size_t)k, ", op=%s", weft_reduce_op_name((weft_reduce_op_t)rop));
     }
-    if (k > 0 && (size_t)k < n && op == OP_BROADCAST) {
+    if (k > 0 && (size_t)k < n && rooted) {
         k += snprintf(buf + k, n - (size_t)k, ", root=%d", root);
     }
     if (k > 0 && (size_t)k < n) {
@@ -394,10 +408,12 @@ static void describe(char *buf, size_t n, uint32_t op, int32_t dtype, int32_t ro
 static bool same_op(const coll_group_t *g, const coll_desc_t *d, const Weft__V1__CollHeader *h,
                     char *why, size_t n)
 {
+    bool reducing = d->kind == OP_ALL_REDUCE || d->kind == OP_REDUCE || d->kind == OP_REDUCE_SCATTER;
+    bool rooted = d->kind == OP_BROADCAST || d->kind == OP_REDUCE || d->kind == OP_GATHER ||
+                  d->kind == OP_SCATTER;
     if (h->group_hash == g->hash && h->op == (Weft__V1__CollOp)d->kind &&
         h->dtype == (int32_t)d->dtype && h->count == d->count &&
-        (d->kind != OP_ALL_REDUCE || h->reduce_op == (int32_t)d->rop) &&
-        (d->kind != OP_BROADCAST || h->root == d->root)) {
+        (!reducing || h->reduce_op == (int32_t)d->rop) && (!rooted || h->root == d->root)) {
         return true;
     }
     char mine[160], theirs[160];

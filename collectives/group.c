@@ -201,49 +201,78 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-/* Queues a collective; with @p work_p NULL waits for it. */
-static weft_status_t submit(weft_pg_t *pg, coll_kind_t kind, weft_tensor_t *t, int root,
-                            weft_reduce_op_t rop, weft_future_t **work_p)
+/* Checks what every operation needs of a tensor. */
+static weft_status_t check_tensor(const weft_tensor_t *t, coll_kind_t kind)
+{
+    if (weft_tensor_device(t).type != WEFT_DEVICE_CPU) {
+        return weft__set_error(WEFT_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported here",
+                               coll__kind_name(kind));
+    }
+    if (weft_tensor_dtype(t) == WEFT_BOOL) {
+        return weft__set_error(WEFT_ERR_DTYPE, "%s: bool tensors are not supported",
+                               coll__kind_name(kind));
+    }
+    return WEFT_OK;
+}
+
+static void op_free(coll_op_t *op, int size)
+{
+    weft_tensor_release(op->t);
+    weft_tensor_release(op->out);
+    if (op->outs != NULL) {
+        for (int i = 0; i < size; i++) {
+            weft_tensor_release(op->outs[i]);
+        }
+        weft_free(op->outs);
+    }
+    weft_free(op->in_splits);
+    weft_free(op->out_splits);
+    weft_free(op);
+}
+
+void coll__op_free(coll_op_t *op, int size)
+{
+    op_free(op, size);
+}
+
+/* Queues @p op (taken either way); with @p work_p NULL waits for it. */
+static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **work_p)
 {
     coll_group_t *g = pg->g;
     weft_future_t *f;
+    coll_kind_t kind = op->kind;
+    weft_status_t st = WEFT_OK;
 
     if (g->rank < 0) {
-        return weft__set_error(WEFT_ERR_INVALID_STATE,
-                               "%s: this rank is not a member of group %u", coll__kind_name(kind),
-                               g->id);
+        st = weft__set_error(WEFT_ERR_INVALID_STATE, "%s: this rank is not a member of group %u",
+                             coll__kind_name(kind), g->id);
     }
-    if (t != NULL) {
-        if (weft_tensor_device(t).type != WEFT_DEVICE_CPU) {
-            return weft__set_error(WEFT_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported here",
-                                   coll__kind_name(kind));
-        }
-        weft_dtype_t dt = weft_tensor_dtype(t);
-        if (dt == WEFT_BOOL) {
-            return weft__set_error(WEFT_ERR_DTYPE, "%s: bool tensors are not supported",
-                                   coll__kind_name(kind));
-        }
-        if (kind == OP_ALL_REDUCE) {
-            WEFT_CHECK(weft_reduce_check(rop, dt));
-        }
+    if (st == WEFT_OK && op->t != NULL) {
+        st = check_tensor(op->t, kind);
     }
-    if (kind == OP_BROADCAST && (root < 0 || root >= g->size)) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "broadcast: root %d is not in the group of %d",
-                               root, g->size);
+    if (st == WEFT_OK && op->out != NULL) {
+        st = check_tensor(op->out, kind);
     }
-    coll_op_t *op = weft_calloc(1, sizeof(*op));
-    if (op == NULL) {
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "%s: no memory", coll__kind_name(kind));
+    if (st == WEFT_OK && op->t != NULL && op->out != NULL &&
+        weft_tensor_dtype(op->t) != weft_tensor_dtype(op->out)) {
+        st = weft__set_error(WEFT_ERR_DTYPE, "%s: input is %s, output %s", coll__kind_name(kind),
+                             weft_dtype_name(weft_tensor_dtype(op->t)),
+                             weft_dtype_name(weft_tensor_dtype(op->out)));
     }
-    weft_status_t cst = weft_future_create(&f);
-    if (cst != WEFT_OK) {
-        weft_free(op);
-        return cst;
+    if (st == WEFT_OK && (kind == OP_ALL_REDUCE || kind == OP_REDUCE || kind == OP_REDUCE_SCATTER)) {
+        st = weft_reduce_check(op->rop, weft_tensor_dtype(op->t));
     }
-    op->kind = kind;
-    op->t = t != NULL ? weft_tensor_retain(t) : NULL;
-    op->root = root;
-    op->rop = rop;
+    if (st == WEFT_OK && (op->root < 0 || op->root >= g->size)) {
+        st = weft__set_error(WEFT_ERR_INVALID_ARG, "%s: root %d is not in the group of %d",
+                             coll__kind_name(kind), op->root, g->size);
+    }
+    if (st == WEFT_OK) {
+        st = weft_future_create(&f);
+    }
+    if (st != WEFT_OK) {
+        op_free(op, g->size);
+        return st;
+    }
     op->f = weft_future_retain(f);
     pthread_mutex_lock(&g->mu);
     op->seq = g->next_seq++;
@@ -260,12 +289,38 @@ static weft_status_t submit(weft_pg_t *pg, coll_kind_t kind, weft_tensor_t *t, i
         return WEFT_OK;
     }
     /* The operation fails by its own deadline; the margin covers a last step. */
-    weft_status_t st = weft_future_wait(f, atomic_load(&g->timeout_ms) + 5000);
+    st = weft_future_wait(f, atomic_load(&g->timeout_ms) + 5000);
     if (st != WEFT_OK) {
         weft__set_error(st, "%s", weft_future_done(f) ? weft_future_error(f) : "timed out");
     }
     weft_future_release(f);
     return st;
+}
+
+static coll_op_t *op_new(coll_kind_t kind, const weft_tensor_t *t, const weft_tensor_t *out,
+                         int root, weft_reduce_op_t rop)
+{
+    coll_op_t *op = weft_calloc(1, sizeof(*op));
+    if (op == NULL) {
+        weft__set_error(WEFT_ERR_NO_MEMORY, "%s: no memory", coll__kind_name(kind));
+        return NULL;
+    }
+    op->kind = kind;
+    op->t = t != NULL ? weft_tensor_retain((weft_tensor_t *)t) : NULL;
+    op->out = out != NULL ? weft_tensor_retain((weft_tensor_t *)out) : NULL;
+    op->root = root;
+    op->rop = rop;
+    return op;
+}
+
+static weft_status_t submit(weft_pg_t *pg, coll_kind_t kind, weft_tensor_t *t, int root,
+                            weft_reduce_op_t rop, weft_future_t **work_p)
+{
+    coll_op_t *op = op_new(kind, t, NULL, root, rop);
+    if (op == NULL) {
+        return WEFT_ERR_NO_MEMORY;
+    }
+    return submit_op(pg, op, work_p);
 }
 
 weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p)
@@ -289,6 +344,152 @@ weft_status_t weft_coll_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_
         return weft__set_error(WEFT_ERR_INVALID_ARG, "all_reduce: NULL tensor");
     }
     return submit(pg, OP_ALL_REDUCE, t, 0, op, work_p);
+}
+
+weft_status_t weft_coll_reduce(weft_pg_t *pg, weft_tensor_t *t, int root, weft_reduce_op_t op,
+                               weft_future_t **work_p)
+{
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "reduce: NULL tensor");
+    }
+    return submit(pg, OP_REDUCE, t, root, op, work_p);
+}
+
+/* out must hold @p parts times @p per elements (when it is given). */
+static weft_status_t check_parts(const char *what, const weft_tensor_t *out, int64_t parts,
+                                 int64_t per)
+{
+    if (out != NULL && weft_tensor_numel(out) != parts * per) {
+        return weft__set_error(WEFT_ERR_SHAPE, "%s: %lld elements where %lld x %lld are needed",
+                               what, (long long)weft_tensor_numel(out), (long long)parts,
+                               (long long)per);
+    }
+    return WEFT_OK;
+}
+
+weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                               int root, weft_future_t **work_p)
+{
+    if (in == NULL || (pg->g->rank == root && out == NULL)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "gather: NULL input, or no output on the root");
+    }
+    WEFT_CHECK(check_parts("gather", pg->g->rank == root ? out : NULL, pg->g->size,
+                           weft_tensor_numel(in)));
+    coll_op_t *op = op_new(OP_GATHER, in, pg->g->rank == root ? out : NULL, root, WEFT_SUM);
+    return op == NULL ? WEFT_ERR_NO_MEMORY : submit_op(pg, op, work_p);
+}
+
+weft_status_t weft_coll_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                                int root, weft_future_t **work_p)
+{
+    if (out == NULL || (pg->g->rank == root && in == NULL)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "scatter: NULL output, or no input on the root");
+    }
+    WEFT_CHECK(check_parts("scatter", pg->g->rank == root ? in : NULL, pg->g->size,
+                           weft_tensor_numel(out)));
+    coll_op_t *op = op_new(OP_SCATTER, pg->g->rank == root ? in : NULL, out, root, WEFT_SUM);
+    return op == NULL ? WEFT_ERR_NO_MEMORY : submit_op(pg, op, work_p);
+}
+
+weft_status_t weft_coll_all_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                                   weft_future_t **work_p)
+{
+    if (in == NULL || out == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "all_gather: NULL tensor");
+    }
+    WEFT_CHECK(check_parts("all_gather", out, pg->g->size, weft_tensor_numel(in)));
+    coll_op_t *op = op_new(OP_ALL_GATHER, in, out, 0, WEFT_SUM);
+    return op == NULL ? WEFT_ERR_NO_MEMORY : submit_op(pg, op, work_p);
+}
+
+weft_status_t weft_coll_all_gather_list(weft_pg_t *pg, const weft_tensor_t *in,
+                                        weft_tensor_t *const *outs, weft_future_t **work_p)
+{
+    int n = pg->g->size;
+    if (in == NULL || outs == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "all_gather: NULL tensor or list");
+    }
+    for (int r = 0; r < n; r++) {
+        if (outs[r] == NULL || weft_tensor_numel(outs[r]) != weft_tensor_numel(in) ||
+            weft_tensor_dtype(outs[r]) != weft_tensor_dtype(in)) {
+            return weft__set_error(WEFT_ERR_SHAPE,
+                                   "all_gather: list entry %d is missing or differs from the "
+                                   "input in size or dtype",
+                                   r);
+        }
+    }
+    coll_op_t *op = op_new(OP_ALL_GATHER, in, NULL, 0, WEFT_SUM);
+    if (op == NULL) {
+        return WEFT_ERR_NO_MEMORY;
+    }
+    op->outs = weft_calloc((size_t)n, sizeof(*op->outs));
+    if (op->outs == NULL) {
+        coll__op_free(op, n);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "all_gather: no memory");
+    }
+    for (int r = 0; r < n; r++) {
+        op->outs[r] = weft_tensor_retain(outs[r]);
+    }
+    return submit_op(pg, op, work_p);
+}
+
+weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                                       weft_reduce_op_t rop, weft_future_t **work_p)
+{
+    if (in == NULL || out == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "reduce_scatter: NULL tensor");
+    }
+    WEFT_CHECK(check_parts("reduce_scatter", in, pg->g->size, weft_tensor_numel(out)));
+    coll_op_t *op = op_new(OP_REDUCE_SCATTER, in, out, 0, rop);
+    return op == NULL ? WEFT_ERR_NO_MEMORY : submit_op(pg, op, work_p);
+}
+
+weft_status_t weft_coll_all_to_all(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                                   const int64_t *in_splits, const int64_t *out_splits,
+                                   weft_future_t **work_p)
+{
+    int n = pg->g->size;
+    if (in == NULL || out == NULL || (in_splits == NULL) != (out_splits == NULL)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "all_to_all: NULL tensor, or only one of the split lists");
+    }
+    int64_t *ins = weft_calloc((size_t)n, sizeof(int64_t));
+    int64_t *outs = weft_calloc((size_t)n, sizeof(int64_t));
+    if (ins == NULL || outs == NULL) {
+        weft_free(ins);
+        weft_free(outs);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "all_to_all: no memory");
+    }
+    int64_t tin = 0, tout = 0;
+    for (int r = 0; r < n; r++) {
+        ins[r] = in_splits != NULL ? in_splits[r] : weft_tensor_numel(in) / n;
+        outs[r] = out_splits != NULL ? out_splits[r] : weft_tensor_numel(out) / n;
+        if (ins[r] < 0 || outs[r] < 0) {
+            weft_free(ins);
+            weft_free(outs);
+            return weft__set_error(WEFT_ERR_INVALID_ARG, "all_to_all: negative split");
+        }
+        tin += ins[r];
+        tout += outs[r];
+    }
+    if (tin != weft_tensor_numel(in) || tout != weft_tensor_numel(out)) {
+        weft_free(ins);
+        weft_free(outs);
+        return weft__set_error(WEFT_ERR_SHAPE,
+                               "all_to_all: splits add up to %lld in and %lld out for tensors of "
+                               "%lld and %lld elements",
+                               (long long)tin, (long long)tout, (long long)weft_tensor_numel(in),
+                               (long long)weft_tensor_numel(out));
+    }
+    coll_op_t *op = op_new(OP_ALL_TO_ALL, in, out, 0, WEFT_SUM);
+    if (op == NULL) {
+        weft_free(ins);
+        weft_free(outs);
+        return WEFT_ERR_NO_MEMORY;
+    }
+    op->in_splits = ins;
+    op->out_splits = outs;
+    return submit_op(pg, op, work_p);
 }
 
 /* ------------------------------------------------------------ point to point */

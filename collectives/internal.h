@@ -57,6 +57,12 @@ typedef enum {
     OP_BARRIER = WEFT__V1__COLL_OP__COLL_OP_BARRIER,
     OP_BROADCAST = WEFT__V1__COLL_OP__COLL_OP_BROADCAST,
     OP_ALL_REDUCE = WEFT__V1__COLL_OP__COLL_OP_ALL_REDUCE,
+    OP_REDUCE = WEFT__V1__COLL_OP__COLL_OP_REDUCE,
+    OP_GATHER = WEFT__V1__COLL_OP__COLL_OP_GATHER,
+    OP_SCATTER = WEFT__V1__COLL_OP__COLL_OP_SCATTER,
+    OP_ALL_GATHER = WEFT__V1__COLL_OP__COLL_OP_ALL_GATHER,
+    OP_REDUCE_SCATTER = WEFT__V1__COLL_OP__COLL_OP_REDUCE_SCATTER,
+    OP_ALL_TO_ALL = WEFT__V1__COLL_OP__COLL_OP_ALL_TO_ALL,
 } coll_kind_t;
 
 /* One queued collective operation. */
@@ -64,7 +70,10 @@ typedef struct coll_op {
     struct coll_op *next;
     coll_kind_t kind;
     uint64_t seq;
-    weft_tensor_t *t; /* reference held */
+    weft_tensor_t *t;   /* in place, or the input (reference held; may be NULL) */
+    weft_tensor_t *out; /* the output (reference held; may be NULL) */
+    weft_tensor_t **outs; /* all_gather into a list: size entries (references held) */
+    int64_t *in_splits, *out_splits; /* all_to_all, size entries each (owned) */
     int root;
     weft_reduce_op_t rop;
     weft_future_t *f;
@@ -136,6 +145,8 @@ void coll__p2p_cancel(coll_group_t *g, weft_future_t *f, weft_status_t st, const
 
 /* Drops the pieces of operation @p seq nobody took. */
 void coll__purge(coll_group_t *g, uint64_t seq);
+
+void coll__op_free(coll_op_t *op, int size);
 
 /* ops.c */
 void coll__run(coll_group_t *g, coll_op_t *op);

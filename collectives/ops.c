@@ -331,6 +331,352 @@ static weft_status_t run_all_reduce(coll_group_t *g, const coll_desc_t *d, weft_
     return st;
 }
 
+/* ------------------------------------------------------------ the other collectives */
+
+/* Rooted operations: the tree or star alone lets a rank that wrongly believes it
+ * is the root finish unnoticed, so every rank's view also goes to every other. */
+static weft_status_t verify_send(coll_group_t *g, const coll_desc_t *d)
+{
+    for (int r = 0; r < g->size; r++) {
+        if (r != g->rank) {
+            WEFT_CHECK(coll__send(g, d, VERIFY_STEP, r, NULL, 0, WEFT_U8, NULL));
+        }
+    }
+    return WEFT_OK;
+}
+
+static weft_status_t verify_recv(coll_group_t *g, const coll_desc_t *d, int64_t deadline)
+{
+    for (int r = 0; r < g->size; r++) {
+        if (r != g->rank) {
+            coll_msg_t *m;
+            WEFT_CHECK(coll__recv(g, d, VERIFY_STEP, r, deadline, &m));
+            coll__msg_free(m);
+        }
+    }
+    return WEFT_OK;
+}
+
+/* A working copy in the accumulation dtype (f32 for f16/bf16), or the data itself. */
+static weft_status_t widen(const weft_tensor_t *t, size_t count, weft_dtype_t *wt_p,
+                           uint8_t **work_p, float **owned_p)
+{
+    weft_dtype_t dt = weft_tensor_dtype(t);
+    *owned_p = NULL;
+    *wt_p = is_half(dt) ? WEFT_F32 : dt;
+    *work_p = weft_tensor_data(t);
+    if (is_half(dt) && count > 0) {
+        float *w = weft_alloc(count * sizeof(float));
+        if (w == NULL) {
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: no memory");
+        }
+        to_f32(w, weft_tensor_data(t), count, dt);
+        *owned_p = w;
+        *work_p = (uint8_t *)w;
+    }
+    return WEFT_OK;
+}
+
+/* Writes @p count accumulated elements back in the tensor's dtype. */
+static void narrow(weft_tensor_t *t, size_t off, const uint8_t *acc, size_t count, weft_dtype_t wt)
+{
+    weft_dtype_t dt = weft_tensor_dtype(t);
+    if (count == 0) {
+        return;
+    }
+    if (is_half(dt)) {
+        from_f32((uint16_t *)weft_tensor_data(t) + off, (const float *)acc, count, dt);
+    } else if ((const uint8_t *)weft_tensor_data(t) + off * weft_dtype_size(wt) != acc) {
+        memcpy((uint8_t *)weft_tensor_data(t) + off * weft_dtype_size(wt), acc,
+               count * weft_dtype_size(wt));
+    }
+}
+
+/* Receives one piece from every other rank at @p step and reduces all pieces, own
+ * included, in rank order into @p acc: identical results wherever it runs. */
+static weft_status_t reduce_from_all(coll_group_t *g, const coll_desc_t *d, uint32_t step,
+                                     const uint8_t *own, uint8_t *acc, size_t count,
+                                     weft_dtype_t wt, int64_t deadline)
+{
+    size_t nb = count * weft_dtype_size(wt);
+    for (int r = 0; r < g->size; r++) {
+        const uint8_t *c = own;
+        coll_msg_t *m = NULL;
+        if (r != g->rank) {
+            WEFT_CHECK(coll__recv(g, d, step, r, deadline, &m));
+            weft_tensor_t *t = coll__msg_tensor(m);
+            if (count > 0 && (t == NULL || weft_tensor_dtype(t) != wt ||
+                              (size_t)weft_tensor_numel(t) != count)) {
+                coll__msg_free(m);
+                return weft__set_error(WEFT_ERR_PROTOCOL,
+                                       "%s: group rank %d sent a piece of the wrong size",
+                                       coll__kind_name(d->kind), r);
+            }
+            c = count > 0 ? weft_tensor_data(t) : NULL;
+        }
+        if (count > 0) {
+            if (r == 0) {
+                memcpy(acc, c, nb);
+            } else {
+                weft_reduce_into(acc, c, count, wt, d->rop);
+            }
+        }
+        coll__msg_free(m);
+    }
+    if (count > 0) {
+        weft_reduce_finish(acc, count, wt, d->rop, g->size);
+    }
+    return WEFT_OK;
+}
+
+static weft_status_t run_reduce(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *t,
+                                int64_t deadline)
+{
+    size_t count = (size_t)weft_tensor_numel(t);
+    weft_dtype_t wt;
+    uint8_t *work;
+    float *owned;
+    weft_future_t *rel = NULL;
+    weft_status_t st;
+
+    WEFT_CHECK(widen(t, count, &wt, &work, &owned));
+    st = verify_send(g, d);
+    if (st == WEFT_OK && g->rank != d->root) {
+        st = coll__send(g, d, 0, d->root, count > 0 ? work : NULL, count, wt, &rel);
+    } else if (st == WEFT_OK) {
+        uint8_t *acc = weft_alloc(count * weft_dtype_size(wt) + 1);
+        if (acc == NULL) {
+            st = weft__set_error(WEFT_ERR_NO_MEMORY, "reduce: no memory");
+        } else {
+            st = reduce_from_all(g, d, 0, work, acc, count, wt, deadline);
+            if (st == WEFT_OK) {
+                narrow(t, 0, acc, count, wt);
+            }
+            weft_free(acc);
+        }
+    }
+    if (st == WEFT_OK) {
+        st = verify_recv(g, d, deadline);
+    }
+    weft_status_t w = wait_released(&rel, 1, deadline);
+    weft_free(owned);
+    return st != WEFT_OK ? st : w;
+}
+
+static weft_status_t run_gather(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
+                                weft_tensor_t *out, int64_t deadline)
+{
+    size_t count = (size_t)weft_tensor_numel(in);
+    weft_dtype_t dt = weft_tensor_dtype(in);
+    size_t nb = count * weft_dtype_size(dt);
+    weft_future_t *rel = NULL;
+    weft_status_t st = verify_send(g, d);
+
+    if (st == WEFT_OK && g->rank != d->root) {
+        st = coll__send(g, d, 0, d->root, count > 0 ? weft_tensor_data(in) : NULL, count, dt,
+                        &rel);
+    } else if (st == WEFT_OK) {
+        uint8_t *o = weft_tensor_data(out);
+        for (int r = 0; r < g->size && st == WEFT_OK; r++) {
+            if (r == g->rank) {
+                if (nb > 0) {
+                    memcpy(o + (size_t)r * nb, weft_tensor_data(in), nb);
+                }
+                continue;
+            }
+            coll_msg_t *m;
+            st = coll__recv(g, d, 0, r, deadline, &m);
+            if (st == WEFT_OK) {
+                st = take_piece(m, o + (size_t)r * nb, count, dt, r);
+                coll__msg_free(m);
+            }
+        }
+    }
+    if (st == WEFT_OK) {
+        st = verify_recv(g, d, deadline);
+    }
+    weft_status_t w = wait_released(&rel, 1, deadline);
+    return st != WEFT_OK ? st : w;
+}
+
+static weft_status_t run_scatter(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
+                                 weft_tensor_t *out, int64_t deadline)
+{
+    size_t count = (size_t)weft_tensor_numel(out);
+    weft_dtype_t dt = weft_tensor_dtype(out);
+    size_t nb = count * weft_dtype_size(dt);
+    weft_future_t **rel = weft_calloc((size_t)g->size, sizeof(*rel));
+    weft_status_t st;
+
+    if (rel == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "scatter: no memory");
+    }
+    st = verify_send(g, d);
+    if (st == WEFT_OK && g->rank == d->root) {
+        uint8_t *i = weft_tensor_data(in);
+        for (int r = 0; r < g->size && st == WEFT_OK; r++) {
+            if (r == g->rank) {
+                if (nb > 0) {
+                    memcpy(weft_tensor_data(out), i + (size_t)r * nb, nb);
+                }
+            } else {
+                st = coll__send(g, d, 0, r, count > 0 ? i + (size_t)r * nb : NULL, count, dt,
+                                &rel[r]);
+            }
+        }
+    } else if (st == WEFT_OK) {
+        coll_msg_t *m;
+        st = coll__recv(g, d, 0, d->root, deadline, &m);
+        if (st == WEFT_OK) {
+            st = take_piece(m, weft_tensor_data(out), count, dt, d->root);
+            coll__msg_free(m);
+        }
+    }
+    if (st == WEFT_OK) {
+        st = verify_recv(g, d, deadline);
+    }
+    weft_status_t w = wait_released(rel, (size_t)g->size, deadline);
+    weft_free(rel);
+    return st != WEFT_OK ? st : w;
+}
+
+/* Every rank sends its input to every other: each sends and receives (n-1) pieces,
+ * the same bytes as a ring, in one round. */
+static weft_status_t run_all_gather(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
+                                    weft_tensor_t *out, weft_tensor_t **outs, int64_t deadline)
+{
+    size_t count = (size_t)weft_tensor_numel(in);
+    weft_dtype_t dt = weft_tensor_dtype(in);
+    size_t nb = count * weft_dtype_size(dt);
+    weft_future_t **rel = weft_calloc((size_t)g->size, sizeof(*rel));
+    weft_status_t st = WEFT_OK;
+
+    if (rel == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "all_gather: no memory");
+    }
+    for (int r = 0; r < g->size && st == WEFT_OK; r++) {
+        if (r != g->rank) {
+            st = coll__send(g, d, 0, r, count > 0 ? weft_tensor_data(in) : NULL, count, dt,
+                            &rel[r]);
+        }
+    }
+    for (int r = 0; r < g->size && st == WEFT_OK; r++) {
+        uint8_t *dst = outs != NULL ? (uint8_t *)weft_tensor_data(outs[r])
+                                    : (uint8_t *)weft_tensor_data(out) + (size_t)r * nb;
+        if (r == g->rank) {
+            if (nb > 0) {
+                memcpy(dst, weft_tensor_data(in), nb);
+            }
+            continue;
+        }
+        coll_msg_t *m;
+        st = coll__recv(g, d, 0, r, deadline, &m);
+        if (st == WEFT_OK) {
+            st = take_piece(m, dst, count, dt, r);
+            coll__msg_free(m);
+        }
+    }
+    weft_status_t w = wait_released(rel, (size_t)g->size, deadline);
+    weft_free(rel);
+    return st != WEFT_OK ? st : w;
+}
+
+/* Part r of every rank's input goes to rank r, which reduces the parts in rank order. */
+static weft_status_t run_reduce_scatter(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
+                                        weft_tensor_t *out, int64_t deadline)
+{
+    size_t count = (size_t)weft_tensor_numel(out);
+    weft_dtype_t wt;
+    uint8_t *work;
+    float *owned;
+    weft_future_t **rel = weft_calloc((size_t)g->size, sizeof(*rel));
+    weft_status_t st = WEFT_OK;
+
+    if (rel == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "reduce_scatter: no memory");
+    }
+    st = widen(in, count * (size_t)g->size, &wt, &work, &owned);
+    size_t nb = count * weft_dtype_size(wt);
+    for (int r = 0; r < g->size && st == WEFT_OK; r++) {
+        if (r != g->rank) {
+            st = coll__send(g, d, 0, r, count > 0 ? work + (size_t)r * nb : NULL, count, wt,
+                            &rel[r]);
+        }
+    }
+    if (st == WEFT_OK) {
+        uint8_t *acc = weft_alloc(nb + 1);
+        if (acc == NULL) {
+            st = weft__set_error(WEFT_ERR_NO_MEMORY, "reduce_scatter: no memory");
+        } else {
+            st = reduce_from_all(g, d, 0, work + (size_t)g->rank * nb, acc, count, wt, deadline);
+            if (st == WEFT_OK) {
+                narrow(out, 0, acc, count, wt);
+            }
+            weft_free(acc);
+        }
+    }
+    weft_status_t w = wait_released(rel, (size_t)g->size, deadline);
+    weft_free(rel);
+    weft_free(owned);
+    return st != WEFT_OK ? st : w;
+}
+
+static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll_op_t *op,
+                                    int64_t deadline)
+{
+    int n = g->size;
+    weft_dtype_t dt = weft_tensor_dtype(op->t);
+    size_t es = weft_dtype_size(dt);
+    uint8_t *in = weft_tensor_data(op->t), *out = weft_tensor_data(op->out);
+    weft_future_t **rel = weft_calloc((size_t)n, sizeof(*rel));
+    weft_status_t st = WEFT_OK;
+
+    if (rel == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "all_to_all: no memory");
+    }
+    size_t ioff = 0;
+    for (int r = 0; r < n && st == WEFT_OK; r++) {
+        size_t c = (size_t)op->in_splits[r];
+        if (r != g->rank) {
+            coll_desc_t d = *d0;
+            d.count = c; /* each piece carries its own size; the receiver expects its split */
+            st = coll__send(g, &d, 0, r, c > 0 ? in + ioff * es : NULL, c, dt, &rel[r]);
+        }
+        ioff += c;
+    }
+    size_t ooff = 0;
+    for (int r = 0; r < n && st == WEFT_OK; r++) {
+        size_t c = (size_t)op->out_splits[r];
+        if (r == g->rank) {
+            size_t mine = 0;
+            for (int k = 0; k < r; k++) {
+                mine += (size_t)op->in_splits[k];
+            }
+            if (c != (size_t)op->in_splits[r]) {
+                st = weft__set_error(WEFT_ERR_MISMATCH,
+                                     "all_to_all: rank %d sends itself %lld elements but expects "
+                                     "%zu",
+                                     r, (long long)op->in_splits[r], c);
+            } else if (c > 0) {
+                memcpy(out + ooff * es, in + mine * es, c * es);
+            }
+        } else {
+            coll_desc_t d = *d0;
+            d.count = c;
+            coll_msg_t *m;
+            st = coll__recv(g, &d, 0, r, deadline, &m);
+            if (st == WEFT_OK) {
+                st = take_piece(m, out + ooff * es, c, dt, r);
+                coll__msg_free(m);
+            }
+        }
+        ooff += c;
+    }
+    weft_status_t w = wait_released(rel, (size_t)n, deadline);
+    weft_free(rel);
+    return st != WEFT_OK ? st : w;
+}
+
 void coll__run(coll_group_t *g, coll_op_t *op)
 {
     int64_t deadline = weft__now_ns() + atomic_load(&g->timeout_ms) * 1000000LL;
@@ -341,7 +687,29 @@ void coll__run(coll_group_t *g, coll_op_t *op)
         d.dtype = weft_tensor_dtype(op->t);
         d.count = (uint64_t)weft_tensor_numel(op->t);
     }
+    if (op->kind == OP_SCATTER || op->kind == OP_REDUCE_SCATTER) {
+        d.dtype = weft_tensor_dtype(op->out);
+        d.count = (uint64_t)weft_tensor_numel(op->out); /* per part */
+    }
     switch (op->kind) {
+    case OP_REDUCE:
+        st = run_reduce(g, &d, op->t, deadline);
+        break;
+    case OP_GATHER:
+        st = run_gather(g, &d, op->t, op->out, deadline);
+        break;
+    case OP_SCATTER:
+        st = run_scatter(g, &d, op->t, op->out, deadline);
+        break;
+    case OP_ALL_GATHER:
+        st = run_all_gather(g, &d, op->t, op->out, op->outs, deadline);
+        break;
+    case OP_REDUCE_SCATTER:
+        st = run_reduce_scatter(g, &d, op->t, op->out, deadline);
+        break;
+    case OP_ALL_TO_ALL:
+        st = run_all_to_all(g, &d, op, deadline);
+        break;
     case OP_BARRIER:
         st = run_barrier(g, &d, deadline);
         break;
@@ -361,8 +729,7 @@ void coll__run(coll_group_t *g, coll_op_t *op)
         weft_future_complete(op->f, st, weft_last_error(), NULL);
     }
     weft_future_release(op->f);
-    weft_tensor_release(op->t);
     /* Pieces of it that were never taken (a failed or mismatched operation). */
     coll__purge(g, op->seq);
-    weft_free(op);
+    coll__op_free(op, g->size);
 }

@@ -90,6 +90,52 @@ weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
 weft_status_t weft_coll_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
                                    weft_future_t **work_p);
 
+/**
+ * Reduces @p t over the members with @p op into @p t on @p root (in place);
+ * other members' @p t is left unchanged.
+ */
+weft_status_t weft_coll_reduce(weft_pg_t *pg, weft_tensor_t *t, int root, weft_reduce_op_t op,
+                               weft_future_t **work_p);
+
+/**
+ * Gathers @p in of every member into @p out on @p root, member r's at element
+ * offset r * numel(in). @p out: size * numel(in) elements of in's dtype on the
+ * root; ignored (may be NULL) elsewhere.
+ */
+weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                               int root, weft_future_t **work_p);
+
+/**
+ * Splits @p in (size * numel(out) elements, on @p root only; may be NULL
+ * elsewhere) and sends part r to member r's @p out.
+ */
+weft_status_t weft_coll_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                                int root, weft_future_t **work_p);
+
+/** Every member gets every member's @p in in @p out (flat: size * numel(in) elements). */
+weft_status_t weft_coll_all_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                                   weft_future_t **work_p);
+/** As weft_coll_all_gather into a list: @p outs[r] (numel(in) elements each) gets member r's. */
+weft_status_t weft_coll_all_gather_list(weft_pg_t *pg, const weft_tensor_t *in,
+                                        weft_tensor_t *const *outs, weft_future_t **work_p);
+
+/**
+ * Reduces @p in (size * numel(out) elements) over the members with @p op and
+ * gives member r the reduced part r in @p out.
+ */
+weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                                       weft_reduce_op_t op, weft_future_t **work_p);
+
+/**
+ * Member r sends the r-th part of @p in to member r and receives its parts in
+ * @p out, in member order. Parts are equal (numel / size) when @p in_splits and
+ * @p out_splits are NULL, else in_splits[r] elements go to r and out_splits[r]
+ * come from r (arrays of size() entries, copied).
+ */
+weft_status_t weft_coll_all_to_all(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                                   const int64_t *in_splits, const int64_t *out_splits,
+                                   weft_future_t **work_p);
+
 #ifdef __cplusplus
 }
 #endif

@@ -143,6 +143,155 @@ static int check_broadcast(weft_pg_t *pg, size_t count, weft_dtype_t dt, int roo
     return 0;
 }
 
+/* Value of element i of rank r's input in the data-movement checks. */
+static double val(int r, size_t i)
+{
+    return (double)((r * 31 + (int)i * 7) % 97);
+}
+
+static weft_tensor_t *make(weft_dtype_t dt, size_t count, int r, size_t base)
+{
+    int64_t n = (int64_t)count;
+    weft_tensor_t *t;
+    weft_tensor_empty(dt, 1, &n, &t);
+    for (size_t i = 0; i < count; i++) {
+        store(weft_tensor_data(t), dt, i, val(r, base + i));
+    }
+    return t;
+}
+
+static int check_others(weft_pg_t *pg, int world, weft_dtype_t dt, size_t count)
+{
+    int me = weft_pg_rank(pg);
+    size_t es = weft_dtype_size(dt);
+
+    /* reduce to every root */
+    for (int root = 0; root < world; root++) {
+        int64_t n = (int64_t)count;
+        weft_tensor_t *t, *want;
+        weft_tensor_empty(dt, 1, &n, &t);
+        weft_tensor_empty(dt, 1, &n, &want);
+        for (size_t i = 0; i < count; i++) {
+            store(weft_tensor_data(t), dt, i, contribution(me, i, WEFT_SUM));
+            store(weft_tensor_data(want), dt, i,
+                  me == root ? reference(world, i, WEFT_SUM, dt) : contribution(me, i, WEFT_SUM));
+        }
+        RANK_CHECK(weft_coll_reduce(pg, t, root, WEFT_SUM, NULL) == WEFT_OK, "reduce: %s",
+                   weft_last_error());
+        RANK_CHECK(weft_tensor_equal(t, want), "reduce %s x%zu to %d", weft_dtype_name(dt), count,
+                   root);
+        weft_tensor_release(t);
+        weft_tensor_release(want);
+    }
+    /* gather and scatter through the last rank */
+    int root = world - 1;
+    weft_tensor_t *in = make(dt, count, me, 0);
+    weft_tensor_t *flat = make(dt, count * (size_t)world, -1, 0);
+    RANK_CHECK(weft_coll_gather(pg, in, flat, root, NULL) == WEFT_OK, "gather: %s",
+               weft_last_error());
+    if (me == root) {
+        for (int r = 0; r < world; r++) {
+            weft_tensor_t *w = make(dt, count, r, 0);
+            RANK_CHECK(count == 0 || memcmp((uint8_t *)weft_tensor_data(flat) + (size_t)r * count * es,
+                                            weft_tensor_data(w), count * es) == 0,
+                       "gather part %d", r);
+            weft_tensor_release(w);
+        }
+    }
+    weft_tensor_t *all = make(dt, count * (size_t)world, root, 0);
+    weft_tensor_t *part = make(dt, count, -1, 0);
+    RANK_CHECK(weft_coll_scatter(pg, me == root ? all : NULL, part, root, NULL) == WEFT_OK,
+               "scatter: %s", weft_last_error());
+    weft_tensor_t *wpart = make(dt, count, root, (size_t)me * count);
+    RANK_CHECK(weft_tensor_equal(part, wpart), "scatter part on %d", me);
+    weft_tensor_release(wpart);
+    /* all_gather, flat and into a list */
+    RANK_CHECK(weft_coll_all_gather(pg, in, flat, NULL) == WEFT_OK, "all_gather: %s",
+               weft_last_error());
+    weft_tensor_t *list[8];
+    for (int r = 0; r < world; r++) {
+        weft_tensor_t *w = make(dt, count, r, 0);
+        RANK_CHECK(count == 0 || memcmp((uint8_t *)weft_tensor_data(flat) + (size_t)r * count * es,
+                                        weft_tensor_data(w), count * es) == 0,
+                   "all_gather part %d", r);
+        weft_tensor_release(w);
+        list[r] = make(dt, count, -1, 0);
+    }
+    RANK_CHECK(weft_coll_all_gather_list(pg, in, list, NULL) == WEFT_OK, "all_gather list: %s",
+               weft_last_error());
+    for (int r = 0; r < world; r++) {
+        weft_tensor_t *w = make(dt, count, r, 0);
+        RANK_CHECK(weft_tensor_equal(list[r], w), "all_gather list %d", r);
+        weft_tensor_release(w);
+        weft_tensor_release(list[r]);
+    }
+    /* reduce_scatter: part r of everyone's input, summed, lands on r */
+    weft_tensor_t *rin, *rout, *rwant;
+    int64_t total = (int64_t)count * world, n1 = (int64_t)count;
+    weft_tensor_empty(dt, 1, &total, &rin);
+    weft_tensor_empty(dt, 1, &n1, &rout);
+    weft_tensor_empty(dt, 1, &n1, &rwant);
+    for (size_t i = 0; i < (size_t)total; i++) {
+        store(weft_tensor_data(rin), dt, i, contribution(me, i, WEFT_SUM));
+    }
+    for (size_t i = 0; i < count; i++) {
+        store(weft_tensor_data(rwant), dt, i, reference(world, (size_t)me * count + i, WEFT_SUM, dt));
+    }
+    RANK_CHECK(weft_coll_reduce_scatter(pg, rin, rout, WEFT_SUM, NULL) == WEFT_OK,
+               "reduce_scatter: %s", weft_last_error());
+    RANK_CHECK(weft_tensor_equal(rout, rwant), "reduce_scatter %s x%zu", weft_dtype_name(dt),
+               count);
+    weft_tensor_release(rin);
+    weft_tensor_release(rout);
+    weft_tensor_release(rwant);
+    /* all_to_all, equal parts: part r of rank s's input lands in part s of rank r's output */
+    weft_tensor_t *ain = make(dt, count * (size_t)world, me, 0);
+    weft_tensor_t *aout = make(dt, count * (size_t)world, -1, 0);
+    RANK_CHECK(weft_coll_all_to_all(pg, ain, aout, NULL, NULL, NULL) == WEFT_OK,
+               "all_to_all: %s", weft_last_error());
+    for (int s = 0; s < world; s++) {
+        weft_tensor_t *w = make(dt, count, s, (size_t)me * count);
+        RANK_CHECK(count == 0 || memcmp((uint8_t *)weft_tensor_data(aout) + (size_t)s * count * es,
+                                        weft_tensor_data(w), count * es) == 0,
+                   "all_to_all part from %d", s);
+        weft_tensor_release(w);
+    }
+    weft_tensor_release(ain);
+    weft_tensor_release(aout);
+    /* all_to_all, uneven: rank s sends s + r + 1 elements to rank r */
+    int64_t ins[8], outs[8], tin = 0, tout = 0;
+    for (int r = 0; r < world; r++) {
+        ins[r] = me + r + 1;
+        outs[r] = r + me + 1;
+        tin += ins[r];
+        tout += outs[r];
+    }
+    weft_tensor_t *uin = make(dt, (size_t)tin, me, 0);
+    weft_tensor_t *uout = make(dt, (size_t)tout, -1, 0);
+    RANK_CHECK(weft_coll_all_to_all(pg, uin, uout, ins, outs, NULL) == WEFT_OK,
+               "uneven all_to_all: %s", weft_last_error());
+    size_t off = 0;
+    for (int s = 0; s < world; s++) {
+        size_t from = 0;
+        for (int r = 0; r < me; r++) {
+            from += (size_t)(s + r + 1); /* what rank s sent to ranks before me */
+        }
+        weft_tensor_t *w = make(dt, (size_t)outs[s], s, from);
+        RANK_CHECK(memcmp((uint8_t *)weft_tensor_data(uout) + off * es, weft_tensor_data(w),
+                          (size_t)outs[s] * es) == 0,
+                   "uneven all_to_all part from %d", s);
+        off += (size_t)outs[s];
+        weft_tensor_release(w);
+    }
+    weft_tensor_release(uin);
+    weft_tensor_release(uout);
+    weft_tensor_release(in);
+    weft_tensor_release(flat);
+    weft_tensor_release(all);
+    weft_tensor_release(part);
+    return 0;
+}
+
 static int body_world(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)rank;
@@ -172,6 +321,15 @@ static int body_world(weft_agent_t *a, int rank, int world, void *arg)
         }
     }
     RANK_CHECK(check_broadcast(pg, 3 << 20, WEFT_F32, world - 1) == 0, "large broadcast");
+    const weft_dtype_t moved[] = {WEFT_F32, WEFT_BF16, WEFT_I64, WEFT_U8};
+    const size_t moved_counts[] = {0, 5, 3001};
+    for (int d = 0; d < 4; d++) {
+        for (int c = 0; c < 3; c++) {
+            if (check_others(pg, world, moved[d], moved_counts[c]) != 0) {
+                return 1;
+            }
+        }
+    }
     RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
     /* Bitwise ops on a float are refused before anything is sent. */
     int64_t one = 4;
@@ -379,6 +537,20 @@ static int body_mismatch(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(strstr(weft_last_error(), "op=max") != NULL, "text: %s", weft_last_error());
     st = weft_coll_broadcast(pg, t, rank == 1 ? 1 : 0, NULL);
     RANK_CHECK(st == WEFT_ERR_MISMATCH, "root mismatch gave %s", weft_strerror(st));
+    st = weft_coll_reduce(pg, t, rank == 3 ? 3 : 1, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "reduce root mismatch gave %s", weft_strerror(st));
+    RANK_CHECK(strstr(weft_last_error(), "root=") != NULL, "text: %s", weft_last_error());
+    {
+        int64_t gn = rank == 1 ? 2 : 1, fn = 4;
+        weft_tensor_t *gin, *gout;
+        weft_tensor_create(WEFT_F32, 1, &gn, &gin);
+        weft_tensor_create(WEFT_F32, 1, &fn, &gout);
+        st = weft_coll_gather(pg, gin, rank == 0 ? gout : NULL, 0, NULL);
+        RANK_CHECK(st == WEFT_ERR_MISMATCH || (rank == 0 && st == WEFT_ERR_SHAPE),
+                   "gather size mismatch gave %s", weft_strerror(st));
+        weft_tensor_release(gin);
+        weft_tensor_release(gout);
+    }
     /* Different operations altogether. */
     st = rank == world - 1 ? weft_coll_broadcast(pg, t, 0, NULL)
                            : weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
