@@ -319,7 +319,11 @@ static weft_status_t send_header(coll_group_t *g, int dst, Weft__V1__CollHeader 
             goto err_free_future;
         }
     }
-    st = weft_agent_send(g->ctx->agent, g->world[dst], WEFT_CHANNEL_COLLECTIVES, v, NULL);
+    /* Pieces of collectives are matched by (seq, step, src), not by arrival order: they
+     * may take a direct connection. Point-to-point keeps its order. */
+    uint32_t flags = h->op != WEFT__V1__COLL_OP__COLL_OP_P2P ? WEFT_SEND_UNORDERED : 0;
+    st = weft_agent_send_flags(g->ctx->agent, g->world[dst], WEFT_CHANNEL_COLLECTIVES, v, flags,
+                               NULL);
     weft_value_free(v); /* the transport holds its own references to the bytes */
     if (released_p != NULL) {
         *released_p = rel;

@@ -9,6 +9,9 @@
 
 /* Direct exchange below this many bytes (latency: one round), ring above. */
 #define DIRECT_MAX_BYTES (64u << 10)
+/* Ring segments: large enough for the direct connections (>= 1 MiB), small enough
+ * to overlap transfer and reduction. */
+#define RING_SEGMENT_BYTES (2u << 20)
 /* The step of the messages that carry only a rank's view of the operation. */
 #define VERIFY_STEP 0xffff0000u
 
@@ -205,85 +208,91 @@ static weft_status_t all_reduce_direct(coll_group_t *g, const coll_desc_t *d, ui
 }
 
 /* Ring: reduce-scatter then all-gather, n-1 steps each; each rank sends and
- * receives 2(n-1)/n of the data: bandwidth-optimal. */
+ * receives 2(n-1)/n of the data: bandwidth-optimal. Chunks travel in segments,
+ * and a segment goes on to the next step as soon as it is reduced (or, in the
+ * all-gather, received), so sending, receiving and reducing overlap. Step t of
+ * the 2(n-1) steps carries chunk (me - t) mod n from each rank to its right. */
 static weft_status_t all_reduce_ring(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
                                      size_t count, weft_dtype_t wt, int64_t deadline)
 {
     int n = g->size, me = g->rank;
     int right = (me + 1) % n, left = (me - 1 + n) % n;
     size_t es = weft_dtype_size(wt);
+    size_t seg = RING_SEGMENT_BYTES / es;
     size_t *off = weft_calloc((size_t)n + 1, sizeof(size_t));
-    weft_future_t **rel = weft_calloc((size_t)n, sizeof(*rel));
     weft_status_t st = WEFT_OK;
 
-    if (off == NULL || rel == NULL) {
-        weft_free(off);
-        weft_free(rel);
+    if (off == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
     }
     size_t base = count / (size_t)n, rem = count % (size_t)n;
     for (int i = 0; i < n; i++) {
         off[i + 1] = off[i] + base + ((size_t)i < rem ? 1 : 0);
     }
-#define CHUNK(i) (work + off[(i)] * es)
-#define CLEN(i)  (off[(i) + 1] - off[(i)])
-    for (int s = 0; s < n - 1 && st == WEFT_OK; s++) {
-        int si = (me - s + n) % n, ri = (me - s - 1 + n) % n;
-        if (rel[si] != NULL) {
-            weft_future_release(rel[si]);
-            rel[si] = NULL;
-        }
-        st = coll__send(g, d, (uint32_t)s, right, CLEN(si) > 0 ? CHUNK(si) : NULL, CLEN(si), wt,
-                        &rel[si]);
-        if (st != WEFT_OK) {
-            break;
-        }
-        coll_msg_t *m;
-        st = coll__recv(g, d, (uint32_t)s, left, deadline, &m);
-        if (st != WEFT_OK) {
-            break;
-        }
-        weft_tensor_t *t = coll__msg_tensor(m);
-        if (CLEN(ri) > 0) {
-            if (t == NULL || weft_tensor_dtype(t) != wt || (size_t)weft_tensor_numel(t) != CLEN(ri)) {
+    size_t maxlen = base + (rem > 0 ? 1 : 0);
+    size_t nseg = maxlen == 0 ? 1 : (maxlen + seg - 1) / seg;
+    /* rel[c * nseg + k]: the last send of segment k of chunk c still being read. */
+    weft_future_t **rel = weft_calloc((size_t)n * nseg, sizeof(*rel));
+    if (rel == NULL) {
+        weft_free(off);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
+    }
+    int steps = 2 * (n - 1);
+#define SEG_LO(c, k) (off[(c)] + (size_t)(k) * seg)
+#define SEG_LEN(c, k)                                                                              \
+    (SEG_LO(c, k) >= off[(c) + 1] ? 0 : (off[(c) + 1] - SEG_LO(c, k) < seg ? off[(c) + 1] - SEG_LO(c, k) : seg))
+    /* Step 0: every segment of our own chunk goes out. */
+    for (size_t k = 0; k < nseg && st == WEFT_OK; k++) {
+        size_t len = SEG_LEN(me, k);
+        st = coll__send(g, d, (uint32_t)k, right, len > 0 ? work + SEG_LO(me, k) * es : NULL, len,
+                        wt, &rel[(size_t)me * nseg + k]);
+    }
+    for (int t = 0; t < steps && st == WEFT_OK; t++) {
+        int ri = ((me - t - 1) % n + n) % n; /* the chunk arriving at step t */
+        for (size_t k = 0; k < nseg && st == WEFT_OK; k++) {
+            size_t len = SEG_LEN(ri, k);
+            coll_msg_t *m;
+            st = coll__recv(g, d, (uint32_t)((size_t)t * nseg + k), left, deadline, &m);
+            if (st != WEFT_OK) {
+                break;
+            }
+            weft_tensor_t *tt = coll__msg_tensor(m);
+            uint8_t *dst = work + SEG_LO(ri, k) * es;
+            if (len > 0 && (tt == NULL || weft_tensor_dtype(tt) != wt ||
+                            (size_t)weft_tensor_numel(tt) != len)) {
                 st = weft__set_error(WEFT_ERR_PROTOCOL,
                                      "all_reduce: group rank %d sent a piece of the wrong size",
                                      left);
-            } else {
-                /* Reduce straight from the received buffer. */
-                weft_reduce_into(CHUNK(ri), weft_tensor_data(t), CLEN(ri), wt, d->rop);
+            } else if (len > 0 && t < n - 1) {
+                /* Reduce-scatter: reduce straight from the received buffer. */
+                weft_reduce_into(dst, weft_tensor_data(tt), len, wt, d->rop);
+            } else if (len > 0) {
+                /* All-gather: the final value. The region may still be read by an
+                 * earlier send of ours: wait until the transport has let go of it. */
+                weft_future_t **r = &rel[(size_t)ri * nseg + k];
+                st = wait_released(r, 1, deadline);
+                if (st == WEFT_OK) {
+                    memcpy(dst, weft_tensor_data(tt), len * es);
+                }
+            }
+            coll__msg_free(m);
+            /* Forward it at once: it is this rank's piece of step t + 1. */
+            if (st == WEFT_OK && t + 1 < steps && t + 1 != steps) {
+                if (t + 1 < steps) {
+                    weft_future_t **r = &rel[(size_t)ri * nseg + k];
+                    if (*r != NULL) {
+                        weft_future_release(*r); /* a newer send supersedes it */
+                        *r = NULL;
+                    }
+                    st = coll__send(g, d, (uint32_t)((size_t)(t + 1) * nseg + k), right,
+                                    len > 0 ? dst : NULL, len, wt, r);
+                }
             }
         }
-        coll__msg_free(m);
     }
-    for (int s = 0; s < n - 1 && st == WEFT_OK; s++) {
-        int si = (me + 1 - s + n) % n, ri = (me - s + n) % n;
-        if (rel[si] != NULL) {
-            weft_future_release(rel[si]);
-            rel[si] = NULL;
-        }
-        st = coll__send(g, d, (uint32_t)(n - 1 + s), right, CLEN(si) > 0 ? CHUNK(si) : NULL,
-                        CLEN(si), wt, &rel[si]);
-        if (st != WEFT_OK) {
-            break;
-        }
-        coll_msg_t *m;
-        st = coll__recv(g, d, (uint32_t)(n - 1 + s), left, deadline, &m);
-        if (st != WEFT_OK) {
-            break;
-        }
-        /* This chunk was sent in the reduce-scatter: wait until the transport let go of it. */
-        if (rel[ri] != NULL) {
-            st = wait_released(&rel[ri], 1, deadline);
-        }
-        if (st == WEFT_OK) {
-            st = take_piece(m, CHUNK(ri), CLEN(ri), wt, left);
-        }
-        coll__msg_free(m);
-    }
-#undef CHUNK
-#undef CLEN
-    weft_status_t w = wait_released(rel, (size_t)n, deadline);
+#undef SEG_LO
+#undef SEG_LEN
+    weft_status_t w = wait_released(rel, (size_t)n * nseg, deadline);
     weft_free(rel);
     weft_free(off);
     return st != WEFT_OK ? st : w;

@@ -697,6 +697,13 @@ weft_status_t weft_rpc_sync_to(weft_agent_t *a, const char *to, const char *fn,
 weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
                               const weft_value_t *msg, weft_future_t **sent_p)
 {
+    return weft_agent_send_flags(a, to_rank, channel, msg, 0, sent_p);
+}
+
+weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t channel,
+                                    const weft_value_t *msg, uint32_t flags,
+                                    weft_future_t **sent_p)
+{
     weft_status_t st;
     weft__stream_t *s;
     weft__outmsg_t *m;
@@ -722,6 +729,17 @@ weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
     if (sent_p != NULL) {
         WEFT_CHECK_GOTO(weft_future_create(&f), st, err_free_msg);
         m->sent = weft_future_retain(f);
+    }
+    if ((flags & WEFT_SEND_UNORDERED) != 0 && weft__direct_usable(a, to_rank, m->nbytes)) {
+        st = weft__direct_send(a, to_rank, m); /* takes the message either way */
+        if (st != WEFT_OK) {
+            weft_future_release(f);
+            return st;
+        }
+        if (sent_p != NULL) {
+            *sent_p = f;
+        }
+        return WEFT_OK;
     }
     WEFT_CHECK_GOTO(weft__peer_stream(a, to_rank, &s), st, err_free_future);
     st = weft__stream_send(s, m); /* takes the message either way */

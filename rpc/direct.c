@@ -542,6 +542,16 @@ static bool read_frame(conn_in_t *c)
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
         return false;
     }
+    if (env->kind == WEFT__V1__KIND__KIND_ONEWAY) {
+        /* An unordered one-way message: straight to its channel (callbacks are quick). */
+        if (env->channel >= 1 && env->channel <= WEFT_CHANNEL_MAX) {
+            weft__channel_deliver(a, env->channel, c->peer, v);
+        } else {
+            weft_value_free(v);
+        }
+        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+        return true;
+    }
     if (env->kind != WEFT__V1__KIND__KIND_REQUEST && env->kind != WEFT__V1__KIND__KIND_RESPONSE) {
         WEFT_WARN("direct connection from rank %d: frame of kind %d ignored", c->peer,
                   (int)env->kind);

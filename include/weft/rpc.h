@@ -198,6 +198,17 @@ weft_status_t weft_agent_register_channel(weft_agent_t *a, uint32_t channel, wef
  */
 weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
                               const weft_value_t *msg, weft_future_t **sent_p);
+
+/** The message may overtake, or be overtaken by, other messages to the same peer. */
+#define WEFT_SEND_UNORDERED 1u
+/**
+ * weft_agent_send with @p flags. An unordered message of 1 MiB or more may travel
+ * on the direct connection to the peer (received straight into its tensors); use
+ * it for messages the receiver matches by their contents, not by arrival order.
+ */
+weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t channel,
+                                    const weft_value_t *msg, uint32_t flags,
+                                    weft_future_t **sent_p);
 /** Adds a listener for lost peers. */
 weft_status_t weft_agent_on_peer_lost(weft_agent_t *a, weft_peer_lost_cb_t cb, void *arg);
 
