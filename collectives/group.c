@@ -558,3 +558,41 @@ weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
     weft_future_release(f);
     return st;
 }
+
+weft_status_t weft_coll_batch_p2p(weft_pg_t *pg, const weft_p2p_op_t *ops, size_t n,
+                                  weft_future_t **works)
+{
+    coll_group_t *g = pg->g;
+
+    if (g->rank < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE, "batch_p2p: not a member of group %u",
+                               g->id);
+    }
+    if (ops == NULL || works == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "batch_p2p: NULL argument");
+    }
+    for (size_t i = 0; i < n; i++) {
+        bool any = !ops[i].send && ops[i].peer == WEFT_ANY_SOURCE;
+        if (ops[i].t == NULL || ops[i].tag < 0 ||
+            (!any && (ops[i].peer < 0 || ops[i].peer >= g->size))) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG, "batch_p2p: operation %zu is malformed",
+                                   i);
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        weft_status_t st = ops[i].send ? weft_coll_send(pg, ops[i].t, ops[i].peer, ops[i].tag,
+                                                        &works[i])
+                                       : weft_coll_recv(pg, ops[i].t, ops[i].peer, ops[i].tag,
+                                                        &works[i], NULL);
+        if (st != WEFT_OK) {
+            /* Only a transport failure gets here: fail the rest through their futures. */
+            for (size_t j = i; j < n; j++) {
+                if (weft_future_create(&works[j]) == WEFT_OK) {
+                    weft_future_fail(works[j], st, "batch_p2p: %s", weft_last_error());
+                }
+            }
+            return WEFT_OK;
+        }
+    }
+    return WEFT_OK;
+}

@@ -489,7 +489,7 @@ static weft_status_t run_gather(coll_group_t *g, const coll_desc_t *d, weft_tens
         for (int r = 0; r < g->size && st == WEFT_OK; r++) {
             if (r == g->rank) {
                 if (nb > 0) {
-                    memcpy(o + (size_t)r * nb, weft_tensor_data(in), nb);
+                    memmove(o + (size_t)r * nb, weft_tensor_data(in), nb);
                 }
                 continue;
             }
@@ -526,7 +526,7 @@ static weft_status_t run_scatter(coll_group_t *g, const coll_desc_t *d, weft_ten
         for (int r = 0; r < g->size && st == WEFT_OK; r++) {
             if (r == g->rank) {
                 if (nb > 0) {
-                    memcpy(weft_tensor_data(out), i + (size_t)r * nb, nb);
+                    memmove(weft_tensor_data(out), i + (size_t)r * nb, nb);
                 }
             } else {
                 st = coll__send(g, d, 0, r, count > 0 ? i + (size_t)r * nb : NULL, count, dt,
@@ -574,7 +574,7 @@ static weft_status_t run_all_gather(coll_group_t *g, const coll_desc_t *d, weft_
                                     : (uint8_t *)weft_tensor_data(out) + (size_t)r * nb;
         if (r == g->rank) {
             if (nb > 0) {
-                memcpy(dst, weft_tensor_data(in), nb);
+                memmove(dst, weft_tensor_data(in), nb); /* in place: in may be this very part */
             }
             continue;
         }
@@ -637,11 +637,23 @@ static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll
     weft_dtype_t dt = weft_tensor_dtype(op->t);
     size_t es = weft_dtype_size(dt);
     uint8_t *in = weft_tensor_data(op->t), *out = weft_tensor_data(op->out);
+    size_t inb = (size_t)weft_tensor_numel(op->t) * es, outb = (size_t)weft_tensor_numel(op->out) * es;
+    uint8_t *copy = NULL;
     weft_future_t **rel = weft_calloc((size_t)n, sizeof(*rel));
     weft_status_t st = WEFT_OK;
 
     if (rel == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "all_to_all: no memory");
+    }
+    if (inb > 0 && outb > 0 && in < out + outb && out < in + inb) {
+        /* In place: pieces are sent from the input while others land in the output. */
+        copy = weft_alloc(inb);
+        if (copy == NULL) {
+            weft_free(rel);
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "all_to_all: no memory");
+        }
+        memcpy(copy, in, inb);
+        in = copy;
     }
     size_t ioff = 0;
     for (int r = 0; r < n && st == WEFT_OK; r++) {
@@ -683,6 +695,7 @@ static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll
     }
     weft_status_t w = wait_released(rel, (size_t)n, deadline);
     weft_free(rel);
+    weft_free(copy);
     return st != WEFT_OK ? st : w;
 }
 

@@ -74,6 +74,22 @@ weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int dst, int
 weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
                              weft_future_t **work_p, int *src_p);
 
+/** One operation of a batch of point-to-point operations. */
+typedef struct {
+    int send;            /**< 1: send t to peer; 0: receive t from peer (or WEFT_ANY_SOURCE) */
+    weft_tensor_t *t;    /**< borrowed until its future completes */
+    int peer;            /**< group rank */
+    int tag;
+} weft_p2p_op_t;
+
+/**
+ * Starts @p n point-to-point operations at once (torch's batch_isend_irecv):
+ * @p works[i] gets the future of @p ops[i]. All are checked before any starts; on
+ * an error none was started.
+ */
+weft_status_t weft_coll_batch_p2p(weft_pg_t *pg, const weft_p2p_op_t *ops, size_t n,
+                                  weft_future_t **works);
+
 /** Every member waits until all members have called it. */
 weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p);
 

@@ -285,6 +285,39 @@ static int check_others(weft_pg_t *pg, int world, weft_dtype_t dt, size_t count)
     }
     weft_tensor_release(uin);
     weft_tensor_release(uout);
+    /* In place: all_gather whose input is its own part of the output, and all_to_all
+     * with one tensor for both. */
+    if (count > 0) {
+        weft_tensor_t *ip = make(dt, count * (size_t)world, me, 0);
+        int64_t cn = (int64_t)count;
+        weft_tensor_t *mine;
+        weft_tensor_wrap(dt, 1, &cn, (uint8_t *)weft_tensor_data(ip) + (size_t)me * count * es,
+                         count * es, WEFT_CPU, NULL, NULL, &mine);
+        weft_tensor_t *src = make(dt, count, me, 0);
+        memcpy(weft_tensor_data(mine), weft_tensor_data(src), count * es);
+        RANK_CHECK(weft_coll_all_gather(pg, mine, ip, NULL) == WEFT_OK, "in-place all_gather");
+        for (int r = 0; r < world; r++) {
+            weft_tensor_t *w = make(dt, count, r, 0);
+            RANK_CHECK(memcmp((uint8_t *)weft_tensor_data(ip) + (size_t)r * count * es,
+                              weft_tensor_data(w), count * es) == 0,
+                       "in-place all_gather part %d", r);
+            weft_tensor_release(w);
+        }
+        weft_tensor_release(mine);
+        weft_tensor_release(src);
+        weft_tensor_release(ip);
+        weft_tensor_t *same = make(dt, count * (size_t)world, me, 0);
+        RANK_CHECK(weft_coll_all_to_all(pg, same, same, NULL, NULL, NULL) == WEFT_OK,
+                   "in-place all_to_all");
+        for (int s2 = 0; s2 < world; s2++) {
+            weft_tensor_t *w = make(dt, count, s2, (size_t)me * count);
+            RANK_CHECK(memcmp((uint8_t *)weft_tensor_data(same) + (size_t)s2 * count * es,
+                              weft_tensor_data(w), count * es) == 0,
+                       "in-place all_to_all part from %d", s2);
+            weft_tensor_release(w);
+        }
+        weft_tensor_release(same);
+    }
     weft_tensor_release(in);
     weft_tensor_release(flat);
     weft_tensor_release(all);
@@ -498,6 +531,24 @@ static int body_p2p(weft_agent_t *a, int rank, int world, void *arg)
     }
     RANK_CHECK(weft_future_wait(sf, 10000) == WEFT_OK, "isend done");
     weft_future_release(sf);
+    /* A batch: everyone sends to its right and receives from its left at once. */
+    {
+        weft_tensor_t *out1, *in1;
+        weft_tensor_create(WEFT_I64, 1, &one, &out1);
+        weft_tensor_create(WEFT_I64, 1, &one, &in1);
+        *(int64_t *)weft_tensor_data(out1) = 1000 + rank;
+        weft_p2p_op_t ops[2] = {{0, in1, (rank - 1 + world) % world, 5},
+                                {1, out1, (rank + 1) % world, 5}};
+        weft_future_t *works[2];
+        RANK_CHECK(weft_coll_batch_p2p(pg, ops, 2, works) == WEFT_OK, "batch");
+        RANK_CHECK(weft_future_wait_all(works, 2, 10000) == WEFT_OK, "batch done");
+        RANK_CHECK(*(int64_t *)weft_tensor_data(in1) == 1000 + (rank - 1 + world) % world,
+                   "batch value");
+        weft_future_release(works[0]);
+        weft_future_release(works[1]);
+        weft_tensor_release(out1);
+        weft_tensor_release(in1);
+    }
     weft_tensor_release(mine);
     weft_tensor_release(t);
     RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier");
