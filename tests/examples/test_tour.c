@@ -1,0 +1,442 @@
+/*
+ * examples/collectives_tour run under weftrun on 4 ranks, as a user would:
+ * WEFTRUN is the launcher, TOUR the example. The run has a 120 s deadline,
+ * after which it is killed and the test fails. The expected lines are the
+ * values the torch.distributed tutorials of /work/shared/seeds print
+ * (docs/collectives-tour.md maps them).
+ */
+
+#include <criterion/criterion.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+extern char **environ;
+
+#define DEADLINE_S 120.0
+#define MAX_ENV    512
+
+typedef struct {
+    int code; /* exit status, or 128 + signal */
+    char *out;
+    size_t out_len;
+    char *err;
+    size_t err_len;
+} result_t;
+
+static double now_s(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static const char *path_from_env(const char *name)
+{
+    const char *p = getenv(name);
+
+    cr_assert(p != NULL && *p != '\0', "%s must name the built program", name);
+    return p;
+}
+
+/* Rank variables of an outer launcher must not leak into the run; the log level may. */
+static bool scrubbed(const char *entry)
+{
+    static const char *const prefixes[] = {"SLURM_", "OMPI_", "PMI_", "WEFT_"};
+    static const char *const exact[] = {"MASTER_ADDR", "MASTER_PORT", "RANK",
+                                        "WORLD_SIZE",  "LOCAL_RANK",  "LOCAL_WORLD_SIZE"};
+    size_t name_len = strcspn(entry, "=");
+
+    if (strncmp(entry, "WEFT_LOG=", 9) == 0) {
+        return false;
+    }
+    for (size_t i = 0; i < sizeof(prefixes) / sizeof(prefixes[0]); i++) {
+        if (strncmp(entry, prefixes[i], strlen(prefixes[i])) == 0) {
+            return true;
+        }
+    }
+    for (size_t i = 0; i < sizeof(exact) / sizeof(exact[0]); i++) {
+        if (strlen(exact[i]) == name_len && strncmp(entry, exact[i], name_len) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static void append(char **buf, size_t *len, const char *data, size_t n)
+{
+    *buf = realloc(*buf, *len + n + 1);
+    cr_assert(*buf != NULL);
+    memcpy(*buf + *len, data, n);
+    *len += n;
+    (*buf)[*len] = '\0';
+}
+
+/* Runs `weftrun -n <nproc> <TOUR>`; kills it at the deadline. */
+static void run_tour(result_t *r, const char *nproc)
+{
+    const char *argv[] = {path_from_env("WEFTRUN"), "-n", nproc, path_from_env("TOUR"), NULL};
+    const char *envp[MAX_ENV];
+    int out_pipe[2];
+    int err_pipe[2];
+    int nenv = 0;
+    int status = 0;
+    double deadline;
+    pid_t pid;
+
+    memset(r, 0, sizeof(*r));
+    append(&r->out, &r->out_len, "", 0);
+    append(&r->err, &r->err_len, "", 0);
+    for (char **e = environ; *e != NULL && nenv < MAX_ENV - 1; e++) {
+        if (!scrubbed(*e)) {
+            envp[nenv++] = *e;
+        }
+    }
+    envp[nenv] = NULL;
+
+    cr_assert(pipe2(out_pipe, O_CLOEXEC) == 0);
+    cr_assert(pipe2(err_pipe, O_CLOEXEC) == 0);
+    deadline = now_s() + DEADLINE_S;
+    pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        int null_fd = open("/dev/null", O_RDONLY);
+        dup2(null_fd, STDIN_FILENO);
+        dup2(out_pipe[1], STDOUT_FILENO);
+        dup2(err_pipe[1], STDERR_FILENO);
+        execve(argv[0], (char *const *)argv, (char *const *)envp);
+        _exit(126);
+    }
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+
+    struct pollfd pfds[2] = {{.fd = out_pipe[0], .events = POLLIN},
+                             {.fd = err_pipe[0], .events = POLLIN}};
+    int open_fds = 2;
+    while (open_fds > 0 && now_s() < deadline) {
+        if (poll(pfds, 2, (int)((deadline - now_s()) * 1000) + 1) < 0) {
+            cr_assert(errno == EINTR);
+            continue;
+        }
+        for (int i = 0; i < 2; i++) {
+            char buf[65536];
+            ssize_t n;
+
+            if (pfds[i].fd < 0 || pfds[i].revents == 0) {
+                continue;
+            }
+            n = read(pfds[i].fd, buf, sizeof(buf));
+            if (n > 0) {
+                if (i == 0) {
+                    append(&r->out, &r->out_len, buf, (size_t)n);
+                } else {
+                    append(&r->err, &r->err_len, buf, (size_t)n);
+                }
+            } else if (n == 0 || errno != EINTR) {
+                close(pfds[i].fd);
+                pfds[i].fd = -1;
+                open_fds--;
+            }
+        }
+    }
+    for (int i = 0; i < 2; i++) {
+        if (pfds[i].fd >= 0) {
+            close(pfds[i].fd);
+        }
+    }
+
+    for (;;) {
+        pid_t w = waitpid(pid, &status, WNOHANG);
+        if (w == pid) {
+            break;
+        }
+        if (now_s() >= deadline) {
+            /* weftrun passes SIGTERM on to the ranks and stops them. */
+            kill(pid, SIGTERM);
+            sleep(1);
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+            cr_assert_fail("weftrun did not finish within %g s\nstdout:\n%s\nstderr:\n%s",
+                           DEADLINE_S, r->out, r->err);
+        }
+        usleep(10000);
+    }
+    r->code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static void result_free(result_t *r)
+{
+    free(r->out);
+    free(r->err);
+}
+
+/*
+ * The first line of @p text that equals @p want (prefix == false) or starts
+ * with it (prefix == true); NULL if none. Points into @p text.
+ */
+static const char *find_line(const char *text, const char *want, bool prefix)
+{
+    size_t want_len = strlen(want);
+    const char *line = text;
+
+    while (*line != '\0') {
+        size_t len = strcspn(line, "\n");
+        if ((prefix ? len >= want_len : len == want_len) && strncmp(line, want, want_len) == 0) {
+            return line;
+        }
+        line += len + (line[len] == '\n' ? 1 : 0);
+    }
+    return NULL;
+}
+
+/* Asserts that every line of @p want (NULL-terminated) is in the output. */
+static void assert_lines(const result_t *r, const char *const *want)
+{
+    for (; *want != NULL; want++) {
+        cr_assert(find_line(r->out, *want, false) != NULL,
+                  "missing line: %s\nstdout:\n%s\nstderr:\n%s", *want, r->out, r->err);
+    }
+}
+
+static void check_seed_000_collectives(const result_t *r)
+{
+    static const char *const want[] = {
+        /* Task 1 - all gather of strings */
+        "[rank 0] Task 1 - all gather",
+        "[rank 0] Process 0 Information...",
+        "[rank 0] Process 1 Information...",
+        "[rank 0] Process 2 Information...",
+        "[rank 0] Process 3 Information...",
+        /* Task 2 - all reduce */
+        "[rank 0] All reduce for all processes: in rank 0, tensor = tensor([4., 4., 4., 4.])",
+        "[rank 3] All reduce for all processes: in rank 3, tensor = tensor([4., 4., 4., 4.])",
+        /* Task 3 - the sub-group {1, 3} */
+        "[rank 1] Sub group all reduce: in rank 1, tensor = tensor([2., 2., 2., 2.])",
+        "[rank 3] Sub group all reduce: in rank 3, tensor = tensor([2., 2., 2., 2.])",
+        /* Task 4 - two half-world groups, then MAX across the world */
+        "[rank 0] In rank 0, group_1_sum=tensor([2, 2, 2, 2]), group_2_sum=tensor([3., 3., 3., "
+        "3.])",
+        "[rank 1] In rank 1, group_1_sum=tensor([2, 2, 2, 2]), group_2_sum=tensor([3., 3., 3., "
+        "3.])",
+        "[rank 2] In rank 2, group_1_sum=tensor([2, 2, 2, 2]), group_2_sum=tensor([3., 3., 3., "
+        "3.])",
+        "[rank 3] In rank 3, group_1_sum=tensor([2, 2, 2, 2]), group_2_sum=tensor([3., 3., 3., "
+        "3.])",
+        /* all_reduce & all_gather */
+        "[rank 0] Original tensor=tensor([0., 1.])",
+        "[rank 0] rank 1 data = tensor([10., 11.])",
+        "[rank 0] rank 3 data = tensor([30., 31.])",
+        "[rank 0] tensor([60., 64.])",
+        /* the distributed softmax (torch.manual_seed(rank) logits) */
+        "[rank 0] In rank=0, logit=-0.075, prob=0.005",
+        "[rank 1] In rank=1, logit=5.153, prob=0.941",
+        "[rank 2] In rank=2, logit=2.294, prob=0.054",
+        "[rank 3] In rank=3, logit=-9.915, prob=0.000",
+        "[rank 0] torch.allclose(norm_prob_sum, torch.ones(1)): True",
+        /* broadcast from two sources */
+        "[rank 0] rank=0, tensor_1=tensor([1., 2., 3.]), tensor_2=tensor([4., 5.])",
+        "[rank 3] rank=3, tensor_1=tensor([1., 2., 3.]), tensor_2=tensor([4., 5.])",
+        /* scatter: the seed's printed output */
+        "[rank 0] rank=0, output_t=tensor([0., 0.])",
+        "[rank 1] rank=1, output_t=tensor([1., 1.])",
+        "[rank 2] rank=2, output_t=tensor([2., 2.])",
+        "[rank 3] rank=3, output_t=tensor([3., 3.])",
+        "[rank 0] Finishing process with rank=0, world_size=4",
+        "[rank 3] Finishing process with rank=3, world_size=4",
+        NULL,
+    };
+
+    assert_lines(r, want);
+}
+
+static void check_seed_000_p2p(const result_t *r)
+{
+    static const char *const want[] = {
+        /* the chain 0 -> 1 -> 2 with +100, blocking and overlapped */
+        "[rank 0] Initial data in rank=0 is: tensor([100., 200.])",
+        "[rank 0] Rank 0 sent data to Rank 1 ...",
+        "[rank 1] Initial data in rank=1 is: tensor([0., 0.])",
+        "[rank 1] Rank 1 received data from Rank 0 ...",
+        "[rank 1] Modified data in rank=1 is: tensor([200., 300.])",
+        "[rank 1] Rank 1 sent data to Rank 2 ...",
+        "[rank 2] Rank 2 received data from Rank 1 ...",
+        "[rank 0] Data in rank=0 is: tensor([100., 200.])",
+        "[rank 1] Data in rank=1 is: tensor([200., 300.])",
+        "[rank 2] Data in rank=2 is: tensor([200., 300.])",
+        "[rank 3] Data in rank=3 is: tensor([0., 0.])",
+        "[rank 0] Rank 0 sending data to Rank 1 ...",
+        "[rank 0] Rank 0 is doing other work ...",
+        "[rank 1] Rank 1 is receiving data from Rank 0 ...",
+        "[rank 1] Rank 1 is sending data to Rank 2 ...",
+        "[rank 1] Rank 1 is doing other work ...",
+        "[rank 2] Rank 2 is receiving data from Rank 1 ...",
+        "[rank 2] Rank 2 is doing other work ...",
+        NULL,
+    };
+
+    assert_lines(r, want);
+}
+
+static void check_seed_001_primitives(const result_t *r)
+{
+    static const char *const want[] = {
+        "[rank 0] all_reduce(0): t.mean() = 6.0",
+        "[rank 3] all_reduce(3): t.mean() = 6.0",
+        "[rank 0] reduce(0): t.mean() = 6.0",
+        "[rank 1] reduce(1): t.mean() = 1.0",
+        "[rank 2] reduce(2): t.mean() = 2.0",
+        "[rank 3] reduce(3): t.mean() = 3.0",
+        "[rank 0] broadcast(0): t.mean() = 3.0",
+        "[rank 2] all_gather(2): gather.shape = torch.Size([20, 5]), gather.mean() = 1.5",
+        "[rank 1] reduce_scatter(1): reduce_rst.mean() = 6.0",
+        NULL,
+    };
+
+    assert_lines(r, want);
+}
+
+static void check_seed_002_three_ranks(const result_t *r)
+{
+    static const char *const want[] = {
+        "[rank 0] Before broadcast on rank 0: tensor([1., 2., 3., 4., 5.])",
+        "[rank 1] Before broadcast on rank 1: tensor([0., 0., 0., 0., 0.])",
+        "[rank 2] After broadcast on rank 2: tensor([1., 2., 3., 4., 5.])",
+        "[rank 0] After reduce on rank 0: tensor([6., 6., 6., 6., 6.])",
+        "[rank 1] After reduce on rank 1: tensor([2., 2., 2., 2., 2.])",
+        "[rank 2] After reduce on rank 2: tensor([3., 3., 3., 3., 3.])",
+        "[rank 1] After all_reduce on rank 1: tensor([6., 6., 6., 6., 6.])",
+        "[rank 0] After gather on rank 0: [tensor([1., 1., 1., 1., 1.]), "
+        "tensor([2., 2., 2., 2., 2.]), tensor([3., 3., 3., 3., 3.])]",
+        "[rank 2] After all_gather on rank 2: [tensor([1., 1., 1., 1., 1.]), "
+        "tensor([2., 2., 2., 2., 2.]), tensor([3., 3., 3., 3., 3.])]",
+        "[rank 0] Rank 0: Tensor to scatter: [tensor([1., 1., 1., 1., 1.]), "
+        "tensor([2., 2., 2., 2., 2.]), tensor([3., 3., 3., 3., 3.])]",
+        "[rank 1] After scatter on rank 1: tensor([2., 2., 2., 2., 2.])",
+        "[rank 2] After scatter on rank 2: tensor([3., 3., 3., 3., 3.])",
+        "[rank 1] Before ReduceScatter on rank 1: [tensor([2., 4.]), tensor([ 4., 16.]), "
+        "tensor([ 8., 64.])]",
+        "[rank 2] Before ReduceScatter on rank 2: [tensor([3., 6.]), tensor([ 9., 36.]), "
+        "tensor([ 27., 216.])]",
+        "[rank 0] After ReduceScatter on rank 0: tensor([ 6., 12.])",
+        "[rank 1] After ReduceScatter on rank 1: tensor([14., 56.])",
+        "[rank 2] After ReduceScatter on rank 2: tensor([ 36., 288.])",
+        "[rank 2] Rank 2 sleeps 2 seconds.",
+        NULL,
+    };
+
+    assert_lines(r, want);
+    /* The barrier after sleeps of 0, 1 and 2 s: everyone leaves it after about 2 s. */
+    for (int rank = 0; rank < 3; rank++) {
+        char want_prefix[64];
+        const char *line;
+        double delta = 0.0;
+
+        snprintf(want_prefix, sizeof(want_prefix),
+                 "[rank %d] Rank %d after barrier time delta: ", rank, rank);
+        line = find_line(r->out, want_prefix, true);
+        cr_assert(line != NULL, "missing line starting with: %s\nstdout:\n%s", want_prefix, r->out);
+        cr_assert(sscanf(line + strlen(want_prefix), "%lf", &delta) == 1, "%.200s", line);
+        cr_assert(delta >= 1.99 && delta < 10.0, "rank %d left the barrier after %.4f s", rank,
+                  delta);
+    }
+    cr_assert(find_line(r->out, "[rank 3] Rank 3 sleeps", true) == NULL,
+              "rank 3 is not in the 3-rank group");
+}
+
+static void check_seed_003_int64(const result_t *r)
+{
+    static const char *const want[] = {
+        /* the ping-pong */
+        "[rank 0] after send, Rank 0 has data tensor(1.)",
+        "[rank 1] after recv Rank 1 has data tensor(1.)",
+        "[rank 1] after send Rank 1 has data tensor(2.)",
+        "[rank 0] after recv, Rank 0 has data tensor(2.)",
+        /* broadcast */
+        "[rank 1] before broadcast Rank 1 has data tensor([3, 4])",
+        "[rank 3] before broadcast Rank 3 has data tensor([7, 8])",
+        "[rank 3] after broadcast Rank 3 has data tensor([1, 2])",
+        /* scatter */
+        "[rank 0] scatter list: [tensor([0, 0]), tensor([1, 1]), tensor([2, 2]), tensor([3, 3])]",
+        "[rank 0] after scatter Rank 0 has data tensor([0, 0])",
+        "[rank 1] after scatter Rank 1 has data tensor([1, 1])",
+        "[rank 3] after scatter Rank 3 has data tensor([3, 3])",
+        /* gather */
+        "[rank 3] after gather Rank 3 has data tensor([7, 8])",
+        "[rank 0] gather_list: [tensor([1, 2]), tensor([3, 4]), tensor([5, 6]), tensor([7, 8])]",
+        /* reduce to dst 3; the other ranks keep their data (gloo leaves partial sums) */
+        "[rank 3] before reduce Rank 3 has data tensor([7, 8])",
+        "[rank 3] after reduce Rank 3 has data tensor([16, 20])",
+        "[rank 1] after reduce Rank 1 has data tensor([3, 4])",
+        /* all_gather */
+        "[rank 1] after all_gather Rank 1 has gather list "
+        "[tensor([1, 2]), tensor([3, 4]), tensor([5, 6]), tensor([7, 8])]",
+        "[rank 2] after all_gather Rank 2 has gather list "
+        "[tensor([1, 2]), tensor([3, 4]), tensor([5, 6]), tensor([7, 8])]",
+        /* all_reduce */
+        "[rank 0] after all_reduce Rank 0 has data tensor([16, 20])",
+        "[rank 2] after all_reduce Rank 2 has data tensor([16, 20])",
+        NULL,
+    };
+
+    assert_lines(r, want);
+}
+
+static void check_seed_004_lecture(const result_t *r)
+{
+    static const char *const want[] = {
+        "[rank 0] all-reduce: rank 0 tensor([0., 1., 2., 3.]) -> tensor([ 6., 10., 14., 18.])",
+        "[rank 3] all-reduce: rank 3 tensor([3., 4., 5., 6.]) -> tensor([ 6., 10., 14., 18.])",
+        "[rank 0] reduce-scatter: rank 0 tensor([0., 1., 2., 3.]) -> tensor([6.])",
+        "[rank 1] reduce-scatter: rank 1 tensor([1., 2., 3., 4.]) -> tensor([10.])",
+        "[rank 2] reduce-scatter: rank 2 tensor([2., 3., 4., 5.]) -> tensor([14.])",
+        "[rank 3] reduce-scatter: rank 3 tensor([3., 4., 5., 6.]) -> tensor([18.])",
+        "[rank 2] all-gather: rank 2 tensor([14.]) -> tensor([ 6., 10., 14., 18.])",
+        "[rank 1] [data_parallelism] Rank 1: local grad = tensor([25.]), averaged grad = "
+        "tensor([51.]), params = tensor([0.9490])",
+        "[rank 0] [tensor_parallelism] Rank 0: local activations tensor([0., 8.]), all-gathered "
+        "tensor([ 0.,  8., 16., 24., 32., 40., 48., 56.])",
+        "[rank 2] [pipeline_parallelism] Rank 2: sending tensor([ 8., 16.]) to rank 3",
+        "[rank 3] [pipeline_parallelism] Rank 3: micro-batch 0 output tensor([16., 32.])",
+        "[rank 3] [pipeline_parallelism] Rank 3: micro-batch 1 output tensor([48., 64.])",
+        NULL,
+    };
+
+    assert_lines(r, want);
+}
+
+/* One run of the tour on 4 ranks; every seed example's lines are checked in it. */
+Test(tour, four_ranks, .timeout = 150)
+{
+    result_t r;
+
+    run_tour(&r, "4");
+    cr_assert_eq(r.code, 0, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    check_seed_000_collectives(&r);
+    check_seed_000_p2p(&r);
+    check_seed_001_primitives(&r);
+    check_seed_002_three_ranks(&r);
+    check_seed_003_int64(&r);
+    check_seed_004_lecture(&r);
+    result_free(&r);
+}
+
+Test(tour, wants_four_ranks, .timeout = 150)
+{
+    result_t r;
+
+    run_tour(&r, "2");
+    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    cr_assert(strstr(r.err, "needs 4 ranks") != NULL, "stderr:\n%s", r.err);
+    result_free(&r);
+}
