@@ -182,7 +182,7 @@ static void *worker_main(void *arg)
 
     pthread_mutex_lock(&g->mu);
     for (;;) {
-        while (g->qh == NULL && !g->stop) {
+        while ((g->qh == NULL || g->busy) && !(g->stop && g->qh == NULL && !g->busy)) {
             pthread_cond_wait(&g->cv, &g->mu);
         }
         coll_op_t *op = g->qh;
@@ -193,9 +193,12 @@ static void *worker_main(void *arg)
         if (g->qh == NULL) {
             g->qt = NULL;
         }
+        g->busy = true;
         pthread_mutex_unlock(&g->mu);
         coll__run(g, op);
         pthread_mutex_lock(&g->mu);
+        g->busy = false;
+        pthread_cond_broadcast(&g->cv);
     }
     pthread_mutex_unlock(&g->mu);
     return NULL;
@@ -276,6 +279,23 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
     op->f = weft_future_retain(f);
     pthread_mutex_lock(&g->mu);
     op->seq = g->next_seq++;
+    if (work_p == NULL && g->qh == NULL && !g->busy) {
+        /* A blocking call on an idle group runs on the caller's thread: no hand-off
+         * to the worker and back. The worker waits while it runs (order is kept). */
+        g->busy = true;
+        pthread_mutex_unlock(&g->mu);
+        coll__run(g, op);
+        pthread_mutex_lock(&g->mu);
+        g->busy = false;
+        pthread_cond_broadcast(&g->cv);
+        pthread_mutex_unlock(&g->mu);
+        st = weft_future_status(f);
+        if (st != WEFT_OK) {
+            weft__set_error(st, "%s", weft_future_error(f));
+        }
+        weft_future_release(f);
+        return st;
+    }
     if (g->qt == NULL) {
         g->qh = g->qt = op;
     } else {

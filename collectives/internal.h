@@ -95,6 +95,7 @@ typedef struct coll_group {
     uint64_t next_seq;
     bool stop;
     bool started;
+    bool busy; /* an operation is running (on the worker or on a caller's thread) */
     int running; /* ops queued or running */
     pthread_t thread;
 } coll_group_t;

@@ -9,6 +9,7 @@
 
 /* Direct exchange below this many bytes (latency: one round), ring above. */
 #define DIRECT_MAX_BYTES (64u << 10)
+#define RING2_MIN_BYTES  (4u << 20)
 /* Ring segments: large enough for the direct connections (>= 1 MiB), small enough
  * to overlap transfer and reduction. */
 #define RING_SEGMENT_BYTES (2u << 20)
@@ -317,7 +318,10 @@ static weft_status_t run_all_reduce(coll_group_t *g, const coll_desc_t *d, weft_
         work = (uint8_t *)wide;
     }
     const char *algo = getenv("WEFT_COLL_ALGO");
-    bool ring = count * weft_dtype_size(wt) > DIRECT_MAX_BYTES && g->size > 2;
+    /* With two ranks the direct exchange moves the same bytes as the ring; the ring's
+     * pipelining pays off only for large tensors. */
+    size_t bytes = count * weft_dtype_size(wt);
+    bool ring = bytes > DIRECT_MAX_BYTES && (g->size > 2 || bytes > RING2_MIN_BYTES);
     if (algo != NULL && strcmp(algo, "ring") == 0) {
         ring = true;
     } else if (algo != NULL && strcmp(algo, "direct") == 0) {

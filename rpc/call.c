@@ -730,7 +730,8 @@ weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t chann
         WEFT_CHECK_GOTO(weft_future_create(&f), st, err_free_msg);
         m->sent = weft_future_retain(f);
     }
-    if ((flags & WEFT_SEND_UNORDERED) != 0 && weft__direct_usable(a, to_rank, m->nbytes)) {
+    if ((flags & WEFT_SEND_UNORDERED) != 0 && m->nbytes >= WEFT__DIRECT_MIN_UNORDERED &&
+        weft__direct_available(a, to_rank)) {
         st = weft__direct_send(a, to_rank, m); /* takes the message either way */
         if (st != WEFT_OK) {
             weft_future_release(f);
