@@ -104,8 +104,7 @@ static void on_message(weft_agent_t *a, int src_world, weft_value_t *msg, void *
     coll_ctx_t *ctx = arg;
     size_t len;
     const void *pl = weft_value_payload(msg, &len);
-    Weft__V1__CollHeader *h =
-        pl != NULL ? weft__v1__coll_header__unpack(NULL, len, pl) : NULL;
+    Weft__V1__CollHeader *h = pl != NULL ? weft__v1__coll_header__unpack(NULL, len, pl) : NULL;
 
     (void)a;
     if (h == NULL || h->version != COLL_VERSION) {
@@ -340,8 +339,8 @@ err_free_value:
     return st;
 }
 
-weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, int dst,
-                         void *data, size_t count, weft_dtype_t dtype, weft_future_t **released_p)
+weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, int dst, void *data,
+                         size_t count, weft_dtype_t dtype, weft_future_t **released_p)
 {
     Weft__V1__CollHeader h = WEFT__V1__COLL_HEADER__INIT;
 
@@ -399,7 +398,8 @@ static void describe(char *buf, size_t n, uint32_t op, int32_t dtype, int32_t ro
     bool reducing = op == OP_ALL_REDUCE || op == OP_REDUCE || op == OP_REDUCE_SCATTER;
     bool rooted = op == OP_BROADCAST || op == OP_REDUCE || op == OP_GATHER || op == OP_SCATTER;
     if (k > 0 && (size_t)k < n && reducing) {
-        k += snprintf(buf + k, n - (size_t)k, ", op=%s", weft_reduce_op_name((weft_reduce_op_t)rop));
+        k +=
+            snprintf(buf + k, n - (size_t)k, ", op=%s", weft_reduce_op_name((weft_reduce_op_t)rop));
     }
     if (k > 0 && (size_t)k < n && rooted) {
         k += snprintf(buf + k, n - (size_t)k, ", root=%d", root);
@@ -413,7 +413,8 @@ static void describe(char *buf, size_t n, uint32_t op, int32_t dtype, int32_t ro
 static bool same_op(const coll_group_t *g, const coll_desc_t *d, const Weft__V1__CollHeader *h,
                     char *why, size_t n)
 {
-    bool reducing = d->kind == OP_ALL_REDUCE || d->kind == OP_REDUCE || d->kind == OP_REDUCE_SCATTER;
+    bool reducing =
+        d->kind == OP_ALL_REDUCE || d->kind == OP_REDUCE || d->kind == OP_REDUCE_SCATTER;
     bool rooted = d->kind == OP_BROADCAST || d->kind == OP_REDUCE || d->kind == OP_GATHER ||
                   d->kind == OP_SCATTER;
     if (h->group_hash == g->hash && h->op == (Weft__V1__CollOp)d->kind &&
@@ -456,8 +457,8 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
         coll_msg_t **pp = &ctx->msgs;
         for (; *pp != NULL; pp = &(*pp)->next) {
             const Weft__V1__CollHeader *h = (*pp)->hdr;
-            if (h->group == g->id && h->seq == d->seq && h->step == step && h->src == (uint32_t)src &&
-                h->op != WEFT__V1__COLL_OP__COLL_OP_P2P) {
+            if (h->group == g->id && h->seq == d->seq && h->step == step &&
+                h->src == (uint32_t)src && h->op != WEFT__V1__COLL_OP__COLL_OP_P2P) {
                 break;
             }
         }
@@ -477,9 +478,9 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
         for (int r = 0; r < g->size; r++) {
             int w = g->world[r];
             if (ctx->lost[w]) {
-                st = weft__set_error(WEFT_ERR_PEER_LOST, "%s: group rank %d (world rank %d) was lost: %s",
-                                     coll__kind_name(d->kind), r, w,
-                                     ctx->why[w] != NULL ? ctx->why[w] : "");
+                st = weft__set_error(
+                    WEFT_ERR_PEER_LOST, "%s: group rank %d (world rank %d) was lost: %s",
+                    coll__kind_name(d->kind), r, w, ctx->why[w] != NULL ? ctx->why[w] : "");
                 goto out;
             }
         }

@@ -109,8 +109,7 @@ weft_status_t weft_pg_new(weft_agent_t *a, const int *ranks, int n, weft_pg_t **
     for (int i = 0; i < n; i++) {
         if (ranks[i] < 0 || ranks[i] >= world) {
             return weft__set_error(WEFT_ERR_INVALID_ARG,
-                                   "new_group: rank %d is not in the world of %d", ranks[i],
-                                   world);
+                                   "new_group: rank %d is not in the world of %d", ranks[i], world);
         }
         for (int j = 0; j < i; j++) {
             if (ranks[j] == ranks[i]) {
@@ -262,7 +261,8 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
                              weft_dtype_name(weft_tensor_dtype(op->t)),
                              weft_dtype_name(weft_tensor_dtype(op->out)));
     }
-    if (st == WEFT_OK && (kind == OP_ALL_REDUCE || kind == OP_REDUCE || kind == OP_REDUCE_SCATTER)) {
+    if (st == WEFT_OK &&
+        (kind == OP_ALL_REDUCE || kind == OP_REDUCE || kind == OP_REDUCE_SCATTER)) {
         st = weft_reduce_check(op->rop, weft_tensor_dtype(op->t));
     }
     if (st == WEFT_OK && (op->root < 0 || op->root >= g->size)) {
@@ -348,8 +348,7 @@ weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p)
     return submit(pg, OP_BARRIER, NULL, 0, WEFT_SUM, work_p);
 }
 
-weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
-                                  weft_future_t **work_p)
+weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root, weft_future_t **work_p)
 {
     if (t == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "broadcast: NULL tensor");
@@ -387,11 +386,12 @@ static weft_status_t check_parts(const char *what, const weft_tensor_t *out, int
     return WEFT_OK;
 }
 
-weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
-                               int root, weft_future_t **work_p)
+weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out, int root,
+                               weft_future_t **work_p)
 {
     if (in == NULL || (pg->g->rank == root && out == NULL)) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "gather: NULL input, or no output on the root");
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "gather: NULL input, or no output on the root");
     }
     WEFT_CHECK(check_parts("gather", pg->g->rank == root ? out : NULL, pg->g->size,
                            weft_tensor_numel(in)));
@@ -403,7 +403,8 @@ weft_status_t weft_coll_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_ten
                                 int root, weft_future_t **work_p)
 {
     if (out == NULL || (pg->g->rank == root && in == NULL)) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "scatter: NULL output, or no input on the root");
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "scatter: NULL output, or no input on the root");
     }
     WEFT_CHECK(check_parts("scatter", pg->g->rank == root ? in : NULL, pg->g->size,
                            weft_tensor_numel(out)));
@@ -600,10 +601,9 @@ weft_status_t weft_coll_batch_p2p(weft_pg_t *pg, const weft_p2p_op_t *ops, size_
         }
     }
     for (size_t i = 0; i < n; i++) {
-        weft_status_t st = ops[i].send ? weft_coll_send(pg, ops[i].t, ops[i].peer, ops[i].tag,
-                                                        &works[i])
-                                       : weft_coll_recv(pg, ops[i].t, ops[i].peer, ops[i].tag,
-                                                        &works[i], NULL);
+        weft_status_t st =
+            ops[i].send ? weft_coll_send(pg, ops[i].t, ops[i].peer, ops[i].tag, &works[i])
+                        : weft_coll_recv(pg, ops[i].t, ops[i].peer, ops[i].tag, &works[i], NULL);
         if (st != WEFT_OK) {
             /* Only a transport failure gets here: fail the rest through their futures. */
             for (size_t j = i; j < n; j++) {

@@ -46,8 +46,8 @@ typedef struct coll_ctx {
     coll_msg_t *msgs;
     coll_precv_t *precvs;
     coll_abort_t *aborts;
-    bool *lost;   /* by world rank */
-    char **why;   /* by world rank */
+    bool *lost; /* by world rank */
+    char **why; /* by world rank */
     uint32_t next_group;
     struct coll_group **groups; /* member groups by id, for p2p delivery */
     size_t ngroups_cap;
@@ -70,9 +70,9 @@ typedef struct coll_op {
     struct coll_op *next;
     coll_kind_t kind;
     uint64_t seq;
-    weft_tensor_t *t;   /* in place, or the input (reference held; may be NULL) */
-    weft_tensor_t *out; /* the output (reference held; may be NULL) */
-    weft_tensor_t **outs; /* all_gather into a list: size entries (references held) */
+    weft_tensor_t *t;                /* in place, or the input (reference held; may be NULL) */
+    weft_tensor_t *out;              /* the output (reference held; may be NULL) */
+    weft_tensor_t **outs;            /* all_gather into a list: size entries (references held) */
     int64_t *in_splits, *out_splits; /* all_to_all, size entries each (owned) */
     int root;
     weft_reduce_op_t rop;
@@ -85,7 +85,7 @@ typedef struct coll_group {
     uint32_t id;
     uint64_t hash;
     int size;
-    int rank; /* -1: not a member */
+    int rank;   /* -1: not a member */
     int *world; /* group rank -> world rank */
     _Atomic int64_t timeout_ms;
     /* the worker */
@@ -95,7 +95,7 @@ typedef struct coll_group {
     uint64_t next_seq;
     bool stop;
     bool started;
-    bool busy; /* an operation is running (on the worker or on a caller's thread) */
+    bool busy;   /* an operation is running (on the worker or on a caller's thread) */
     int running; /* ops queued or running */
     pthread_t thread;
 } coll_group_t;
@@ -122,8 +122,8 @@ typedef struct {
 /* Sends one piece of an operation to group rank @p dst. @p data may be NULL;
  * its bytes are sent without copying: *released_p (if not NULL) completes when
  * the transport no longer reads them. */
-weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, int dst,
-                         void *data, size_t count, weft_dtype_t dtype, weft_future_t **released_p);
+weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, int dst, void *data,
+                         size_t count, weft_dtype_t dtype, weft_future_t **released_p);
 /* Waits for the piece (@p step) of operation @p d from group rank @p src. Checks
  * the sender's view against ours (a mismatch aborts the operation everywhere).
  * The message is the caller's: free with coll__msg_free. */

@@ -54,8 +54,7 @@ static weft_status_t run_barrier(coll_group_t *g, const coll_desc_t *d, int64_t 
 }
 
 /* Copies a received piece into @p dst after checking its size and dtype. */
-static weft_status_t take_piece(coll_msg_t *m, void *dst, size_t count, weft_dtype_t dtype,
-                                int src)
+static weft_status_t take_piece(coll_msg_t *m, void *dst, size_t count, weft_dtype_t dtype, int src)
 {
     weft_tensor_t *t = coll__msg_tensor(m);
     size_t nb = count * weft_dtype_size(dtype);
@@ -148,13 +147,17 @@ static void from_f32(uint16_t *dst, const float *src, size_t n, weft_dtype_t dt)
     }
 }
 
+static weft_status_t reduce_from_all(coll_group_t *g, const coll_desc_t *d, uint32_t step,
+                                     const uint8_t *own, uint8_t *acc, size_t count,
+                                     weft_dtype_t wt, int64_t deadline);
+
 /* Every rank sends its whole buffer to every other and reduces all of them in
  * rank order: one round, identical results everywhere. */
 static weft_status_t all_reduce_direct(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
                                        size_t count, weft_dtype_t wt, int64_t deadline)
 {
     int n = g->size;
-    size_t es = weft_dtype_size(wt), nb = count * es;
+    size_t nb = count * weft_dtype_size(wt);
     weft_future_t **rel = weft_calloc((size_t)n, sizeof(*rel));
     uint8_t *acc = weft_alloc(nb > 0 ? nb : 1);
     weft_status_t st = WEFT_OK;
@@ -169,32 +172,8 @@ static weft_status_t all_reduce_direct(coll_group_t *g, const coll_desc_t *d, ui
             st = coll__send(g, d, 0, r, count > 0 ? work : NULL, count, wt, &rel[r]);
         }
     }
-    for (int r = 0; r < n && st == WEFT_OK; r++) {
-        const uint8_t *c = work;
-        coll_msg_t *m = NULL;
-        if (r != g->rank) {
-            st = coll__recv(g, d, 0, r, deadline, &m);
-            if (st != WEFT_OK) {
-                break;
-            }
-            weft_tensor_t *t = coll__msg_tensor(m);
-            if (count > 0 && (t == NULL || weft_tensor_dtype(t) != wt ||
-                              (size_t)weft_tensor_numel(t) != count)) {
-                coll__msg_free(m);
-                st = weft__set_error(WEFT_ERR_PROTOCOL,
-                                     "all_reduce: group rank %d sent a piece of the wrong size", r);
-                break;
-            }
-            c = count > 0 ? weft_tensor_data(t) : NULL;
-        }
-        if (count > 0) {
-            if (r == 0) {
-                memcpy(acc, c, nb);
-            } else {
-                weft_reduce_into(acc, c, count, wt, d->rop);
-            }
-        }
-        coll__msg_free(m);
+    if (st == WEFT_OK) {
+        st = reduce_from_all(g, d, 0, work, acc, count, wt, deadline);
     }
     weft_status_t w = wait_released(rel, (size_t)n, deadline);
     if (st == WEFT_OK) {
@@ -239,9 +218,11 @@ static weft_status_t all_reduce_ring(coll_group_t *g, const coll_desc_t *d, uint
         return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
     }
     int steps = 2 * (n - 1);
-#define SEG_LO(c, k) (off[(c)] + (size_t)(k) * seg)
+#define SEG_LO(c, k) (off[(c)] + (size_t)(k)*seg)
 #define SEG_LEN(c, k)                                                                              \
-    (SEG_LO(c, k) >= off[(c) + 1] ? 0 : (off[(c) + 1] - SEG_LO(c, k) < seg ? off[(c) + 1] - SEG_LO(c, k) : seg))
+    (SEG_LO(c, k) >= off[(c) + 1]                                                                  \
+         ? 0                                                                                       \
+         : (off[(c) + 1] - SEG_LO(c, k) < seg ? off[(c) + 1] - SEG_LO(c, k) : seg))
     /* Step 0: every segment of our own chunk goes out. */
     for (size_t k = 0; k < nseg && st == WEFT_OK; k++) {
         size_t len = SEG_LEN(me, k);
@@ -436,9 +417,6 @@ static weft_status_t reduce_from_all(coll_group_t *g, const coll_desc_t *d, uint
         }
         coll__msg_free(m);
     }
-    if (count > 0) {
-        weft_reduce_finish(acc, count, wt, d->rop, g->size);
-    }
     return WEFT_OK;
 }
 
@@ -463,6 +441,7 @@ static weft_status_t run_reduce(coll_group_t *g, const coll_desc_t *d, weft_tens
         } else {
             st = reduce_from_all(g, d, 0, work, acc, count, wt, deadline);
             if (st == WEFT_OK) {
+                weft_reduce_finish(acc, count, wt, d->rop, g->size);
                 narrow(t, 0, acc, count, wt);
             }
             weft_free(acc);
@@ -486,8 +465,7 @@ static weft_status_t run_gather(coll_group_t *g, const coll_desc_t *d, weft_tens
     weft_status_t st = verify_send(g, d);
 
     if (st == WEFT_OK && g->rank != d->root) {
-        st = coll__send(g, d, 0, d->root, count > 0 ? weft_tensor_data(in) : NULL, count, dt,
-                        &rel);
+        st = coll__send(g, d, 0, d->root, count > 0 ? weft_tensor_data(in) : NULL, count, dt, &rel);
     } else if (st == WEFT_OK) {
         uint8_t *o = weft_tensor_data(out);
         for (int r = 0; r < g->size && st == WEFT_OK; r++) {
@@ -569,8 +547,8 @@ static weft_status_t run_all_gather(coll_group_t *g, const coll_desc_t *d, weft_
     }
     for (int r = 0; r < g->size && st == WEFT_OK; r++) {
         if (r != g->rank) {
-            st = coll__send(g, d, 0, r, count > 0 ? weft_tensor_data(in) : NULL, count, dt,
-                            &rel[r]);
+            st =
+                coll__send(g, d, 0, r, count > 0 ? weft_tensor_data(in) : NULL, count, dt, &rel[r]);
         }
     }
     for (int r = 0; r < g->size && st == WEFT_OK; r++) {
@@ -623,6 +601,7 @@ static weft_status_t run_reduce_scatter(coll_group_t *g, const coll_desc_t *d, w
         } else {
             st = reduce_from_all(g, d, 0, work + (size_t)g->rank * nb, acc, count, wt, deadline);
             if (st == WEFT_OK) {
+                weft_reduce_finish(acc, count, wt, d->rop, g->size);
                 narrow(out, 0, acc, count, wt);
             }
             weft_free(acc);
@@ -641,7 +620,8 @@ static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll
     weft_dtype_t dt = weft_tensor_dtype(op->t);
     size_t es = weft_dtype_size(dt);
     uint8_t *in = weft_tensor_data(op->t), *out = weft_tensor_data(op->out);
-    size_t inb = (size_t)weft_tensor_numel(op->t) * es, outb = (size_t)weft_tensor_numel(op->out) * es;
+    size_t inb = (size_t)weft_tensor_numel(op->t) * es,
+           outb = (size_t)weft_tensor_numel(op->out) * es;
     uint8_t *copy = NULL;
     weft_future_t **rel = weft_calloc((size_t)n, sizeof(*rel));
     weft_status_t st = WEFT_OK;

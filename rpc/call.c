@@ -701,8 +701,7 @@ weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
 }
 
 weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t channel,
-                                    const weft_value_t *msg, uint32_t flags,
-                                    weft_future_t **sent_p)
+                                    const weft_value_t *msg, uint32_t flags, weft_future_t **sent_p)
 {
     weft_status_t st;
     weft__stream_t *s;

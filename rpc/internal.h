@@ -281,7 +281,8 @@ void weft__bulk_destroy(weft__bulk_t *b);
 
 /* direct.c */
 #define WEFT__DIRECT_MIN ((size_t)1 << 20) /* frames this large take a direct connection */
-#define WEFT__DIRECT_MIN_UNORDERED ((size_t)256 << 10) /* unordered one-way frames: from this size */
+#define WEFT__DIRECT_MIN_UNORDERED                                                                 \
+    ((size_t)256 << 10) /* unordered one-way frames: from this size */
 typedef struct weft__direct weft__direct_t;
 /* Listens for direct connections; on failure large frames simply take the stream. */
 weft_status_t weft__direct_create(weft_agent_t *a, const char *bind_host, const char *adv_host);

@@ -76,9 +76,9 @@ weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
 
 /** One operation of a batch of point-to-point operations. */
 typedef struct {
-    int send;            /**< 1: send t to peer; 0: receive t from peer (or WEFT_ANY_SOURCE) */
-    weft_tensor_t *t;    /**< borrowed until its future completes */
-    int peer;            /**< group rank */
+    int send;         /**< 1: send t to peer; 0: receive t from peer (or WEFT_ANY_SOURCE) */
+    weft_tensor_t *t; /**< borrowed until its future completes */
+    int peer;         /**< group rank */
     int tag;
 } weft_p2p_op_t;
 
@@ -118,8 +118,8 @@ weft_status_t weft_coll_reduce(weft_pg_t *pg, weft_tensor_t *t, int root, weft_r
  * offset r * numel(in). @p out: size * numel(in) elements of in's dtype on the
  * root; ignored (may be NULL) elsewhere.
  */
-weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
-                               int root, weft_future_t **work_p);
+weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out, int root,
+                               weft_future_t **work_p);
 
 /**
  * Splits @p in (size * numel(out) elements, on @p root only; may be NULL

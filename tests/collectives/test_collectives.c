@@ -192,8 +192,9 @@ static int check_others(weft_pg_t *pg, int world, weft_dtype_t dt, size_t count)
     if (me == root) {
         for (int r = 0; r < world; r++) {
             weft_tensor_t *w = make(dt, count, r, 0);
-            RANK_CHECK(count == 0 || memcmp((uint8_t *)weft_tensor_data(flat) + (size_t)r * count * es,
-                                            weft_tensor_data(w), count * es) == 0,
+            RANK_CHECK(count == 0 ||
+                           memcmp((uint8_t *)weft_tensor_data(flat) + (size_t)r * count * es,
+                                  weft_tensor_data(w), count * es) == 0,
                        "gather part %d", r);
             weft_tensor_release(w);
         }
@@ -235,7 +236,8 @@ static int check_others(weft_pg_t *pg, int world, weft_dtype_t dt, size_t count)
         store(weft_tensor_data(rin), dt, i, contribution(me, i, WEFT_SUM));
     }
     for (size_t i = 0; i < count; i++) {
-        store(weft_tensor_data(rwant), dt, i, reference(world, (size_t)me * count + i, WEFT_SUM, dt));
+        store(weft_tensor_data(rwant), dt, i,
+              reference(world, (size_t)me * count + i, WEFT_SUM, dt));
     }
     RANK_CHECK(weft_coll_reduce_scatter(pg, rin, rout, WEFT_SUM, NULL) == WEFT_OK,
                "reduce_scatter: %s", weft_last_error());
@@ -247,8 +249,8 @@ static int check_others(weft_pg_t *pg, int world, weft_dtype_t dt, size_t count)
     /* all_to_all, equal parts: part r of rank s's input lands in part s of rank r's output */
     weft_tensor_t *ain = make(dt, count * (size_t)world, me, 0);
     weft_tensor_t *aout = make(dt, count * (size_t)world, -1, 0);
-    RANK_CHECK(weft_coll_all_to_all(pg, ain, aout, NULL, NULL, NULL) == WEFT_OK,
-               "all_to_all: %s", weft_last_error());
+    RANK_CHECK(weft_coll_all_to_all(pg, ain, aout, NULL, NULL, NULL) == WEFT_OK, "all_to_all: %s",
+               weft_last_error());
     for (int s = 0; s < world; s++) {
         weft_tensor_t *w = make(dt, count, s, (size_t)me * count);
         RANK_CHECK(count == 0 || memcmp((uint8_t *)weft_tensor_data(aout) + (size_t)s * count * es,
@@ -510,8 +512,8 @@ static int body_p2p(weft_agent_t *a, int rank, int world, void *arg)
             int src = -1;
             RANK_CHECK(weft_coll_recv(pg, in, WEFT_ANY_SOURCE, tag, NULL, &src) == WEFT_OK,
                        "recv tag %d: %s", tag, weft_last_error());
-            RANK_CHECK(src == tag && *(int32_t *)weft_tensor_data(in) == tag * 10,
-                       "tag %d from %d", tag, src);
+            RANK_CHECK(src == tag && *(int32_t *)weft_tensor_data(in) == tag * 10, "tag %d from %d",
+                       tag, src);
             weft_tensor_release(in);
         }
         /* A wrong size is refused, not written. */
