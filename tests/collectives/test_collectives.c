@@ -404,6 +404,8 @@ static int body_ring_large(weft_agent_t *a, int rank, int world, void *arg)
     /* 8 MiB of f32 and of f16 through the ring. */
     RANK_CHECK(check_all_reduce(pg, world, (8u << 20) / 4 + 3, WEFT_F32, WEFT_SUM) == 0, "f32");
     RANK_CHECK(check_all_reduce(pg, world, (8u << 20) / 2 + 1, WEFT_F16, WEFT_AVG) == 0, "f16");
+    /* 64 MiB worth. */
+    RANK_CHECK(check_all_reduce(pg, world, (64u << 20) / 4, WEFT_F32, WEFT_MAX) == 0, "64 MiB");
     weft_pg_free(pg);
     return 0;
 }
