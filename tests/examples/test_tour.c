@@ -8,6 +8,8 @@
 
 #include <criterion/criterion.h>
 
+#include "run.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -26,181 +28,21 @@ extern char **environ;
 #define DEADLINE_S 120.0
 #define MAX_ENV    512
 
-typedef struct {
-    int code; /* exit status, or 128 + signal */
-    char *out;
-    size_t out_len;
-    char *err;
-    size_t err_len;
-} result_t;
+typedef run_result_t result_t;
 
-static double now_s(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static const char *path_from_env(const char *name)
-{
-    const char *p = getenv(name);
-
-    cr_assert(p != NULL && *p != '\0', "%s must name the built program", name);
-    return p;
-}
-
-/* Rank variables of an outer launcher must not leak into the run; the log level may. */
-static bool scrubbed(const char *entry)
-{
-    static const char *const prefixes[] = {"SLURM_", "OMPI_", "PMI_", "WEFT_"};
-    static const char *const exact[] = {"MASTER_ADDR", "MASTER_PORT", "RANK",
-                                        "WORLD_SIZE",  "LOCAL_RANK",  "LOCAL_WORLD_SIZE"};
-    size_t name_len = strcspn(entry, "=");
-
-    if (strncmp(entry, "WEFT_LOG=", 9) == 0) {
-        return false;
-    }
-    for (size_t i = 0; i < sizeof(prefixes) / sizeof(prefixes[0]); i++) {
-        if (strncmp(entry, prefixes[i], strlen(prefixes[i])) == 0) {
-            return true;
-        }
-    }
-    for (size_t i = 0; i < sizeof(exact) / sizeof(exact[0]); i++) {
-        if (strlen(exact[i]) == name_len && strncmp(entry, exact[i], name_len) == 0) {
-            return true;
-        }
-    }
-    return false;
-}
-
-static void append(char **buf, size_t *len, const char *data, size_t n)
-{
-    *buf = realloc(*buf, *len + n + 1);
-    cr_assert(*buf != NULL);
-    memcpy(*buf + *len, data, n);
-    *len += n;
-    (*buf)[*len] = '\0';
-}
-
-/* Runs `weftrun -n <nproc> <TOUR>`; kills it at the deadline. */
+/* Runs `weftrun -n NPROC collectives_tour`; kills it at the deadline. */
 static void run_tour(result_t *r, const char *nproc)
 {
-    const char *argv[] = {path_from_env("WEFTRUN"), "-n", nproc, path_from_env("TOUR"), NULL};
-    const char *envp[MAX_ENV];
-    int out_pipe[2];
-    int err_pipe[2];
-    int nenv = 0;
-    int status = 0;
-    double deadline;
-    pid_t pid;
-
-    memset(r, 0, sizeof(*r));
-    append(&r->out, &r->out_len, "", 0);
-    append(&r->err, &r->err_len, "", 0);
-    for (char **e = environ; *e != NULL && nenv < MAX_ENV - 1; e++) {
-        if (!scrubbed(*e)) {
-            envp[nenv++] = *e;
-        }
-    }
-    envp[nenv] = NULL;
-
-    cr_assert(pipe2(out_pipe, O_CLOEXEC) == 0);
-    cr_assert(pipe2(err_pipe, O_CLOEXEC) == 0);
-    deadline = now_s() + DEADLINE_S;
-    pid = fork();
-    cr_assert(pid >= 0);
-    if (pid == 0) {
-        int null_fd = open("/dev/null", O_RDONLY);
-        dup2(null_fd, STDIN_FILENO);
-        dup2(out_pipe[1], STDOUT_FILENO);
-        dup2(err_pipe[1], STDERR_FILENO);
-        execve(argv[0], (char *const *)argv, (char *const *)envp);
-        _exit(126);
-    }
-    close(out_pipe[1]);
-    close(err_pipe[1]);
-
-    struct pollfd pfds[2] = {{.fd = out_pipe[0], .events = POLLIN},
-                             {.fd = err_pipe[0], .events = POLLIN}};
-    int open_fds = 2;
-    while (open_fds > 0 && now_s() < deadline) {
-        if (poll(pfds, 2, (int)((deadline - now_s()) * 1000) + 1) < 0) {
-            cr_assert(errno == EINTR);
-            continue;
-        }
-        for (int i = 0; i < 2; i++) {
-            char buf[65536];
-            ssize_t n;
-
-            if (pfds[i].fd < 0 || pfds[i].revents == 0) {
-                continue;
-            }
-            n = read(pfds[i].fd, buf, sizeof(buf));
-            if (n > 0) {
-                if (i == 0) {
-                    append(&r->out, &r->out_len, buf, (size_t)n);
-                } else {
-                    append(&r->err, &r->err_len, buf, (size_t)n);
-                }
-            } else if (n == 0 || errno != EINTR) {
-                close(pfds[i].fd);
-                pfds[i].fd = -1;
-                open_fds--;
-            }
-        }
-    }
-    for (int i = 0; i < 2; i++) {
-        if (pfds[i].fd >= 0) {
-            close(pfds[i].fd);
-        }
-    }
-
-    for (;;) {
-        pid_t w = waitpid(pid, &status, WNOHANG);
-        if (w == pid) {
-            break;
-        }
-        if (now_s() >= deadline) {
-            /* weftrun passes SIGTERM on to the ranks and stops them. */
-            kill(pid, SIGTERM);
-            sleep(1);
-            kill(pid, SIGKILL);
-            waitpid(pid, &status, 0);
-            cr_assert_fail("weftrun did not finish within %g s\nstdout:\n%s\nstderr:\n%s",
-                           DEADLINE_S, r->out, r->err);
-        }
-        usleep(10000);
-    }
-    r->code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    static const char *const keep[] = {"WEFT_LOG=", NULL};
+    const char *argv[] = {run_path_from_env("WEFTRUN"), "-n", nproc, run_path_from_env("TOUR"),
+                          NULL};
+    run_opts_t o = {.argv = argv, .keep = keep, .deadline_s = DEADLINE_S};
+    run_capture(&o, r);
 }
 
-static void result_free(result_t *r)
-{
-    free(r->out);
-    free(r->err);
-}
+#define result_free run_result_free
+#define find_line   run_find_line
 
-/*
- * The first line of @p text that equals @p want (prefix == false) or starts
- * with it (prefix == true); NULL if none. Points into @p text.
- */
-static const char *find_line(const char *text, const char *want, bool prefix)
-{
-    size_t want_len = strlen(want);
-    const char *line = text;
-
-    while (*line != '\0') {
-        size_t len = strcspn(line, "\n");
-        if ((prefix ? len >= want_len : len == want_len) && strncmp(line, want, want_len) == 0) {
-            return line;
-        }
-        line += len + (line[len] == '\n' ? 1 : 0);
-    }
-    return NULL;
-}
-
-/* Asserts that every line of @p want (NULL-terminated) is in the output. */
 static void assert_lines(const result_t *r, const char *const *want)
 {
     for (; *want != NULL; want++) {

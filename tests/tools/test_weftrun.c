@@ -5,6 +5,8 @@
 
 #include <criterion/criterion.h>
 
+#include "run.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -27,65 +29,11 @@ extern char **environ;
 
 #define TOKEN "0123456789abcdef0123456789abcdef"
 
-typedef struct {
-    int code; /* exit status, 128+signal, or -1 when the deadline killed it */
-    pid_t pid;
-    char *out;
-    size_t out_len;
-    char *err;
-    size_t err_len;
-    double elapsed;
-} result_t;
-
-static double now_s(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static const char *path_from_env(const char *name)
-{
-    const char *p = getenv(name);
-
-    cr_assert(p != NULL && *p != '\0', "%s must name the built program", name);
-    return p;
-}
+typedef run_result_t result_t;
 
 static const char *child_path(void)
 {
-    return path_from_env("WEFTRUN_CHILD");
-}
-
-/* Launcher and rank variables from the outer environment must not leak in. */
-static bool scrubbed(const char *entry)
-{
-    static const char *const prefixes[] = {"SLURM_", "OMPI_", "WEFT_", "PMI_"};
-    static const char *const exact[] = {"MASTER_ADDR", "MASTER_PORT", "RANK",
-                                        "WORLD_SIZE",  "LOCAL_RANK",  "LOCAL_WORLD_SIZE"};
-    size_t name_len = strcspn(entry, "=");
-
-    for (size_t i = 0; i < sizeof(prefixes) / sizeof(prefixes[0]); i++) {
-        if (strncmp(entry, prefixes[i], strlen(prefixes[i])) == 0) {
-            return true;
-        }
-    }
-    for (size_t i = 0; i < sizeof(exact) / sizeof(exact[0]); i++) {
-        if (strlen(exact[i]) == name_len && strncmp(entry, exact[i], name_len) == 0) {
-            return true;
-        }
-    }
-    return false;
-}
-
-static void append(char **buf, size_t *len, const char *data, size_t n)
-{
-    *buf = realloc(*buf, *len + n + 1);
-    cr_assert(*buf != NULL);
-    memcpy(*buf + *len, data, n);
-    *len += n;
-    (*buf)[*len] = '\0';
+    return run_path_from_env("WEFTRUN_CHILD");
 }
 
 /*
@@ -96,22 +44,11 @@ static void append(char **buf, size_t *len, const char *data, size_t n)
 static void run_weftrun(result_t *r, const char *const *env, int sig, double sig_after, ...)
 {
     const char *argv[MAX_ARGS + 2];
-    const char *envp[MAX_ENV];
-    int out_pipe[2];
-    int err_pipe[2];
     int nargs = 0;
-    int nenv = 0;
-    int status = 0;
-    bool sent = false;
-    double start;
-    double deadline;
     va_list ap;
     const char *a;
 
-    memset(r, 0, sizeof(*r));
-    append(&r->out, &r->out_len, "", 0);
-    append(&r->err, &r->err_len, "", 0);
-    argv[nargs++] = path_from_env("WEFTRUN");
+    argv[nargs++] = run_path_from_env("WEFTRUN");
     va_start(ap, sig_after);
     while ((a = va_arg(ap, const char *)) != NULL) {
         cr_assert(nargs < MAX_ARGS);
@@ -119,113 +56,12 @@ static void run_weftrun(result_t *r, const char *const *env, int sig, double sig
     }
     va_end(ap);
     argv[nargs] = NULL;
-    for (char **e = environ; *e != NULL; e++) {
-        if (!scrubbed(*e) && nenv < MAX_ENV - 64) {
-            envp[nenv++] = *e;
-        }
-    }
-    for (size_t i = 0; env != NULL && env[i] != NULL; i++) {
-        cr_assert(nenv < MAX_ENV - 1);
-        envp[nenv++] = env[i];
-    }
-    envp[nenv] = NULL;
-
-    cr_assert(pipe2(out_pipe, O_CLOEXEC) == 0);
-    cr_assert(pipe2(err_pipe, O_CLOEXEC) == 0);
-    start = now_s();
-    deadline = start + DEADLINE_S;
-    r->pid = fork();
-    cr_assert(r->pid >= 0);
-    if (r->pid == 0) {
-        int null_fd = open("/dev/null", O_RDONLY);
-        dup2(null_fd, STDIN_FILENO);
-        dup2(out_pipe[1], STDOUT_FILENO);
-        dup2(err_pipe[1], STDERR_FILENO);
-        execve(argv[0], (char *const *)argv, (char *const *)envp);
-        _exit(126);
-    }
-    close(out_pipe[1]);
-    close(err_pipe[1]);
-
-    {
-        struct pollfd pfds[2] = {{.fd = out_pipe[0], .events = POLLIN},
-                                 {.fd = err_pipe[0], .events = POLLIN}};
-        int open_fds = 2;
-
-        while (open_fds > 0 && now_s() < deadline) {
-            double wait = deadline - now_s();
-            if (sig != 0 && !sent) {
-                double until = start + sig_after - now_s();
-                if (until <= 0) {
-                    kill(r->pid, sig);
-                    sent = true;
-                    continue;
-                }
-                if (until < wait) {
-                    wait = until;
-                }
-            }
-            if (poll(pfds, 2, (int)(wait * 1000) + 1) < 0) {
-                cr_assert(errno == EINTR);
-                continue;
-            }
-            for (int i = 0; i < 2; i++) {
-                char buf[65536];
-                ssize_t n;
-
-                if (pfds[i].fd < 0 || pfds[i].revents == 0) {
-                    continue;
-                }
-                n = read(pfds[i].fd, buf, sizeof(buf));
-                if (n > 0) {
-                    if (i == 0) {
-                        append(&r->out, &r->out_len, buf, (size_t)n);
-                    } else {
-                        append(&r->err, &r->err_len, buf, (size_t)n);
-                    }
-                } else if (n == 0 || errno != EINTR) {
-                    close(pfds[i].fd);
-                    pfds[i].fd = -1;
-                    open_fds--;
-                }
-            }
-        }
-        for (int i = 0; i < 2; i++) {
-            if (pfds[i].fd >= 0) {
-                close(pfds[i].fd);
-            }
-        }
-    }
-
-    for (;;) {
-        pid_t w = waitpid(r->pid, &status, WNOHANG);
-        if (w == r->pid) {
-            break;
-        }
-        if (now_s() >= deadline) {
-            kill(r->pid, SIGKILL);
-            waitpid(r->pid, &status, 0);
-            r->code = -1;
-            r->elapsed = now_s() - start;
-            cr_assert_fail("weftrun did not finish within %g s\nstdout:\n%s\nstderr:\n%s",
-                           DEADLINE_S, r->out, r->err);
-            return;
-        }
-        usleep(10000);
-    }
-    r->elapsed = now_s() - start;
-    if (WIFEXITED(status)) {
-        r->code = WEXITSTATUS(status);
-    } else {
-        r->code = 128 + WTERMSIG(status);
-    }
+    run_opts_t o = {
+        .argv = argv, .env = env, .deadline_s = DEADLINE_S, .sig = sig, .sig_after = sig_after};
+    run_capture(&o, r);
 }
 
-static void result_free(result_t *r)
-{
-    free(r->out);
-    free(r->err);
-}
+#define result_free run_result_free
 
 /* Iterate over the lines of a buffer. */
 static bool next_line(const char **pos, const char *end, const char **line_p, size_t *len_p)
