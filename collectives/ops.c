@@ -147,42 +147,63 @@ static void from_f32(uint16_t *dst, const float *src, size_t n, weft_dtype_t dt)
     }
 }
 
-static weft_status_t reduce_from_all(coll_group_t *g, const coll_desc_t *d, uint32_t step,
-                                     const uint8_t *own, uint8_t *acc, size_t count,
-                                     weft_dtype_t wt, int64_t deadline);
-
 /* Every rank sends its whole buffer to every other and reduces all of them in
- * rank order: one round, identical results everywhere. */
+ * rank order: one round, identical results everywhere. The reduction runs in
+ * place, once our own sends have let go of the buffer: the ranks before us are
+ * folded into rank 0's received buffer, which is then combined with ours. */
 static weft_status_t all_reduce_direct(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
                                        size_t count, weft_dtype_t wt, int64_t deadline)
 {
-    int n = g->size;
-    size_t nb = count * weft_dtype_size(wt);
+    int n = g->size, me = g->rank;
     weft_future_t **rel = weft_calloc((size_t)n, sizeof(*rel));
-    uint8_t *acc = weft_alloc(nb > 0 ? nb : 1);
+    coll_msg_t **msgs = weft_calloc((size_t)n, sizeof(*msgs));
     weft_status_t st = WEFT_OK;
 
-    if (rel == NULL || acc == NULL) {
+    if (rel == NULL || msgs == NULL) {
         weft_free(rel);
-        weft_free(acc);
+        weft_free(msgs);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
     }
     for (int r = 0; r < n && st == WEFT_OK; r++) {
-        if (r != g->rank) {
+        if (r != me) {
             st = coll__send(g, d, 0, r, count > 0 ? work : NULL, count, wt, &rel[r]);
         }
     }
-    if (st == WEFT_OK) {
-        st = reduce_from_all(g, d, 0, work, acc, count, wt, deadline);
+    for (int r = 0; r < n && st == WEFT_OK; r++) {
+        if (r == me) {
+            continue;
+        }
+        st = coll__recv(g, d, 0, r, deadline, &msgs[r]);
+        if (st == WEFT_OK && count > 0) {
+            weft_tensor_t *t = coll__msg_tensor(msgs[r]);
+            if (t == NULL || weft_tensor_dtype(t) != wt || (size_t)weft_tensor_numel(t) != count) {
+                st = weft__set_error(WEFT_ERR_PROTOCOL,
+                                     "all_reduce: group rank %d sent a piece of the wrong size", r);
+            }
+        }
     }
     weft_status_t w = wait_released(rel, (size_t)n, deadline);
     if (st == WEFT_OK) {
         st = w;
     }
     if (st == WEFT_OK && count > 0) {
-        memcpy(work, acc, nb);
+#define PIECE(r) ((uint8_t *)weft_tensor_data(coll__msg_tensor(msgs[(r)])))
+        if (me > 0) {
+            uint8_t *left = PIECE(0); /* ours to write: a fresh receive buffer */
+            for (int r = 1; r < me; r++) {
+                weft_reduce_into(left, PIECE(r), count, wt, d->rop);
+            }
+            weft_reduce_to(work, left, work, count, wt, d->rop);
+        }
+        for (int r = me + 1; r < n; r++) {
+            weft_reduce_into(work, PIECE(r), count, wt, d->rop);
+        }
+#undef PIECE
     }
-    weft_free(acc);
+    for (int r = 0; r < n; r++) {
+        coll__msg_free(msgs[r]);
+    }
+    weft_free(msgs);
     weft_free(rel);
     return st;
 }
