@@ -39,7 +39,6 @@ static void ctx_destroy(void *state)
     }
     weft_free(ctx->why);
     weft_free(ctx->lost);
-    weft_free(ctx->groups);
     pthread_mutex_destroy(&ctx->mu);
     pthread_cond_destroy(&ctx->cv);
     weft_free(ctx);
@@ -120,6 +119,8 @@ static void on_message(weft_agent_t *a, int src_world, weft_value_t *msg, void *
         if (x != NULL) {
             x->group = h->group;
             x->seq = h->seq;
+            x->status =
+                weft_status_valid(h->tag) && h->tag < 0 ? (weft_status_t)h->tag : WEFT_ERR_MISMATCH;
             x->why = weft_strdup(h->error != NULL ? h->error : "aborted");
             pthread_mutex_lock(&ctx->mu);
             x->next = ctx->aborts;
@@ -183,7 +184,13 @@ static void on_lost(weft_agent_t *a, int rank, const char *why, void *arg)
     while (*pp != NULL) {
         coll_precv_t *p = *pp;
         int from = p->src == WEFT_ANY_SOURCE ? -1 : p->g->world[p->src];
-        if (from == rank || (p->src == WEFT_ANY_SOURCE && p->g->size == 2)) {
+        bool none_left = p->src == WEFT_ANY_SOURCE;
+        for (int r = 0; none_left && r < p->g->size; r++) {
+            if (r != p->g->rank && !ctx->lost[p->g->world[r]]) {
+                none_left = false; /* another member can still serve it */
+            }
+        }
+        if (from == rank || none_left) {
             *pp = p->next;
             p->next = fail;
             fail = p;
@@ -325,7 +332,7 @@ static weft_status_t send_header(coll_group_t *g, int dst, Weft__V1__CollHeader 
     st = weft_agent_send_flags(g->ctx->agent, g->world[dst], WEFT_CHANNEL_COLLECTIVES, v, flags,
                                NULL);
     weft_value_free(v); /* the transport holds its own references to the bytes */
-    if (released_p != NULL) {
+    if (released_p != NULL && st == WEFT_OK) {
         *released_p = rel;
     } else if (rel != NULL) {
         weft_future_release(rel);
@@ -359,7 +366,7 @@ weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
     return send_header(g, dst, &h, data, count, dtype, released_p);
 }
 
-void coll__abort(coll_group_t *g, uint64_t seq, const char *why)
+void coll__abort(coll_group_t *g, uint64_t seq, weft_status_t st, const char *why)
 {
     Weft__V1__CollHeader h = WEFT__V1__COLL_HEADER__INIT;
 
@@ -370,6 +377,7 @@ void coll__abort(coll_group_t *g, uint64_t seq, const char *why)
     h.seq = seq;
     h.src = (uint32_t)g->rank;
     h.error = (char *)why;
+    h.tag = (int32_t)st; /* the status every member fails the operation with */
     for (int r = 0; r < g->size; r++) {
         if (r != g->rank) {
             (void)send_header(g, r, &h, NULL, 0, WEFT_U8, NULL);
@@ -380,6 +388,7 @@ void coll__abort(coll_group_t *g, uint64_t seq, const char *why)
     if (x != NULL) {
         x->group = g->id;
         x->seq = seq;
+        x->status = st;
         x->why = weft_strdup(why);
         pthread_mutex_lock(&g->ctx->mu);
         x->next = g->ctx->aborts;
@@ -401,6 +410,9 @@ static void describe(char *buf, size_t n, uint32_t op, int32_t dtype, int32_t ro
         k +=
             snprintf(buf + k, n - (size_t)k, ", op=%s", weft_reduce_op_name((weft_reduce_op_t)rop));
     }
+    if (k > 0 && (size_t)k < n && op == OP_ALL_TO_ALL) {
+        k += snprintf(buf + k, n - (size_t)k, " sent, expecting %d back", root);
+    }
     if (k > 0 && (size_t)k < n && rooted) {
         k += snprintf(buf + k, n - (size_t)k, ", root=%d", root);
     }
@@ -409,16 +421,18 @@ static void describe(char *buf, size_t n, uint32_t op, int32_t dtype, int32_t ro
     }
 }
 
-/* Compares the sender's view with ours; fills @p why on a mismatch. */
+/* Compares the sender's view with ours; fills @p why on a mismatch. @p loose: a
+ * piece we are not waiting for (all_to_all sizes are per pair: not compared). */
 static bool same_op(const coll_group_t *g, const coll_desc_t *d, const Weft__V1__CollHeader *h,
-                    char *why, size_t n)
+                    bool loose, char *why, size_t n)
 {
     bool reducing =
         d->kind == OP_ALL_REDUCE || d->kind == OP_REDUCE || d->kind == OP_REDUCE_SCATTER;
     bool rooted = d->kind == OP_BROADCAST || d->kind == OP_REDUCE || d->kind == OP_GATHER ||
-                  d->kind == OP_SCATTER;
+                  d->kind == OP_SCATTER || (d->kind == OP_ALL_TO_ALL && !loose);
+    bool counted = !(loose && d->kind == OP_ALL_TO_ALL);
     if (h->group_hash == g->hash && h->op == (Weft__V1__CollOp)d->kind &&
-        h->dtype == (int32_t)d->dtype && h->count == d->count &&
+        h->dtype == (int32_t)d->dtype && (!counted || h->count == d->count) &&
         (!reducing || h->reduce_op == (int32_t)d->rop) && (!rooted || h->root == d->root)) {
         return true;
     }
@@ -450,7 +464,7 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
     for (;;) {
         for (coll_abort_t *x = ctx->aborts; x != NULL; x = x->next) {
             if (x->group == g->id && x->seq == d->seq) {
-                st = weft__set_error(WEFT_ERR_MISMATCH, "%s", x->why);
+                st = weft__set_error(x->status, "%s", x->why);
                 goto out;
             }
         }
@@ -467,13 +481,25 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
             *pp = m->next;
             m->next = NULL;
             pthread_mutex_unlock(&ctx->mu);
-            if (!same_op(g, d, m->hdr, why, sizeof(why))) {
+            if (!same_op(g, d, m->hdr, false, why, sizeof(why))) {
                 coll__msg_free(m);
-                coll__abort(g, d->seq, why);
+                coll__abort(g, d->seq, WEFT_ERR_MISMATCH, why);
                 return weft__set_error(WEFT_ERR_MISMATCH, "%s", why);
             }
             *m_p = m;
             return WEFT_OK;
+        }
+        /* Any piece of this operation, whatever its step or sender, can show a differing
+         * view: checked while waiting, so that a wrong root is caught rather than waited
+         * out (the pieces we wait for may never come). */
+        for (coll_msg_t *o = ctx->msgs; o != NULL; o = o->next) {
+            const Weft__V1__CollHeader *h = o->hdr;
+            if (h->group == g->id && h->seq == d->seq && h->op != WEFT__V1__COLL_OP__COLL_OP_P2P &&
+                !same_op(g, d, h, true, why, sizeof(why))) {
+                pthread_mutex_unlock(&ctx->mu);
+                coll__abort(g, d->seq, WEFT_ERR_MISMATCH, why);
+                return weft__set_error(WEFT_ERR_MISMATCH, "%s", why);
+            }
         }
         for (int r = 0; r < g->size; r++) {
             int w = g->world[r];
@@ -593,7 +619,7 @@ weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag
     return WEFT_OK;
 }
 
-void coll__p2p_cancel(coll_group_t *g, weft_future_t *f, weft_status_t st, const char *why)
+bool coll__p2p_cancel(coll_group_t *g, weft_future_t *f, weft_status_t st, const char *why)
 {
     coll_ctx_t *ctx = g->ctx;
     coll_precv_t *hit = NULL;
@@ -607,11 +633,40 @@ void coll__p2p_cancel(coll_group_t *g, weft_future_t *f, weft_status_t st, const
         }
     }
     pthread_mutex_unlock(&ctx->mu);
-    if (hit != NULL) {
-        weft_future_complete(hit->f, st, why, NULL);
-        weft_future_release(hit->f);
-        weft_tensor_release(hit->dst);
-        weft_free(hit);
+    if (hit == NULL) {
+        return false;
+    }
+    weft_future_complete(hit->f, st, why, NULL);
+    weft_future_release(hit->f);
+    weft_tensor_release(hit->dst);
+    weft_free(hit);
+    return true;
+}
+
+void coll__ctx_drop_group(coll_ctx_t *ctx, coll_group_t *g)
+{
+    coll_precv_t *fail = NULL;
+
+    pthread_mutex_lock(&ctx->mu);
+    coll_precv_t **pp = &ctx->precvs;
+    while (*pp != NULL) {
+        coll_precv_t *p = *pp;
+        if (p->g == g) {
+            *pp = p->next;
+            p->next = fail;
+            fail = p;
+        } else {
+            pp = &p->next;
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    while (fail != NULL) {
+        coll_precv_t *next = fail->next;
+        weft_future_fail(fail->f, WEFT_ERR_INVALID_STATE, "recv: its group was freed");
+        weft_future_release(fail->f);
+        weft_tensor_release(fail->dst);
+        weft_free(fail);
+        fail = next;
     }
 }
 

@@ -80,6 +80,21 @@ weft_status_t weft_pg_world(weft_agent_t *a, weft_pg_t **pg_p)
         return weft__set_error(WEFT_ERR_INVALID_ARG, "pg_world: NULL argument");
     }
     WEFT_CHECK(coll__ctx(a, &ctx));
+    /* Every handle to the world shares one group: one sequence of operations. */
+    pthread_mutex_lock(&ctx->mu);
+    if (ctx->world != NULL) {
+        weft_pg_t *pg = weft_calloc(1, sizeof(*pg));
+        if (pg == NULL) {
+            pthread_mutex_unlock(&ctx->mu);
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "pg_world: no memory");
+        }
+        ctx->world_refs++;
+        pg->g = ctx->world;
+        pthread_mutex_unlock(&ctx->mu);
+        *pg_p = pg;
+        return WEFT_OK;
+    }
+    pthread_mutex_unlock(&ctx->mu);
     int n = weft_agent_world_size(a);
     int *world = weft_alloc((size_t)n * sizeof(int));
     if (world == NULL) {
@@ -90,6 +105,26 @@ weft_status_t weft_pg_world(weft_agent_t *a, weft_pg_t **pg_p)
     }
     weft_status_t st = group_new(ctx, 0, world, n, weft_agent_rank(a), pg_p);
     weft_free(world);
+    if (st == WEFT_OK) {
+        pthread_mutex_lock(&ctx->mu);
+        if (ctx->world == NULL) {
+            ctx->world = (*pg_p)->g;
+            ctx->world_refs = 1;
+            pthread_mutex_unlock(&ctx->mu);
+        } else {
+            /* Another thread made it first: use that one. */
+            coll_group_t *mine = (*pg_p)->g;
+            ctx->world_refs++;
+            (*pg_p)->g = ctx->world;
+            pthread_mutex_unlock(&ctx->mu);
+            weft_pg_t tmp = {mine};
+            weft_pg_t *tp = weft_alloc(sizeof(*tp));
+            if (tp != NULL) {
+                *tp = tmp;
+                weft_pg_free(tp);
+            }
+        }
+    }
     return st;
 }
 
@@ -159,6 +194,18 @@ void weft_pg_free(weft_pg_t *pg)
         return;
     }
     coll_group_t *g = pg->g;
+    coll_ctx_t *ctx = g->ctx;
+    pthread_mutex_lock(&ctx->mu);
+    if (ctx->world == g) {
+        if (--ctx->world_refs > 0) {
+            pthread_mutex_unlock(&ctx->mu);
+            weft_free(pg); /* other handles still use the world */
+            return;
+        }
+        ctx->world = NULL;
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    coll__ctx_drop_group(ctx, g);
     if (g->started) {
         pthread_mutex_lock(&g->mu);
         g->stop = true; /* the worker runs what is queued, then exits */
@@ -237,6 +284,23 @@ void coll__op_free(coll_op_t *op, int size)
     op_free(op, size);
 }
 
+/* A member's call that fails its checks still takes its place in the group's
+ * sequence, and tells the others, so that they fail that operation too rather
+ * than wait for it, and later operations stay in step. Returns @p st. */
+static weft_status_t reject(coll_group_t *g, weft_status_t st)
+{
+    if (g->rank < 0) {
+        return st;
+    }
+    char why[600];
+    snprintf(why, sizeof(why), "rank %d: %s", g->rank, weft_last_error());
+    pthread_mutex_lock(&g->mu);
+    uint64_t seq = g->next_seq++;
+    pthread_mutex_unlock(&g->mu);
+    coll__abort(g, seq, st, why);
+    return weft__set_error(st, "%s", why);
+}
+
 /* Queues @p op (taken either way); with @p work_p NULL waits for it. */
 static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **work_p)
 {
@@ -274,7 +338,7 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
     }
     if (st != WEFT_OK) {
         op_free(op, g->size);
-        return st;
+        return g->rank < 0 ? st : reject(g, st);
     }
     op->f = weft_future_retain(f);
     pthread_mutex_lock(&g->mu);
@@ -390,11 +454,14 @@ weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tens
                                weft_future_t **work_p)
 {
     if (in == NULL || (pg->g->rank == root && out == NULL)) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG,
-                               "gather: NULL input, or no output on the root");
+        return reject(pg->g, weft__set_error(WEFT_ERR_INVALID_ARG,
+                                             "gather: NULL input, or no output on the root"));
     }
-    WEFT_CHECK(check_parts("gather", pg->g->rank == root ? out : NULL, pg->g->size,
-                           weft_tensor_numel(in)));
+    weft_status_t cst =
+        check_parts("gather", pg->g->rank == root ? out : NULL, pg->g->size, weft_tensor_numel(in));
+    if (cst != WEFT_OK) {
+        return reject(pg->g, cst);
+    }
     coll_op_t *op = op_new(OP_GATHER, in, pg->g->rank == root ? out : NULL, root, WEFT_SUM);
     return op == NULL ? WEFT_ERR_NO_MEMORY : submit_op(pg, op, work_p);
 }
@@ -403,11 +470,14 @@ weft_status_t weft_coll_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_ten
                                 int root, weft_future_t **work_p)
 {
     if (out == NULL || (pg->g->rank == root && in == NULL)) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG,
-                               "scatter: NULL output, or no input on the root");
+        return reject(pg->g, weft__set_error(WEFT_ERR_INVALID_ARG,
+                                             "scatter: NULL output, or no input on the root"));
     }
-    WEFT_CHECK(check_parts("scatter", pg->g->rank == root ? in : NULL, pg->g->size,
-                           weft_tensor_numel(out)));
+    weft_status_t cst = check_parts("scatter", pg->g->rank == root ? in : NULL, pg->g->size,
+                                    weft_tensor_numel(out));
+    if (cst != WEFT_OK) {
+        return reject(pg->g, cst);
+    }
     coll_op_t *op = op_new(OP_SCATTER, pg->g->rank == root ? in : NULL, out, root, WEFT_SUM);
     return op == NULL ? WEFT_ERR_NO_MEMORY : submit_op(pg, op, work_p);
 }
@@ -418,7 +488,10 @@ weft_status_t weft_coll_all_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_
     if (in == NULL || out == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "all_gather: NULL tensor");
     }
-    WEFT_CHECK(check_parts("all_gather", out, pg->g->size, weft_tensor_numel(in)));
+    weft_status_t cst = check_parts("all_gather", out, pg->g->size, weft_tensor_numel(in));
+    if (cst != WEFT_OK) {
+        return reject(pg->g, cst);
+    }
     coll_op_t *op = op_new(OP_ALL_GATHER, in, out, 0, WEFT_SUM);
     return op == NULL ? WEFT_ERR_NO_MEMORY : submit_op(pg, op, work_p);
 }
@@ -433,10 +506,11 @@ weft_status_t weft_coll_all_gather_list(weft_pg_t *pg, const weft_tensor_t *in,
     for (int r = 0; r < n; r++) {
         if (outs[r] == NULL || weft_tensor_numel(outs[r]) != weft_tensor_numel(in) ||
             weft_tensor_dtype(outs[r]) != weft_tensor_dtype(in)) {
-            return weft__set_error(WEFT_ERR_SHAPE,
-                                   "all_gather: list entry %d is missing or differs from the "
-                                   "input in size or dtype",
-                                   r);
+            return reject(pg->g,
+                          weft__set_error(WEFT_ERR_SHAPE,
+                                          "all_gather: list entry %d is missing or differs from "
+                                          "the input in size or dtype",
+                                          r));
         }
     }
     coll_op_t *op = op_new(OP_ALL_GATHER, in, NULL, 0, WEFT_SUM);
@@ -460,7 +534,10 @@ weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor_t *in, w
     if (in == NULL || out == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "reduce_scatter: NULL tensor");
     }
-    WEFT_CHECK(check_parts("reduce_scatter", in, pg->g->size, weft_tensor_numel(out)));
+    weft_status_t cst = check_parts("reduce_scatter", in, pg->g->size, weft_tensor_numel(out));
+    if (cst != WEFT_OK) {
+        return reject(pg->g, cst);
+    }
     coll_op_t *op = op_new(OP_REDUCE_SCATTER, in, out, 0, rop);
     return op == NULL ? WEFT_ERR_NO_MEMORY : submit_op(pg, op, work_p);
 }
@@ -485,10 +562,12 @@ weft_status_t weft_coll_all_to_all(weft_pg_t *pg, const weft_tensor_t *in, weft_
     for (int r = 0; r < n; r++) {
         ins[r] = in_splits != NULL ? in_splits[r] : weft_tensor_numel(in) / n;
         outs[r] = out_splits != NULL ? out_splits[r] : weft_tensor_numel(out) / n;
-        if (ins[r] < 0 || outs[r] < 0) {
+        if (ins[r] < 0 || outs[r] < 0 || ins[r] > weft_tensor_numel(in) ||
+            outs[r] > weft_tensor_numel(out)) {
             weft_free(ins);
             weft_free(outs);
-            return weft__set_error(WEFT_ERR_INVALID_ARG, "all_to_all: negative split");
+            return reject(pg->g, weft__set_error(WEFT_ERR_INVALID_ARG,
+                                                 "all_to_all: split %d out of range", r));
         }
         tin += ins[r];
         tout += outs[r];
@@ -496,11 +575,12 @@ weft_status_t weft_coll_all_to_all(weft_pg_t *pg, const weft_tensor_t *in, weft_
     if (tin != weft_tensor_numel(in) || tout != weft_tensor_numel(out)) {
         weft_free(ins);
         weft_free(outs);
-        return weft__set_error(WEFT_ERR_SHAPE,
-                               "all_to_all: splits add up to %lld in and %lld out for tensors of "
-                               "%lld and %lld elements",
-                               (long long)tin, (long long)tout, (long long)weft_tensor_numel(in),
-                               (long long)weft_tensor_numel(out));
+        return reject(pg->g, weft__set_error(
+                                 WEFT_ERR_SHAPE,
+                                 "all_to_all: splits add up to %lld in and %lld out for "
+                                 "tensors of %lld and %lld elements",
+                                 (long long)tin, (long long)tout, (long long)weft_tensor_numel(in),
+                                 (long long)weft_tensor_numel(out)));
     }
     coll_op_t *op = op_new(OP_ALL_TO_ALL, in, out, 0, WEFT_SUM);
     if (op == NULL) {
@@ -530,6 +610,7 @@ weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int dst, int
                                "negative tag %d",
                                dst, g->size, tag);
     }
+    WEFT_CHECK(check_tensor(t, (coll_kind_t)WEFT__V1__COLL_OP__COLL_OP_P2P));
     WEFT_CHECK(coll__p2p_send(g, t, dst, tag, &f));
     if (work_p != NULL) {
         *work_p = f;
@@ -558,6 +639,7 @@ weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
                                "tag %d",
                                src, g->size, tag);
     }
+    WEFT_CHECK(check_tensor(t, (coll_kind_t)WEFT__V1__COLL_OP__COLL_OP_P2P));
     WEFT_CHECK(coll__p2p_recv(g, t, src, tag, &f));
     if (work_p != NULL) {
         *work_p = f;
@@ -565,8 +647,10 @@ weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
     }
     int64_t to = atomic_load(&g->timeout_ms);
     weft_status_t st = weft_future_wait(f, to);
-    if (st == WEFT_ERR_TIMEOUT && !weft_future_done(f)) {
-        coll__p2p_cancel(g, f, WEFT_ERR_TIMEOUT, "recv: no matching send before the deadline");
+    if (st == WEFT_ERR_TIMEOUT && !weft_future_done(f) &&
+        !coll__p2p_cancel(g, f, WEFT_ERR_TIMEOUT, "recv: no matching send before the deadline")) {
+        /* A delivery took it a moment ago and is copying into t: let it finish. */
+        (void)weft_future_wait(f, -1);
     }
     st = weft_future_status(f);
     if (st != WEFT_OK) {

@@ -35,6 +35,7 @@ typedef struct coll_abort {
     struct coll_abort *next;
     uint32_t group;
     uint64_t seq;
+    weft_status_t status; /* what the operation fails with everywhere */
     char *why;
 } coll_abort_t;
 
@@ -49,8 +50,8 @@ typedef struct coll_ctx {
     bool *lost; /* by world rank */
     char **why; /* by world rank */
     uint32_t next_group;
-    struct coll_group **groups; /* member groups by id, for p2p delivery */
-    size_t ngroups_cap;
+    struct coll_group *world; /* the world group, shared by every handle to it */
+    int world_refs;
 } coll_ctx_t;
 
 typedef enum {
@@ -106,8 +107,8 @@ struct weft_pg {
 
 /* context.c */
 weft_status_t coll__ctx(weft_agent_t *a, coll_ctx_t **ctx_p);
-void coll__ctx_add_group(coll_ctx_t *ctx, coll_group_t *g);
-void coll__ctx_remove_group(coll_ctx_t *ctx, coll_group_t *g);
+/* Fails the posted receives of a group that is going away. */
+void coll__ctx_drop_group(coll_ctx_t *ctx, coll_group_t *g);
 
 /* The sender's view of an operation, carried by every message of it. */
 typedef struct {
@@ -130,8 +131,8 @@ weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
 weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
                          int64_t deadline_ns, coll_msg_t **m_p);
 void coll__msg_free(coll_msg_t *m);
-/* Tells every member that operation @p seq failed here (they fail it too). */
-void coll__abort(coll_group_t *g, uint64_t seq, const char *why);
+/* Tells every member that operation @p seq failed here: they fail it too, with @p st. */
+void coll__abort(coll_group_t *g, uint64_t seq, weft_status_t st, const char *why);
 /* The data tensor of a received message (NULL if none). */
 weft_tensor_t *coll__msg_tensor(const coll_msg_t *m);
 
@@ -141,8 +142,9 @@ weft_status_t coll__p2p_send(coll_group_t *g, const weft_tensor_t *t, int dst, i
 weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag,
                              weft_future_t **f_p);
 
-/* Withdraws a posted receive (its future fails with @p st) if it is still posted. */
-void coll__p2p_cancel(coll_group_t *g, weft_future_t *f, weft_status_t st, const char *why);
+/* Withdraws a posted receive (its future fails with @p st) if it is still posted;
+ * false if a delivery has already taken it. */
+bool coll__p2p_cancel(coll_group_t *g, weft_future_t *f, weft_status_t st, const char *why);
 
 /* Drops the pieces of operation @p seq nobody took. */
 void coll__purge(coll_group_t *g, uint64_t seq);

@@ -2,6 +2,7 @@
  * worker thread, sends pieces without copying (waiting until the transport has
  * let go of a region before writing into it again) and reduces straight from
  * the received buffers. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -621,6 +622,11 @@ static weft_status_t run_reduce_scatter(coll_group_t *g, const coll_desc_t *d, w
             st = weft__set_error(WEFT_ERR_NO_MEMORY, "reduce_scatter: no memory");
         } else {
             st = reduce_from_all(g, d, 0, work + (size_t)g->rank * nb, acc, count, wt, deadline);
+            /* out may overlap the input: write it once the sends have let go of it. */
+            weft_status_t w0 = wait_released(rel, (size_t)g->size, deadline);
+            if (st == WEFT_OK) {
+                st = w0;
+            }
             if (st == WEFT_OK) {
                 weft_reduce_finish(acc, count, wt, d->rop, g->size);
                 narrow(out, 0, acc, count, wt);
@@ -660,12 +666,25 @@ static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll
         memcpy(copy, in, inb);
         in = copy;
     }
+    if (op->out_splits[g->rank] != op->in_splits[g->rank]) {
+        char why[200];
+        snprintf(why, sizeof(why),
+                 "all_to_all: rank %d sends itself %lld elements but expects %lld", g->rank,
+                 (long long)op->in_splits[g->rank], (long long)op->out_splits[g->rank]);
+        coll__abort(g, d0->seq, WEFT_ERR_MISMATCH, why);
+        weft_free(rel);
+        weft_free(copy);
+        return weft__set_error(WEFT_ERR_MISMATCH, "%s", why);
+    }
     size_t ioff = 0;
     for (int r = 0; r < n && st == WEFT_OK; r++) {
         size_t c = (size_t)op->in_splits[r];
         if (r != g->rank) {
+            /* Each piece carries its size and what this rank expects back from r, so
+             * that a disagreement is seen on both sides of the pair. */
             coll_desc_t d = *d0;
-            d.count = c; /* each piece carries its own size; the receiver expects its split */
+            d.count = c;
+            d.root = (int)op->out_splits[r];
             st = coll__send(g, &d, 0, r, c > 0 ? in + ioff * es : NULL, c, dt, &rel[r]);
         }
         ioff += c;
@@ -678,17 +697,13 @@ static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll
             for (int k = 0; k < r; k++) {
                 mine += (size_t)op->in_splits[k];
             }
-            if (c != (size_t)op->in_splits[r]) {
-                st = weft__set_error(WEFT_ERR_MISMATCH,
-                                     "all_to_all: rank %d sends itself %lld elements but expects "
-                                     "%zu",
-                                     r, (long long)op->in_splits[r], c);
-            } else if (c > 0) {
+            if (c > 0) {
                 memcpy(out + ooff * es, in + mine * es, c * es);
             }
         } else {
             coll_desc_t d = *d0;
-            d.count = c;
+            d.count = c;                    /* what r must send us */
+            d.root = (int)op->in_splits[r]; /* what r must expect from us */
             coll_msg_t *m;
             st = coll__recv(g, &d, 0, r, deadline, &m);
             if (st == WEFT_OK) {
@@ -753,7 +768,18 @@ void coll__run(coll_group_t *g, coll_op_t *op)
     if (st == WEFT_OK) {
         weft_future_complete(op->f, WEFT_OK, NULL, NULL);
     } else {
-        weft_future_complete(op->f, st, weft_last_error(), NULL);
+        char why[800];
+        snprintf(why, sizeof(why), "%s", weft_last_error());
+        /* A failure of this rank's own (not a mismatch or a loss, which every member
+         * sees for itself; not a deadline, which they reach too): tell the others, so
+         * that they fail now instead of waiting for pieces that will not come. */
+        if (st != WEFT_ERR_MISMATCH && st != WEFT_ERR_PEER_LOST && st != WEFT_ERR_TIMEOUT &&
+            g->size > 1) {
+            char text[900];
+            snprintf(text, sizeof(text), "rank %d: %s", g->rank, why);
+            coll__abort(g, op->seq, st, text);
+        }
+        weft_future_complete(op->f, st, why, NULL);
     }
     weft_future_release(op->f);
     /* Pieces of it that were never taken (a failed or mismatched operation). */

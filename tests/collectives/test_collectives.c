@@ -606,6 +606,48 @@ static int body_mismatch(weft_agent_t *a, int rank, int world, void *arg)
         weft_tensor_release(gin);
         weft_tensor_release(gout);
     }
+    /* Half the ranks name another root: caught, not waited out. */
+    st = weft_coll_broadcast(pg, t, rank % 2, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "split-root broadcast gave %s", weft_strerror(st));
+    {
+        /* Everyone believes it is the root of a gather. */
+        int64_t one = 1, four = 4;
+        weft_tensor_t *gin, *gout;
+        weft_tensor_create(WEFT_F32, 1, &one, &gin);
+        weft_tensor_create(WEFT_F32, 1, &four, &gout);
+        st = weft_coll_gather(pg, gin, gout, rank, NULL);
+        RANK_CHECK(st == WEFT_ERR_MISMATCH, "all-root gather gave %s", weft_strerror(st));
+        /* The root's output is the wrong size: everyone fails that gather with the
+         * root's reason, and the group stays in step. */
+        int64_t three = 3;
+        weft_tensor_t *bad;
+        weft_tensor_create(WEFT_F32, 1, &three, &bad);
+        st = weft_coll_gather(pg, gin, rank == 0 ? bad : NULL, 0, NULL);
+        RANK_CHECK(st == WEFT_ERR_SHAPE, "bad root output gave %s: %s", weft_strerror(st),
+                   weft_last_error());
+        weft_tensor_release(bad);
+        weft_tensor_release(gin);
+        weft_tensor_release(gout);
+    }
+    {
+        /* all_to_all: rank 0 expects 2 elements from rank 1, which sends 1: both of the
+         * pair see it. */
+        int64_t ins[4] = {1, 1, 1, 1}, outs[4] = {1, 1, 1, 1};
+        if (rank == 0) {
+            outs[1] = 2;
+        }
+        int64_t tin = 4, tout = rank == 0 ? 5 : 4;
+        weft_tensor_t *ain, *aout;
+        weft_tensor_create(WEFT_F32, 1, &tin, &ain);
+        weft_tensor_create(WEFT_F32, 1, &tout, &aout);
+        st = weft_coll_all_to_all(pg, ain, aout, ins, outs, NULL);
+        if (rank <= 1) {
+            RANK_CHECK(st == WEFT_ERR_MISMATCH, "all_to_all split mismatch gave %s",
+                       weft_strerror(st));
+        }
+        weft_tensor_release(ain);
+        weft_tensor_release(aout);
+    }
     /* Different operations altogether. */
     st = rank == world - 1 ? weft_coll_broadcast(pg, t, 0, NULL)
                            : weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
@@ -628,6 +670,37 @@ Test(collectives, mismatched_calls_fail_everywhere, .timeout = 120)
     ranks_opts_t o;
     int codes[4];
     ranks_opts_init(&o, 4, body_mismatch);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+static int body_two_handles(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *w1, *w2;
+    RANK_CHECK(weft_pg_world(a, &w1) == WEFT_OK && weft_pg_world(a, &w2) == WEFT_OK, "handles");
+    int64_t n = 3;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_I32, 1, &n, &t);
+    for (int i = 0; i < 6; i++) {
+        int32_t *v = weft_tensor_data(t);
+        v[0] = v[1] = v[2] = rank + i;
+        RANK_CHECK(weft_coll_all_reduce(i % 2 ? w1 : w2, t, WEFT_SUM, NULL) == WEFT_OK,
+                   "round %d: %s", i, weft_last_error());
+        int32_t want = world * i + world * (world - 1) / 2;
+        RANK_CHECK(v[2] == want, "round %d: %d, want %d", i, v[2], want);
+    }
+    weft_pg_free(w1);
+    RANK_CHECK(weft_coll_barrier(w2, NULL) == WEFT_OK, "after freeing one handle");
+    weft_pg_free(w2);
+    weft_tensor_release(t);
+    return 0;
+}
+
+Test(collectives, handles_to_the_world_share_one_sequence, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_two_handles);
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
