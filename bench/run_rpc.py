@@ -35,6 +35,8 @@ import subprocess
 import sys
 import time
 
+from benchlib import find_torch_python, fmt, parse_lines, run_one  # noqa: F401
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ["weft", "raw_grpc_bidi", "raw_tcp", "torch_rpc"]
 LOWER_IS_BETTER_UNITS = {"us"}
@@ -72,27 +74,6 @@ def plan(quick):
     return jobs
 
 
-def has_torch(python):
-    try:
-        r = subprocess.run([python, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('torch') is None)"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
-        return r.returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def find_torch_python(a):
-    cands = [a.torch_python] if a.torch_python else [sys.executable, "/usr/bin/python3"]
-    for py in cands:
-        if py == sys.executable:
-            ok = importlib.util.find_spec("torch") is not None
-        else:
-            ok = os.path.exists(py) and has_torch(py)
-        if ok:
-            return py
-    return None
-
-
 def commands(a, torch_python):
     b = os.path.join(a.builddir, "bench")
     cmds = {
@@ -103,35 +84,6 @@ def commands(a, torch_python):
     if torch_python:
         cmds["torch_rpc"] = [torch_python, os.path.join(HERE, "torch_rpc.py")]
     return cmds
-
-
-def run_one(cmd, timeout, verbose):
-    """Runs one measurement in its own process group; returns (json lines, error text or None)."""
-    t0 = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if verbose else subprocess.PIPE,
-                         text=True, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        return [], "timed out after %.0f s" % timeout
-    lines = []
-    for ln in out.splitlines():
-        ln = ln.strip()
-        if ln.startswith("{"):
-            try:
-                lines.append(json.loads(ln))
-            except ValueError:
-                pass
-    if p.returncode != 0:
-        tail = (err or "").strip().splitlines()[-5:]
-        return lines, "exit %d after %.1f s: %s" % (p.returncode, time.monotonic() - t0, " | ".join(tail))
-    return lines, None
-
-
-def fmt(v):
-    return None if v is None else float("%.4g" % v)
 
 
 def main():
