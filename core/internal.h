@@ -84,6 +84,21 @@ void weft__set_block_hook(weft__block_hook_cb_t cb, void *arg);
 weft_status_t weft__tensor_shape_check(int dtype, int ndim, const int64_t *shape, int64_t *numel_p,
                                        size_t *nbytes_p);
 
+/*
+ * The autograd slot of a tensor: metadata owned by the autograd module (requires_grad, grad,
+ * grad_fn, hooks), freed with @p ag_free when the tensor object is freed. Views and clones start
+ * with an empty slot. Not synchronised: set it before the tensor is shared between threads.
+ */
+void *weft__tensor_ag(const weft_tensor_t *t);
+/** Replaces the slot (the previous metadata, if any, is not freed). */
+void weft__tensor_set_ag(weft_tensor_t *t, void *ag, void (*ag_free)(void *ag));
+
+/**
+ * True when the caller holds the only reference to @p t and to its (owned) storage: nothing else
+ * can see a write to it. The autograd engine uses it to sum gradients in place.
+ */
+int weft__tensor_exclusive(const weft_tensor_t *t);
+
 /** Sum of the byte sizes of the value's tensors (0 for NULL). */
 size_t weft__value_tensors_nbytes(const weft_value_t *v);
 

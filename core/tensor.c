@@ -127,6 +127,8 @@ struct weft_tensor {
     int64_t shape[WEFT_MAX_DIMS];
     int64_t numel;
     size_t nbytes;
+    void *ag;                   /* autograd metadata (the autograd module's), owned */
+    void (*ag_free)(void *ag);
 };
 
 static const struct {
@@ -243,6 +245,8 @@ static weft_status_t tensor_new(storage_t *s, weft_dtype_t dtype, int ndim, cons
     }
     t->numel = numel;
     t->nbytes = nbytes;
+    t->ag = NULL;
+    t->ag_free = NULL;
     *t_p = t;
     return WEFT_OK;
 }
@@ -446,8 +450,29 @@ void weft_tensor_release(weft_tensor_t *t)
     if (atomic_fetch_sub_explicit(&t->refs, 1, memory_order_acq_rel) != 1) {
         return;
     }
+    if (t->ag != NULL && t->ag_free != NULL) {
+        t->ag_free(t->ag);
+    }
     storage_release(t->storage);
     weft_free(t);
+}
+
+void *weft__tensor_ag(const weft_tensor_t *t)
+{
+    return t == NULL ? NULL : t->ag;
+}
+
+int weft__tensor_exclusive(const weft_tensor_t *t)
+{
+    return atomic_load_explicit(&t->refs, memory_order_acquire) == 1 &&
+           atomic_load_explicit(&t->storage->refs, memory_order_acquire) == 1 &&
+           t->storage->owned;
+}
+
+void weft__tensor_set_ag(weft_tensor_t *t, void *ag, void (*ag_free)(void *ag))
+{
+    t->ag = ag;
+    t->ag_free = ag_free;
 }
 
 void *weft_tensor_data(const weft_tensor_t *t)
