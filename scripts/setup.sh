@@ -7,7 +7,7 @@ set -euo pipefail
 WEFT_PACKAGES=(
   gcc g++ pkg-config meson ninja-build python3
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler libssl-dev zlib1g-dev
-  libcriterion-dev
+  libcriterion-dev libopenblas-dev
   dataset-fashion-mnist
 )
 

@@ -12,5 +12,10 @@
 #include <weft/pool.h>
 #include <weft/rpc.h>
 #include <weft/collectives.h>
+#include <weft/random.h>
+#include <weft/optim.h>
+#include <weft/autograd.h>
+#include <weft/ops.h>
+#include <weft/nn.h>
 
 #endif

@@ -1,0 +1,1146 @@
+/*
+ * The autograd engine: per-tensor metadata, graph nodes, and backward.
+ *
+ * Ownership: a tensor made by a recorded op holds its node (grad_fn); a node holds the nodes and
+ * leaves its inputs came from, and data-only aliases of what it saved. Nothing points back up
+ * the graph, so there are no cycles and releasing the last output frees the graph.
+ *
+ * Backward counts, for each node reachable from the roots, how many edges of the graph lead into
+ * it; a node runs when all of them have delivered, later-created nodes first (as torch does, so
+ * parameters' gradients complete in reverse order of use, which is what bucketed reducers want).
+ * A leaf's gradients are summed per backward and accumulated once, then its hooks fire.
+ */
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graph.h"
+
+typedef struct {
+    int id;
+    weft_grad_hook_cb_t cb;
+    void *arg;
+} hook_t;
+
+typedef struct {
+    int requires_grad;
+    weft__ag_node_t *grad_fn; /* strong; NULL for a leaf */
+    int out_index;
+    weft_tensor_t *grad;    /* dense gradient of a leaf */
+    weft_tensor_t *sp_idx;  /* sparse gradient: indices [nnz] */
+    weft_tensor_t *sp_rows; /* and rows [nnz, ...] */
+    hook_t *hooks;
+    int n_hooks;
+    int next_hook_id;
+    /* Backward bookkeeping of a leaf. */
+    uint64_t run;
+    int pending;
+    weft_tensor_t *bw_grad;
+    int bw_sparse;
+} meta_t;
+
+static _Thread_local int grad_off;
+static atomic_llong node_seq;
+static atomic_ullong run_seq;
+
+/* ---- metadata -------------------------------------------------------------------------------- */
+
+static void meta_free(void *p)
+{
+    meta_t *m = p;
+
+    if (m->grad_fn != NULL) {
+        weft__ag_node_unref(m->grad_fn);
+    }
+    weft_tensor_release(m->grad);
+    weft_tensor_release(m->sp_idx);
+    weft_tensor_release(m->sp_rows);
+    weft_tensor_release(m->bw_grad);
+    weft_free(m->hooks);
+    weft_free(m);
+}
+
+static meta_t *meta_of(const weft_tensor_t *t)
+{
+    return t == NULL ? NULL : weft__tensor_ag(t);
+}
+
+static weft_status_t meta_get(weft_tensor_t *t, meta_t **m_p)
+{
+    meta_t *m = weft__tensor_ag(t);
+
+    if (m == NULL) {
+        m = weft_calloc(1, sizeof(*m));
+        if (m == NULL) {
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "autograd: out of memory for metadata");
+        }
+        weft__tensor_set_ag(t, m, meta_free);
+    }
+    *m_p = m;
+    return WEFT_OK;
+}
+
+int weft_grad_enabled(void)
+{
+    return !grad_off;
+}
+
+int weft_grad_set_enabled(int enabled)
+{
+    int prev = !grad_off;
+
+    grad_off = !enabled;
+    return prev;
+}
+
+weft_status_t weft_tensor_set_requires_grad(weft_tensor_t *t, int requires_grad)
+{
+    meta_t *m;
+
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "requires_grad: tensor is NULL");
+    }
+    m = meta_of(t);
+    if (m != NULL && m->grad_fn != NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE,
+                               "requires_grad: only leaves can be marked; this tensor was made by "
+                               "%s (detach it first)",
+                               m->grad_fn->name);
+    }
+    if (!requires_grad) {
+        if (m != NULL) {
+            m->requires_grad = 0;
+        }
+        return WEFT_OK;
+    }
+    if (!weft__op_is_float(weft_tensor_dtype(t))) {
+        return weft__set_error(WEFT_ERR_DTYPE,
+                               "requires_grad: only f32 and f64 tensors can require gradients "
+                               "(got %s)",
+                               weft_dtype_name(weft_tensor_dtype(t)));
+    }
+    WEFT_CHECK(meta_get(t, &m));
+    m->requires_grad = 1;
+    return WEFT_OK;
+}
+
+int weft_tensor_requires_grad(const weft_tensor_t *t)
+{
+    meta_t *m = meta_of(t);
+
+    return m != NULL && m->requires_grad;
+}
+
+int weft_tensor_is_leaf(const weft_tensor_t *t)
+{
+    meta_t *m = meta_of(t);
+
+    return m == NULL || m->grad_fn == NULL;
+}
+
+const char *weft_tensor_grad_fn_name(const weft_tensor_t *t)
+{
+    meta_t *m = meta_of(t);
+
+    return m == NULL || m->grad_fn == NULL ? NULL : m->grad_fn->name;
+}
+
+weft_tensor_t *weft_tensor_grad(const weft_tensor_t *t)
+{
+    meta_t *m = meta_of(t);
+
+    return m == NULL ? NULL : m->grad;
+}
+
+weft_status_t weft_tensor_sparse_grad(const weft_tensor_t *t, weft_tensor_t **indices_p,
+                                      weft_tensor_t **rows_p)
+{
+    meta_t *m = meta_of(t);
+
+    if (m == NULL || m->sp_idx == NULL) {
+        return weft__set_error(WEFT_ERR_NOT_FOUND,
+                               "sparse_grad: the tensor has no sparse gradient");
+    }
+    if (indices_p != NULL) {
+        *indices_p = m->sp_idx;
+    }
+    if (rows_p != NULL) {
+        *rows_p = m->sp_rows;
+    }
+    return WEFT_OK;
+}
+
+int weft_tensor_has_sparse_grad(const weft_tensor_t *t)
+{
+    meta_t *m = meta_of(t);
+
+    return m != NULL && m->sp_idx != NULL;
+}
+
+void weft_tensor_grad_clear(weft_tensor_t *t)
+{
+    meta_t *m = meta_of(t);
+
+    if (m == NULL) {
+        return;
+    }
+    weft_tensor_release(m->grad);
+    weft_tensor_release(m->sp_idx);
+    weft_tensor_release(m->sp_rows);
+    m->grad = NULL;
+    m->sp_idx = NULL;
+    m->sp_rows = NULL;
+}
+
+static int same_shape(int nd_a, const int64_t *a, int nd_b, const int64_t *b)
+{
+    if (nd_a != nd_b) {
+        return 0;
+    }
+    for (int i = 0; i < nd_a; i++) {
+        if (a[i] != b[i]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* "[2, 3]" into @p buf. */
+static const char *shape_str(char *buf, size_t cap, int ndim, const int64_t *shape)
+{
+    size_t off = 0;
+
+    off += (size_t)snprintf(buf + off, cap - off, "[");
+    for (int i = 0; i < ndim && off < cap; i++) {
+        off +=
+            (size_t)snprintf(buf + off, cap - off, i == 0 ? "%lld" : ", %lld", (long long)shape[i]);
+    }
+    if (off < cap) {
+        snprintf(buf + off, cap - off, "]");
+    }
+    return buf;
+}
+
+static weft_status_t check_like(const char *what, const weft_tensor_t *t, const weft_tensor_t *g)
+{
+    char a[96];
+    char b[96];
+
+    if (weft_tensor_dtype(g) != weft_tensor_dtype(t)) {
+        return weft__set_error(WEFT_ERR_DTYPE, "%s: gradient is %s, tensor is %s", what,
+                               weft_dtype_name(weft_tensor_dtype(g)),
+                               weft_dtype_name(weft_tensor_dtype(t)));
+    }
+    if (!same_shape(weft_tensor_ndim(g), weft_tensor_shape(g), weft_tensor_ndim(t),
+                    weft_tensor_shape(t))) {
+        return weft__set_error(WEFT_ERR_SHAPE, "%s: gradient has shape %s, tensor has shape %s",
+                               what,
+                               shape_str(a, sizeof(a), weft_tensor_ndim(g), weft_tensor_shape(g)),
+                               shape_str(b, sizeof(b), weft_tensor_ndim(t), weft_tensor_shape(t)));
+    }
+    return WEFT_OK;
+}
+
+weft_status_t weft_tensor_set_grad(weft_tensor_t *t, weft_tensor_t *grad)
+{
+    meta_t *m;
+
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "set_grad: tensor is NULL");
+    }
+    if (grad != NULL) {
+        WEFT_CHECK(check_like("set_grad", t, grad));
+    }
+    if (grad == NULL && meta_of(t) == NULL) {
+        return WEFT_OK;
+    }
+    WEFT_CHECK(meta_get(t, &m));
+    weft_tensor_retain(grad);
+    weft_tensor_release(m->grad);
+    m->grad = grad;
+    return WEFT_OK;
+}
+
+weft_status_t weft_tensor_detach(weft_tensor_t *t, weft_tensor_t **out_p)
+{
+    if (t == NULL || out_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "detach: NULL argument");
+    }
+    return weft_tensor_view(t, weft_tensor_ndim(t), weft_tensor_shape(t), out_p);
+}
+
+weft_status_t weft_tensor_add_grad_hook(weft_tensor_t *param, weft_grad_hook_cb_t cb, void *arg,
+                                        int *id_p)
+{
+    meta_t *m = meta_of(param);
+    hook_t *hooks;
+
+    if (param == NULL || cb == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "add_grad_hook: NULL argument");
+    }
+    if (m == NULL || !m->requires_grad || m->grad_fn != NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE,
+                               "add_grad_hook: hooks go on leaves that require gradients");
+    }
+    hooks = weft_realloc(m->hooks, (size_t)(m->n_hooks + 1) * sizeof(*hooks));
+    if (hooks == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "add_grad_hook: out of memory");
+    }
+    m->hooks = hooks;
+    m->hooks[m->n_hooks].id = ++m->next_hook_id;
+    m->hooks[m->n_hooks].cb = cb;
+    m->hooks[m->n_hooks].arg = arg;
+    m->n_hooks++;
+    if (id_p != NULL) {
+        *id_p = m->next_hook_id;
+    }
+    return WEFT_OK;
+}
+
+weft_status_t weft_tensor_remove_grad_hook(weft_tensor_t *param, int id)
+{
+    meta_t *m = meta_of(param);
+
+    for (int i = 0; m != NULL && i < m->n_hooks; i++) {
+        if (m->hooks[i].id == id) {
+            memmove(&m->hooks[i], &m->hooks[i + 1], (size_t)(m->n_hooks - 1 - i) * sizeof(hook_t));
+            m->n_hooks--;
+            return WEFT_OK;
+        }
+    }
+    return weft__set_error(WEFT_ERR_NOT_FOUND, "remove_grad_hook: no hook with id %d", id);
+}
+
+/* ---- nodes ----------------------------------------------------------------------------------- */
+
+int weft__ag_should_record(int n, weft_tensor_t *const *inputs)
+{
+    if (grad_off) {
+        return 0;
+    }
+    for (int i = 0; i < n; i++) {
+        if (weft_tensor_requires_grad(inputs[i])) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+weft_status_t weft__ag_node_new(const char *name, weft__ag_backward_cb_t backward, int n_in,
+                                weft_tensor_t *const *inputs, weft__ag_node_t **node_p)
+{
+    weft__ag_node_t *n;
+
+    if (n_in < 0 || backward == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "autograd: bad node for %s", name);
+    }
+    n = weft_calloc(1, sizeof(*n));
+    if (n == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "autograd: out of memory for a node");
+    }
+    n->next = n->edges_inline;
+    if (n_in > WEFT__AG_MAX_IN) {
+        n->next = weft_calloc((size_t)n_in, sizeof(*n->next));
+        if (n->next == NULL) {
+            weft_free(n);
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "autograd: out of memory for a node");
+        }
+    }
+    atomic_init((_Atomic long *)&n->refs, 1);
+    n->name = name;
+    n->backward = backward;
+    n->n_in = n_in;
+    n->seq = atomic_fetch_add_explicit(&node_seq, 1, memory_order_relaxed);
+    for (int i = 0; i < n_in; i++) {
+        weft_tensor_t *t = inputs[i];
+        meta_t *m = meta_of(t);
+
+        if (t != NULL && i < WEFT__AG_MAX_IN) {
+            n->in_ndim[i] = weft_tensor_ndim(t);
+            memcpy(n->in_shape[i], weft_tensor_shape(t), sizeof(n->in_shape[i]));
+            n->in_dtype[i] = weft_tensor_dtype(t);
+        }
+        if (m == NULL || !m->requires_grad) {
+            continue;
+        }
+        if (m->grad_fn != NULL) {
+            weft__ag_node_ref(m->grad_fn);
+            n->next[i].node = m->grad_fn;
+            n->next[i].out_index = m->out_index;
+        } else {
+            n->next[i].leaf = weft_tensor_retain(t);
+        }
+    }
+    *node_p = n;
+    return WEFT_OK;
+}
+
+weft_status_t weft__ag_save(weft__ag_node_t *n, weft_tensor_t *t)
+{
+    weft_tensor_t *alias = NULL;
+
+    if (n->n_saved == WEFT__AG_MAX_SAVED) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE, "autograd: %s saves too many tensors",
+                               n->name);
+    }
+    if (t != NULL) {
+        WEFT_CHECK(weft_tensor_view(t, weft_tensor_ndim(t), weft_tensor_shape(t), &alias));
+    }
+    n->saved[n->n_saved++] = alias;
+    return WEFT_OK;
+}
+
+weft_status_t weft__ag_attach(weft__ag_node_t *n, int n_out, weft_tensor_t *const *outputs)
+{
+    if (n_out < 1) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "autograd: %s has no outputs", n->name);
+    }
+    if (n_out > WEFT__AG_MAX_IN) {
+        size_t extra = (size_t)(n_out - WEFT__AG_MAX_IN);
+
+        n->out_ndim_ext = weft_calloc(extra, sizeof(*n->out_ndim_ext));
+        n->out_shape_ext = weft_calloc(extra, sizeof(*n->out_shape_ext));
+        if (n->out_ndim_ext == NULL || n->out_shape_ext == NULL) {
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "autograd: out of memory for a node");
+        }
+    }
+    for (int k = 0; k < n_out; k++) {
+        meta_t *m;
+
+        if (meta_of(outputs[k]) != NULL && meta_of(outputs[k])->grad_fn != NULL) {
+            return weft__set_error(WEFT_ERR_INVALID_STATE, "autograd: output already has a node");
+        }
+        WEFT_CHECK(meta_get(outputs[k], &m));
+        weft__ag_node_ref(n);
+        m->grad_fn = n;
+        m->out_index = k;
+        m->requires_grad = 1;
+        if (k < WEFT__AG_MAX_IN) {
+            n->out_ndim[k] = weft_tensor_ndim(outputs[k]);
+            memcpy(n->out_shape[k], weft_tensor_shape(outputs[k]), sizeof(n->out_shape[k]));
+            n->out_dtype[k] = weft_tensor_dtype(outputs[k]);
+        } else {
+            n->out_ndim_ext[k - WEFT__AG_MAX_IN] = weft_tensor_ndim(outputs[k]);
+            memcpy(n->out_shape_ext[k - WEFT__AG_MAX_IN], weft_tensor_shape(outputs[k]),
+                   sizeof(n->out_shape_ext[0]));
+        }
+    }
+    n->n_out = n_out;
+    return WEFT_OK;
+}
+
+void weft__ag_node_ref(weft__ag_node_t *n)
+{
+    atomic_fetch_add_explicit((_Atomic long *)&n->refs, 1, memory_order_relaxed);
+}
+
+static void release_saved(weft__ag_node_t *n)
+{
+    for (int i = 0; i < n->n_saved; i++) {
+        weft_tensor_release(n->saved[i]);
+        n->saved[i] = NULL;
+    }
+    if (n->ctx != NULL && n->ctx_free != NULL) {
+        n->ctx_free(n->ctx);
+    }
+    n->ctx = NULL;
+}
+
+void weft__ag_node_unref(weft__ag_node_t *first)
+{
+    /* Iterative, so that freeing a long chain does not recurse once per node. */
+    weft__ag_node_t **stack = NULL;
+    size_t depth = 0;
+    size_t cap = 0;
+    weft__ag_node_t *n = first;
+
+    while (n != NULL) {
+        if (atomic_fetch_sub_explicit((_Atomic long *)&n->refs, 1, memory_order_acq_rel) == 1) {
+            release_saved(n);
+            for (int i = 0; i < n->n_in; i++) {
+                weft_tensor_release(n->next[i].leaf);
+                if (n->next[i].node == NULL) {
+                    continue;
+                }
+                if (depth == cap) {
+                    size_t ncap = cap == 0 ? 16 : cap * 2;
+                    weft__ag_node_t **s = weft_realloc(stack, ncap * sizeof(*s));
+
+                    if (s == NULL) {
+                        /* Out of memory: recurse for this one rather than leak it. */
+                        weft__ag_node_unref(n->next[i].node);
+                        continue;
+                    }
+                    stack = s;
+                    cap = ncap;
+                }
+                stack[depth++] = n->next[i].node;
+            }
+            if (n->buf != NULL) {
+                for (int k = 0; k < n->n_out; k++) {
+                    weft_tensor_release(n->buf[k]);
+                }
+                weft_free(n->buf);
+            }
+            if (n->next != n->edges_inline) {
+                weft_free(n->next);
+            }
+            weft_free(n->out_ndim_ext);
+            weft_free(n->out_shape_ext);
+            weft_free(n);
+        }
+        n = depth > 0 ? stack[--depth] : NULL;
+    }
+    weft_free(stack);
+}
+
+int weft__ag_needs_grad(const weft__ag_node_t *n, int i)
+{
+    return i >= 0 && i < n->n_in && (n->next[i].node != NULL || n->next[i].leaf != NULL);
+}
+
+/* ---- backward -------------------------------------------------------------------------------- */
+
+/* Sparse gradients a running backward callback hands over (weft__ag_grad_sparse). */
+typedef struct {
+    int input;
+    weft_tensor_t *idx;
+    weft_tensor_t *rows;
+} sparse_t;
+
+typedef struct {
+    weft__ag_node_t *node;
+    sparse_t *items;
+    int n;
+    int cap;
+} sparse_list_t;
+
+static _Thread_local sparse_list_t *cur_sparse;
+
+weft_status_t weft__ag_grad_sparse(weft__ag_node_t *n, int i, weft_tensor_t *indices,
+                                   weft_tensor_t *rows)
+{
+    sparse_list_t *l = cur_sparse;
+
+    if (l == NULL || l->node != n || i < 0 || i >= n->n_in) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE,
+                               "autograd: sparse gradient outside the backward of its node");
+    }
+    if (weft_tensor_dtype(indices) != WEFT_I64 || weft_tensor_ndim(indices) != 1 ||
+        weft_tensor_ndim(rows) < 1 || weft_tensor_shape(rows)[0] != weft_tensor_shape(indices)[0]) {
+        return weft__set_error(WEFT_ERR_SHAPE,
+                               "autograd: a sparse gradient needs i64 indices [nnz] and rows "
+                               "[nnz, ...]");
+    }
+    if (l->n == l->cap) {
+        int ncap = l->cap == 0 ? 4 : l->cap * 2;
+        sparse_t *s = weft_realloc(l->items, (size_t)ncap * sizeof(*s));
+
+        if (s == NULL) {
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "autograd: out of memory");
+        }
+        l->items = s;
+        l->cap = ncap;
+    }
+    l->items[l->n].input = i;
+    l->items[l->n].idx = weft_tensor_retain(indices);
+    l->items[l->n].rows = weft_tensor_retain(rows);
+    l->n++;
+    return WEFT_OK;
+}
+
+/* Adds @p g (a new reference, consumed) into *slot (summing in place when it may). */
+static weft_status_t accumulate(weft_tensor_t **slot, weft_tensor_t *g)
+{
+    weft_tensor_t *sum = NULL;
+    weft_status_t status;
+
+    if (*slot == NULL) {
+        *slot = g;
+        return WEFT_OK;
+    }
+    if (weft__tensor_exclusive(*slot)) {
+        status = weft__op_add_inplace(*slot, g);
+        weft_tensor_release(g);
+        return status;
+    }
+    if (weft__tensor_exclusive(g)) {
+        status = weft__op_add_inplace(g, *slot);
+        if (status != WEFT_OK) {
+            weft_tensor_release(g);
+            return status;
+        }
+        weft_tensor_release(*slot);
+        *slot = g;
+        return WEFT_OK;
+    }
+    status = weft__op_add_same(*slot, g, &sum);
+    weft_tensor_release(g);
+    if (status != WEFT_OK) {
+        return status;
+    }
+    weft_tensor_release(*slot);
+    *slot = sum;
+    return WEFT_OK;
+}
+
+/* Scatter-adds sparse rows into a dense zero tensor of (ndim, shape). */
+static weft_status_t densify(const sparse_t *s, weft_dtype_t dt, int ndim, const int64_t *shape,
+                             weft_tensor_t **out_p)
+{
+    weft_tensor_t *d = NULL;
+    int64_t rows;
+    int64_t width;
+    const int64_t *idx;
+
+    if (ndim < 1 || weft_tensor_dtype(s->rows) != dt ||
+        weft_tensor_numel(s->rows) !=
+            weft_tensor_shape(s->idx)[0] *
+                (shape[0] == 0 ? 0 : weft_shape_numel(ndim, shape) / shape[0])) {
+        return weft__set_error(WEFT_ERR_SHAPE, "autograd: sparse rows do not match the input");
+    }
+    WEFT_CHECK(weft__op_zeros(dt, ndim, shape, &d));
+    rows = weft_tensor_shape(s->idx)[0];
+    width = shape[0] == 0 ? 0 : weft_tensor_numel(d) / shape[0];
+    idx = weft_tensor_data(s->idx);
+    for (int64_t r = 0; r < rows; r++) {
+        if (idx[r] < 0 || idx[r] >= shape[0]) {
+            weft_tensor_release(d);
+            return weft__set_error(WEFT_ERR_INVALID_ARG, "autograd: sparse index %lld out of range",
+                                   (long long)idx[r]);
+        }
+        if (dt == WEFT_F32) {
+            float *dst = (float *)weft_tensor_data(d) + idx[r] * width;
+            const float *src = (const float *)weft_tensor_data(s->rows) + r * width;
+            for (int64_t j = 0; j < width; j++) {
+                dst[j] += src[j];
+            }
+        } else {
+            double *dst = (double *)weft_tensor_data(d) + idx[r] * width;
+            const double *src = (const double *)weft_tensor_data(s->rows) + r * width;
+            for (int64_t j = 0; j < width; j++) {
+                dst[j] += src[j];
+            }
+        }
+    }
+    *out_p = d;
+    return WEFT_OK;
+}
+
+/* Appends rows to a leaf's sparse gradient. */
+static weft_status_t sparse_append(weft_tensor_t *leaf, meta_t *m, const sparse_t *s)
+{
+    weft_tensor_t *idx = NULL;
+    weft_tensor_t *rows = NULL;
+    int64_t shape[WEFT_MAX_DIMS];
+    int64_t n0;
+    int64_t n1 = weft_tensor_shape(s->idx)[0];
+    size_t row_bytes;
+    weft_status_t status;
+
+    if (weft_tensor_dtype(s->rows) != weft_tensor_dtype(leaf) ||
+        weft_tensor_ndim(s->rows) != weft_tensor_ndim(leaf)) {
+        return weft__set_error(WEFT_ERR_SHAPE, "autograd: sparse rows do not match the leaf");
+    }
+    if (m->sp_idx == NULL) {
+        m->sp_idx = weft_tensor_retain(s->idx);
+        m->sp_rows = weft_tensor_retain(s->rows);
+        return WEFT_OK;
+    }
+    n0 = weft_tensor_shape(m->sp_idx)[0];
+    row_bytes = n1 == 0 ? 0 : weft_tensor_nbytes(s->rows) / (size_t)n1;
+    if (n0 > 0) {
+        row_bytes = weft_tensor_nbytes(m->sp_rows) / (size_t)n0;
+    }
+    shape[0] = n0 + n1;
+    WEFT_CHECK(weft_tensor_empty(WEFT_I64, 1, shape, &idx));
+    memcpy(shape + 1, weft_tensor_shape(s->rows) + 1,
+           (size_t)(weft_tensor_ndim(s->rows) - 1) * sizeof(int64_t));
+    WEFT_CHECK_GOTO(
+        weft_tensor_empty(weft_tensor_dtype(leaf), weft_tensor_ndim(s->rows), shape, &rows), status,
+        err_free_idx);
+    memcpy(weft_tensor_data(idx), weft_tensor_data(m->sp_idx), (size_t)n0 * sizeof(int64_t));
+    memcpy((int64_t *)weft_tensor_data(idx) + n0, weft_tensor_data(s->idx),
+           (size_t)n1 * sizeof(int64_t));
+    memcpy(weft_tensor_data(rows), weft_tensor_data(m->sp_rows), (size_t)n0 * row_bytes);
+    memcpy((char *)weft_tensor_data(rows) + (size_t)n0 * row_bytes, weft_tensor_data(s->rows),
+           (size_t)n1 * row_bytes);
+    weft_tensor_release(m->sp_idx);
+    weft_tensor_release(m->sp_rows);
+    m->sp_idx = idx;
+    m->sp_rows = rows;
+    return WEFT_OK;
+
+err_free_idx:
+    weft_tensor_release(idx);
+    return status;
+}
+
+typedef struct {
+    uint64_t run;
+    int retain;
+    weft__ag_node_t **nodes; /* every node of the graph, for cleanup */
+    size_t n_nodes;
+    size_t cap_nodes;
+    weft__ag_node_t **heap; /* ready nodes, max-heap by seq */
+    size_t n_heap;
+    weft_tensor_t **leaves; /* every leaf of the graph (borrowed from the edges) */
+    size_t n_leaves;
+    size_t cap_leaves;
+} run_t;
+
+static weft_status_t push_ptr(void ***arr, size_t *n, size_t *cap, void *p)
+{
+    if (*n == *cap) {
+        size_t ncap = *cap == 0 ? 32 : *cap * 2;
+        void **a = weft_realloc(*arr, ncap * sizeof(void *));
+
+        if (a == NULL) {
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+        }
+        *arr = a;
+        *cap = ncap;
+    }
+    (*arr)[(*n)++] = p;
+    return WEFT_OK;
+}
+
+static void heap_push(run_t *r, weft__ag_node_t *n)
+{
+    size_t i = r->n_heap++;
+
+    r->heap[i] = n;
+    while (i > 0) {
+        size_t p = (i - 1) / 2;
+        if (r->heap[p]->seq >= r->heap[i]->seq) {
+            break;
+        }
+        weft__ag_node_t *t = r->heap[p];
+        r->heap[p] = r->heap[i];
+        r->heap[i] = t;
+        i = p;
+    }
+}
+
+static weft__ag_node_t *heap_pop(run_t *r)
+{
+    weft__ag_node_t *top = r->heap[0];
+    size_t i = 0;
+
+    r->heap[0] = r->heap[--r->n_heap];
+    for (;;) {
+        size_t l = 2 * i + 1;
+        size_t best = i;
+        if (l < r->n_heap && r->heap[l]->seq > r->heap[best]->seq) {
+            best = l;
+        }
+        if (l + 1 < r->n_heap && r->heap[l + 1]->seq > r->heap[best]->seq) {
+            best = l + 1;
+        }
+        if (best == i) {
+            break;
+        }
+        weft__ag_node_t *t = r->heap[best];
+        r->heap[best] = r->heap[i];
+        r->heap[i] = t;
+        i = best;
+    }
+    return top;
+}
+
+static weft_status_t visit_leaf(run_t *r, weft_tensor_t *leaf)
+{
+    meta_t *m = meta_of(leaf);
+
+    if (m->run != r->run) {
+        m->run = r->run;
+        m->pending = 0;
+        m->bw_sparse = 0;
+        weft_tensor_release(m->bw_grad);
+        m->bw_grad = NULL;
+        WEFT_CHECK(push_ptr((void ***)&r->leaves, &r->n_leaves, &r->cap_leaves, leaf));
+    }
+    m->pending++;
+    return WEFT_OK;
+}
+
+/* Finds every node and leaf reachable from the roots and counts the edges into each. */
+static weft_status_t discover(run_t *r, int n_roots, weft__ag_node_t **roots)
+{
+    size_t scan = r->n_nodes;
+
+    for (int i = 0; i < n_roots; i++) {
+        if (roots[i] != NULL && roots[i]->run != r->run) {
+            roots[i]->run = r->run;
+            roots[i]->deps = 0;
+            WEFT_CHECK(push_ptr((void ***)&r->nodes, &r->n_nodes, &r->cap_nodes, roots[i]));
+        }
+    }
+    for (; scan < r->n_nodes; scan++) {
+        weft__ag_node_t *n = r->nodes[scan];
+
+        if (n->freed) {
+            return weft__set_error(WEFT_ERR_INVALID_STATE,
+                                   "backward: %s was freed by an earlier backward; pass "
+                                   "retain_graph to go through a graph twice",
+                                   n->name);
+        }
+        for (int i = 0; i < n->n_in; i++) {
+            weft__ag_node_t *next = n->next[i].node;
+
+            if (n->next[i].leaf != NULL) {
+                WEFT_CHECK(visit_leaf(r, n->next[i].leaf));
+            }
+            if (next == NULL) {
+                continue;
+            }
+            if (next->run != r->run) {
+                next->run = r->run;
+                next->deps = 0;
+                WEFT_CHECK(push_ptr((void ***)&r->nodes, &r->n_nodes, &r->cap_nodes, next));
+            }
+            next->deps++;
+        }
+    }
+    return WEFT_OK;
+}
+
+/* Zeros for an output that received no gradient. */
+static weft_status_t out_zeros(weft__ag_node_t *n, int k, weft_tensor_t **out_p)
+{
+    if (k < WEFT__AG_MAX_IN) {
+        return weft__op_zeros(n->out_dtype[k], n->out_ndim[k], n->out_shape[k], out_p);
+    }
+    return weft__op_zeros(n->out_dtype[0], n->out_ndim_ext[k - WEFT__AG_MAX_IN],
+                          n->out_shape_ext[k - WEFT__AG_MAX_IN], out_p);
+}
+
+static weft_status_t leaf_done(weft_tensor_t *leaf, meta_t *m)
+{
+    weft_tensor_t *g = m->bw_grad;
+
+    m->bw_grad = NULL;
+    if (g != NULL) {
+        if (m->grad == NULL) {
+            if (!weft__tensor_exclusive(g)) {
+                weft_tensor_t *c = NULL;
+                weft_status_t status = weft_tensor_clone(g, &c);
+
+                weft_tensor_release(g);
+                WEFT_CHECK(status);
+                g = c;
+            }
+            m->grad = g;
+        } else {
+            weft_status_t status = weft__op_add_inplace(m->grad, g);
+
+            weft_tensor_release(g);
+            WEFT_CHECK(status);
+        }
+    }
+    for (int h = 0; h < m->n_hooks; h++) {
+        WEFT_CHECK(m->hooks[h].cb(leaf, m->grad, m->hooks[h].arg));
+    }
+    return WEFT_OK;
+}
+
+/* Delivers gradient @p g (consumed) of an input along edge @p e. */
+static weft_status_t deliver(run_t *r, weft__ag_edge_t *e, weft_tensor_t *g)
+{
+    if (e->leaf != NULL) {
+        meta_t *m = meta_of(e->leaf);
+        weft_status_t status;
+
+        if (g != NULL) {
+            status = accumulate(&m->bw_grad, g);
+            WEFT_CHECK(status);
+        }
+        if (--m->pending == 0) {
+            return leaf_done(e->leaf, m);
+        }
+        return WEFT_OK;
+    }
+    if (e->node != NULL) {
+        weft__ag_node_t *next = e->node;
+
+        if (g != NULL) {
+            if (next->buf == NULL) {
+                next->buf = weft_calloc((size_t)next->n_out, sizeof(*next->buf));
+                if (next->buf == NULL) {
+                    weft_tensor_release(g);
+                    return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+                }
+            }
+            WEFT_CHECK(accumulate(&next->buf[e->out_index], g));
+        }
+        if (--next->deps == 0) {
+            heap_push(r, next);
+        }
+        return WEFT_OK;
+    }
+    weft_tensor_release(g);
+    return WEFT_OK;
+}
+
+static weft_status_t run_node(run_t *r, weft__ag_node_t *n)
+{
+    weft_tensor_t *gout_inline[WEFT__AG_MAX_IN];
+    weft_tensor_t *gin_inline[WEFT__AG_MAX_IN];
+    weft_tensor_t **gout = gout_inline;
+    weft_tensor_t **gin = gin_inline;
+    sparse_list_t sp = {.node = n};
+    sparse_list_t *prev_sp = cur_sparse;
+    weft_status_t status = WEFT_OK;
+    int prev_mode;
+
+    if (n->n_out > WEFT__AG_MAX_IN) {
+        gout = weft_calloc((size_t)n->n_out, sizeof(*gout));
+    }
+    if (n->n_in > WEFT__AG_MAX_IN) {
+        gin = weft_calloc((size_t)n->n_in, sizeof(*gin));
+    }
+    if (gout == NULL || gin == NULL) {
+        status = weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+        goto out;
+    }
+    memset(gout, 0, (size_t)n->n_out * sizeof(*gout));
+    memset(gin, 0, (size_t)n->n_in * sizeof(*gin));
+    for (int k = 0; k < n->n_out; k++) {
+        if (n->buf != NULL && n->buf[k] != NULL) {
+            gout[k] = n->buf[k];
+            n->buf[k] = NULL;
+        } else {
+            WEFT_CHECK_GOTO(out_zeros(n, k, &gout[k]), status, out);
+        }
+    }
+    weft_free(n->buf);
+    n->buf = NULL;
+
+    prev_mode = weft_grad_set_enabled(0);
+    cur_sparse = &sp;
+    status = n->backward(n, gout, gin);
+    cur_sparse = prev_sp;
+    weft_grad_set_enabled(prev_mode);
+    if (status != WEFT_OK) {
+        goto out;
+    }
+    for (int i = 0; i < n->n_in; i++) {
+        if (gin[i] != NULL && !weft__ag_needs_grad(n, i)) {
+            weft_tensor_release(gin[i]);
+            gin[i] = NULL;
+        }
+        if (gin[i] != NULL && i < WEFT__AG_MAX_IN &&
+            (weft_tensor_dtype(gin[i]) != n->in_dtype[i] ||
+             !same_shape(weft_tensor_ndim(gin[i]), weft_tensor_shape(gin[i]), n->in_ndim[i],
+                         n->in_shape[i]))) {
+            char a[96];
+            char b[96];
+            status = weft__set_error(
+                WEFT_ERR_SHAPE,
+                "backward: %s gave input %d a %s gradient of shape %s for a %s "
+                "input of shape %s",
+                n->name, i, weft_dtype_name(weft_tensor_dtype(gin[i])),
+                shape_str(a, sizeof(a), weft_tensor_ndim(gin[i]), weft_tensor_shape(gin[i])),
+                weft_dtype_name(n->in_dtype[i]),
+                shape_str(b, sizeof(b), n->in_ndim[i], n->in_shape[i]));
+            goto out;
+        }
+    }
+    /* Sparse gradients: kept sparse for a leaf, densified for a node. */
+    for (int s = 0; s < sp.n; s++) {
+        weft__ag_edge_t *e = &n->next[sp.items[s].input];
+        int i = sp.items[s].input;
+
+        if (e->leaf != NULL) {
+            WEFT_CHECK_GOTO(sparse_append(e->leaf, meta_of(e->leaf), &sp.items[s]), status, out);
+        } else if (e->node != NULL && i < WEFT__AG_MAX_IN) {
+            weft_tensor_t *d = NULL;
+
+            WEFT_CHECK_GOTO(
+                densify(&sp.items[s], n->in_dtype[i], n->in_ndim[i], n->in_shape[i], &d), status,
+                out);
+            if (gin[i] == NULL) {
+                gin[i] = d;
+            } else {
+                WEFT_CHECK_GOTO(accumulate(&gin[i], d), status, out);
+            }
+        }
+    }
+    if (!r->retain) {
+        if (n->n_saved > 0 || n->ctx != NULL) {
+            n->freed = 1;
+        }
+        release_saved(n);
+    }
+    for (int i = 0; i < n->n_in; i++) {
+        weft_tensor_t *g = gin[i];
+
+        gin[i] = NULL;
+        if (n->next[i].node == NULL && n->next[i].leaf == NULL) {
+            weft_tensor_release(g);
+            continue;
+        }
+        WEFT_CHECK_GOTO(deliver(r, &n->next[i], g), status, out);
+    }
+
+out:
+    for (int s = 0; s < sp.n; s++) {
+        weft_tensor_release(sp.items[s].idx);
+        weft_tensor_release(sp.items[s].rows);
+    }
+    weft_free(sp.items);
+    if (gout != NULL) {
+        for (int k = 0; k < n->n_out; k++) {
+            weft_tensor_release(gout[k]);
+        }
+    }
+    if (gin != NULL) {
+        for (int i = 0; i < n->n_in; i++) {
+            weft_tensor_release(gin[i]);
+        }
+    }
+    if (gout != gout_inline) {
+        weft_free(gout);
+    }
+    if (gin != gin_inline) {
+        weft_free(gin);
+    }
+    return status;
+}
+
+static weft_status_t ones_like(const weft_tensor_t *t, weft_tensor_t **out_p)
+{
+    weft_tensor_t *o = NULL;
+
+    WEFT_CHECK(
+        weft_tensor_empty(weft_tensor_dtype(t), weft_tensor_ndim(t), weft_tensor_shape(t), &o));
+    if (weft_tensor_dtype(t) == WEFT_F32) {
+        for (int64_t i = 0; i < weft_tensor_numel(o); i++) {
+            ((float *)weft_tensor_data(o))[i] = 1.0f;
+        }
+    } else {
+        for (int64_t i = 0; i < weft_tensor_numel(o); i++) {
+            ((double *)weft_tensor_data(o))[i] = 1.0;
+        }
+    }
+    *out_p = o;
+    return WEFT_OK;
+}
+
+weft_status_t weft_backward_many(int n_roots, weft_tensor_t *const *roots,
+                                 weft_tensor_t *const *grads, int retain_graph)
+{
+    run_t r = {.retain = retain_graph};
+    weft__ag_node_t **root_nodes = NULL;
+    weft_tensor_t **root_grads = NULL;
+    weft_status_t status = WEFT_OK;
+
+    if (n_roots < 1 || roots == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "backward: no roots");
+    }
+    root_nodes = weft_calloc((size_t)n_roots, sizeof(*root_nodes));
+    root_grads = weft_calloc((size_t)n_roots, sizeof(*root_grads));
+    if (root_nodes == NULL || root_grads == NULL) {
+        status = weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+        goto out;
+    }
+    for (int i = 0; i < n_roots; i++) {
+        weft_tensor_t *root = roots[i];
+        weft_tensor_t *g = grads == NULL ? NULL : grads[i];
+        meta_t *m = meta_of(root);
+
+        if (root == NULL || m == NULL || !m->requires_grad) {
+            status = weft__set_error(WEFT_ERR_INVALID_ARG,
+                                     "backward: root %d does not require gradients", i);
+            goto out;
+        }
+        if (g == NULL) {
+            if (weft_tensor_numel(root) != 1) {
+                status = weft__set_error(WEFT_ERR_INVALID_ARG,
+                                         "backward: a gradient is needed for a root of %lld "
+                                         "elements (NULL means 1 only for a scalar)",
+                                         (long long)weft_tensor_numel(root));
+                goto out;
+            }
+            WEFT_CHECK_GOTO(ones_like(root, &root_grads[i]), status, out);
+        } else {
+            WEFT_CHECK_GOTO(check_like("backward", root, g), status, out);
+            root_grads[i] = weft_tensor_retain(g);
+        }
+        root_nodes[i] = m->grad_fn;
+    }
+
+    r.run = atomic_fetch_add_explicit(&run_seq, 1, memory_order_relaxed) + 1;
+    WEFT_CHECK_GOTO(discover(&r, n_roots, root_nodes), status, out);
+    /* Leaves that are roots themselves. */
+    for (int i = 0; i < n_roots; i++) {
+        if (root_nodes[i] == NULL) {
+            WEFT_CHECK_GOTO(visit_leaf(&r, roots[i]), status, out);
+        }
+    }
+    r.heap = weft_calloc(r.n_nodes + 1, sizeof(*r.heap));
+    if (r.heap == NULL) {
+        status = weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+        goto out;
+    }
+    /* Root gradients enter as if delivered along an edge (count them all first, so that a
+     * node that is the grad_fn of two roots runs once). */
+    for (int i = 0; i < n_roots; i++) {
+        if (root_nodes[i] != NULL) {
+            root_nodes[i]->deps++; /* balanced by deliver() */
+        }
+    }
+    for (int i = 0; i < n_roots; i++) {
+        weft__ag_edge_t e = {0};
+        weft_tensor_t *g = root_grads[i];
+
+        root_grads[i] = NULL;
+        if (root_nodes[i] != NULL) {
+            e.node = root_nodes[i];
+            e.out_index = meta_of(roots[i])->out_index;
+        } else {
+            e.leaf = roots[i];
+        }
+        WEFT_CHECK_GOTO(deliver(&r, &e, g), status, out);
+    }
+    while (r.n_heap > 0) {
+        WEFT_CHECK_GOTO(run_node(&r, heap_pop(&r)), status, out);
+    }
+
+out:
+    /* On failure, drop what is half-summed so that the next backward starts clean. */
+    for (size_t i = 0; i < r.n_nodes; i++) {
+        weft__ag_node_t *n = r.nodes[i];
+        if (n->buf != NULL) {
+            for (int k = 0; k < n->n_out; k++) {
+                weft_tensor_release(n->buf[k]);
+            }
+            weft_free(n->buf);
+            n->buf = NULL;
+        }
+        n->run = 0;
+    }
+    for (size_t i = 0; i < r.n_leaves; i++) {
+        meta_t *m = meta_of(r.leaves[i]);
+        weft_tensor_release(m->bw_grad);
+        m->bw_grad = NULL;
+        m->run = 0;
+    }
+    if (root_grads != NULL) {
+        for (int i = 0; i < n_roots; i++) {
+            weft_tensor_release(root_grads[i]);
+        }
+    }
+    weft_free(root_grads);
+    weft_free(root_nodes);
+    weft_free(r.nodes);
+    weft_free(r.heap);
+    weft_free(r.leaves);
+    return status;
+}
+
+weft_status_t weft_backward(weft_tensor_t *root, weft_tensor_t *grad, int retain_graph)
+{
+    return weft_backward_many(1, &root, &grad, retain_graph);
+}

@@ -1,0 +1,125 @@
+/*
+ * autograd internals: how an operation records itself in the graph. Not installed.
+ *
+ * An operation computes its outputs without autograd, then, when weft__ag_should_record() says
+ * so, makes a node, saves what its backward needs and attaches the node to its outputs:
+ *
+ *     weft__ag_node_t *n;
+ *     if (weft__ag_should_record(2, (weft_tensor_t *[]){a, b})) {
+ *         WEFT_CHECK_GOTO(weft__ag_node_new("MulBackward", mul_backward, 2,
+ *                                            (weft_tensor_t *[]){a, b}, &n), st, err);
+ *         st = weft__ag_save(n, a);            // saved tensors keep only the data
+ *         if (st == WEFT_OK) st = weft__ag_save(n, b);
+ *         if (st == WEFT_OK) st = weft__ag_attach(n, 1, &out);
+ *         weft__ag_node_unref(n);              // the outputs hold it now
+ *     }
+ *
+ * backward(n, grad_out, grad_in) gets one gradient per output (never NULL: the engine passes
+ * zeros for outputs that received none) and sets grad_in[i] to a new reference for each input i
+ * with weft__ag_needs_grad(n, i), leaving the others NULL. A gradient must have the input's shape
+ * and dtype (reduce broadcast dimensions with weft__op_sum_to). An input may instead receive a
+ * sparse gradient through weft__ag_grad_sparse (embedding). The engine releases grad_in.
+ */
+#ifndef WEFT_AUTOGRAD_GRAPH_H
+#define WEFT_AUTOGRAD_GRAPH_H
+
+#include <stdint.h>
+
+#include "internal.h"
+
+#include <weft/autograd.h>
+
+#define WEFT__AG_MAX_SAVED 6
+#define WEFT__AG_MAX_IN    8 /* more inputs (concat of many tensors) use the heap */
+
+typedef struct weft__ag_node weft__ag_node_t;
+
+typedef weft_status_t (*weft__ag_backward_cb_t)(weft__ag_node_t *n, weft_tensor_t *const *grad_out,
+                                                weft_tensor_t **grad_in);
+
+/* Where the gradient of one input goes: the node that made it, or a leaf, or nowhere. */
+typedef struct {
+    weft__ag_node_t *node; /* strong reference, or NULL */
+    int out_index;         /* which output of node */
+    weft_tensor_t *leaf;   /* strong reference to a leaf that requires grad, or NULL */
+} weft__ag_edge_t;
+
+struct weft__ag_node {
+    long refs; /* atomic */
+    const char *name;
+    weft__ag_backward_cb_t backward;
+    int n_in;
+    weft__ag_edge_t *next; /* n_in edges */
+    int n_out;
+    /* The shape and dtype of each output, for the zeros of outputs that get no gradient
+     * (all outputs share the first output's dtype). */
+    int out_ndim[WEFT__AG_MAX_IN];
+    int64_t out_shape[WEFT__AG_MAX_IN][WEFT_MAX_DIMS];
+    weft_dtype_t out_dtype[WEFT__AG_MAX_IN];
+    /* The shape and dtype of each input (first WEFT__AG_MAX_IN; in_shape_ext for more). */
+    int in_ndim[WEFT__AG_MAX_IN];
+    int64_t in_shape[WEFT__AG_MAX_IN][WEFT_MAX_DIMS];
+    weft_dtype_t in_dtype[WEFT__AG_MAX_IN];
+    weft_tensor_t *saved[WEFT__AG_MAX_SAVED]; /* data-only aliases; NULL once freed */
+    int n_saved;
+    int freed; /* backward without retain_graph released the saved state */
+    /* Small op arguments (dims, scalars) for backward. */
+    int64_t iargs[WEFT_MAX_DIMS + 4];
+    double dargs[4];
+    /* Larger op state (split sizes, ...): freed with ctx_free when the node goes or is freed. */
+    void *ctx;
+    void (*ctx_free)(void *ctx);
+    /* Engine bookkeeping. */
+    int deps;
+    int64_t seq;         /* creation order: backward runs later nodes first */
+    uint64_t run;        /* the backward that last visited the node */
+    weft_tensor_t **buf; /* gradient being summed per output during backward */
+    /* Output shapes beyond the first WEFT__AG_MAX_IN (split into many pieces). */
+    int *out_ndim_ext;
+    int64_t (*out_shape_ext)[WEFT_MAX_DIMS];
+    weft__ag_edge_t edges_inline[WEFT__AG_MAX_IN];
+};
+
+/** True when grad mode is on and at least one of the tensors requires grad. */
+int weft__ag_should_record(int n, weft_tensor_t *const *inputs);
+/**
+ * A node for an operation with @p n_in inputs (one edge per input: to the input's grad_fn, or
+ * to the input itself if it is a leaf that requires grad, or none). One reference to the caller.
+ */
+weft_status_t weft__ag_node_new(const char *name, weft__ag_backward_cb_t backward, int n_in,
+                                weft_tensor_t *const *inputs, weft__ag_node_t **node_p);
+/** Saves a data-only alias of @p t (no grad_fn, so no reference cycle) in the next slot. */
+weft_status_t weft__ag_save(weft__ag_node_t *n, weft_tensor_t *t);
+/** Makes @p n the grad_fn of each output (which must be fresh tensors with no grad_fn). */
+weft_status_t weft__ag_attach(weft__ag_node_t *n, int n_out, weft_tensor_t *const *outputs);
+void weft__ag_node_ref(weft__ag_node_t *n);
+void weft__ag_node_unref(weft__ag_node_t *n);
+/** True when input @p i of @p n leads to something that needs its gradient. */
+int weft__ag_needs_grad(const weft__ag_node_t *n, int i);
+/**
+ * Inside backward: gives input @p i a sparse gradient instead of a dense one (its grad_in stays
+ * NULL). @p indices (i64 [nnz]) and @p rows ([nnz, row...]) are retained. Only a leaf input can
+ * take a sparse gradient; for others it is densified.
+ */
+weft_status_t weft__ag_grad_sparse(weft__ag_node_t *n, int i, weft_tensor_t *indices,
+                                   weft_tensor_t *rows);
+
+/* ---- helpers for op writers (autograd/ops_*.c) ---------------------------------------------- */
+
+/** True for f32 and f64. */
+int weft__op_is_float(weft_dtype_t dt);
+/**
+ * Sums @p g over the broadcast dimensions so that it has shape (@p ndim, @p shape) (numpy
+ * broadcasting rules); returns a new reference (@p g itself, retained, if the shapes match).
+ */
+weft_status_t weft__op_sum_to(weft_tensor_t *g, int ndim, const int64_t *shape,
+                              weft_tensor_t **out_p);
+/** A new zero tensor like the given shape. */
+weft_status_t weft__op_zeros(weft_dtype_t dt, int ndim, const int64_t *shape,
+                             weft_tensor_t **out_p);
+/** out = a + b for equal shapes (no graph); used by the engine to sum gradients. */
+weft_status_t weft__op_add_same(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
+/** a += b in place for equal shapes and dtypes. */
+weft_status_t weft__op_add_inplace(weft_tensor_t *a, const weft_tensor_t *b);
+
+#endif

@@ -1,0 +1,111 @@
+/*
+ * The autograd engine: a dynamic graph recorded by the operations of <weft/ops.h> on tensors that
+ * require gradients, and backward through it.
+ *
+ * A tensor that requires gradients and was not made by a recorded operation is a leaf (a
+ * parameter); backward accumulates into its gradient (weft_tensor_grad). A tensor made by a
+ * recorded operation holds its graph node (grad_fn), and the graph lives as long as some tensor
+ * that holds a node of it. Backward frees what the nodes saved unless retain_graph is set;
+ * backward through a freed graph is an error.
+ *
+ * Thread-safety: grad mode is per thread. One graph must not be used by two threads at once;
+ * separate graphs may run backward concurrently. Hooks run on the thread that runs backward.
+ */
+#ifndef WEFT_AUTOGRAD_H
+#define WEFT_AUTOGRAD_H
+
+#include <weft/status.h>
+#include <weft/tensor.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** True when operations on this thread record graphs (the default). */
+int weft_grad_enabled(void);
+/**
+ * Turns recording on or off for the calling thread (torch.no_grad is weft_grad_set_enabled(0)).
+ * @return the previous setting, to restore.
+ */
+int weft_grad_set_enabled(int enabled);
+
+/**
+ * Marks a leaf tensor as requiring gradients (or not).
+ * @return WEFT_ERR_DTYPE (only f32 and f64 tensors can require gradients),
+ *         WEFT_ERR_INVALID_STATE (the tensor is not a leaf: it was made by a recorded operation),
+ *         WEFT_ERR_NO_MEMORY.
+ */
+weft_status_t weft_tensor_set_requires_grad(weft_tensor_t *t, int requires_grad);
+/** True when @p t requires gradients (a leaf marked so, or the output of a recorded op). */
+int weft_tensor_requires_grad(const weft_tensor_t *t);
+/** True when @p t has no grad_fn (every tensor not made by a recorded operation). */
+int weft_tensor_is_leaf(const weft_tensor_t *t);
+/** Name of the node that made @p t ("MatmulBackward"), or NULL for a leaf. Borrowed. */
+const char *weft_tensor_grad_fn_name(const weft_tensor_t *t);
+
+/**
+ * The dense gradient accumulated into leaf @p t, or NULL if none. Borrowed: valid until the next
+ * backward, weft_tensor_grad_clear or weft_tensor_set_grad on @p t. It may be written in place
+ * (optimizers and the DDP reducer do).
+ */
+weft_tensor_t *weft_tensor_grad(const weft_tensor_t *t);
+/**
+ * The sparse gradient of leaf @p t (from embedding lookups made with sparse gradients): row
+ * indices (i64 [nnz]) and rows ([nnz, row...], same dtype as @p t). Rows of repeated indices are
+ * not summed (like torch's uncoalesced sparse gradient): index i adds rows[k] to row indices[k].
+ * Borrowed, like weft_tensor_grad.
+ * @return WEFT_ERR_NOT_FOUND when @p t has no sparse gradient.
+ */
+weft_status_t weft_tensor_sparse_grad(const weft_tensor_t *t, weft_tensor_t **indices_p,
+                                      weft_tensor_t **rows_p);
+/** True when leaf @p t has a sparse gradient (records no error text when it has none). */
+int weft_tensor_has_sparse_grad(const weft_tensor_t *t);
+/** Drops the gradient of @p t, dense and sparse (zero_grad with set_to_none). */
+void weft_tensor_grad_clear(weft_tensor_t *t);
+/**
+ * Replaces the dense gradient of leaf @p t with @p grad (retained; NULL clears it).
+ * @return WEFT_ERR_SHAPE / WEFT_ERR_DTYPE when @p grad does not match @p t.
+ */
+weft_status_t weft_tensor_set_grad(weft_tensor_t *t, weft_tensor_t *grad);
+
+/**
+ * A tensor sharing @p t's storage that is a leaf and does not require gradients.
+ * @param[out] out_p caller releases with weft_tensor_release.
+ */
+weft_status_t weft_tensor_detach(weft_tensor_t *t, weft_tensor_t **out_p);
+
+/**
+ * Runs backward from @p root. @p grad is the gradient of the root (same shape and dtype); NULL
+ * means 1 and needs a root with one element. Gradients accumulate into the leaves that require
+ * them. Unless @p retain_graph, what the graph saved is freed as backward passes, and a second
+ * backward through it fails with WEFT_ERR_INVALID_STATE.
+ * @return WEFT_ERR_INVALID_ARG (the root does not require gradients, or NULL grad with a
+ *         non-scalar root), WEFT_ERR_SHAPE (grad's shape differs), WEFT_ERR_INVALID_STATE (the
+ *         graph was freed by an earlier backward), or the status of a failing node or hook.
+ */
+weft_status_t weft_backward(weft_tensor_t *root, weft_tensor_t *grad, int retain_graph);
+/** Backward from several roots at once (each with its gradient, NULL for 1). */
+weft_status_t weft_backward_many(int n, weft_tensor_t *const *roots, weft_tensor_t *const *grads,
+                                 int retain_graph);
+
+/**
+ * Called when backward has finished accumulating into @p param's gradient, once per backward
+ * (torch's post-accumulate-grad hook; the DDP reducer hangs its buckets on these). @p grad is
+ * the parameter's dense gradient (NULL when the gradient is sparse). Return WEFT_OK to go on; any
+ * other status stops backward and is returned by it.
+ */
+typedef weft_status_t (*weft_grad_hook_cb_t)(weft_tensor_t *param, weft_tensor_t *grad, void *arg);
+/**
+ * Adds a hook to leaf @p param (which must require gradients). Hooks of one parameter run in the
+ * order they were added.
+ * @param[out] id_p identifies the hook for weft_tensor_remove_grad_hook (may be NULL).
+ */
+weft_status_t weft_tensor_add_grad_hook(weft_tensor_t *param, weft_grad_hook_cb_t cb, void *arg,
+                                        int *id_p);
+/** Removes a hook. @return WEFT_ERR_NOT_FOUND for an unknown id. */
+weft_status_t weft_tensor_remove_grad_hook(weft_tensor_t *param, int id);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
