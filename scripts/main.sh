@@ -13,4 +13,4 @@ if [ "${1:-}" = "-n" ]; then
   ranks="$2"
   shift 2
 fi
-exec build/tools/weftrun -n "$ranks" build/examples/rpc_train "$@"
+exec build/tools/weftrun -n "$ranks" build/examples/dp_train "$@"

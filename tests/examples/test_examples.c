@@ -1,6 +1,6 @@
 /*
  * The example programs, run under weftrun as a user would: WEFTRUN is the
- * launcher, RPC_BASICS and RPC_TRAIN the examples. Every run has a 60 s
+ * launcher, RPC_BASICS, RPC_TRAIN and DP_TRAIN the examples. Every run has a 60 s
  * deadline, after which it is killed and the test fails.
  */
 
@@ -195,4 +195,67 @@ Test(examples, rpc_train_corrupt_data_exits_2, .timeout = 90)
     snprintf(path, sizeof(path), "%s/train-labels-idx1-ubyte", dir);
     unlink(path);
     rmdir(dir);
+}
+
+/* --------------------------------------------------------------- dp_train */
+
+/* Runs dp_train on @p ranks ranks over the first @p limit samples for one epoch; checks that it
+ * learned and that every rank ended with the same parameters. */
+static void dp_train_run(const char *ranks, const char *limit, double min_acc)
+{
+    char want[128];
+    result_t r;
+    const char *line;
+    double acc = 0.0;
+
+    run_weftrun(&r, "-n", ranks, path_from_env("DP_TRAIN"), "--epochs", "1", "--limit", limit,
+                "--json", NULL);
+    cr_assert_eq(r.code, 0, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    assert_line_prefix(&r, "[rank 0] MLP 784-256-10 (203530 parameters)");
+    assert_line_prefix(&r, "[rank 0] epoch 1: train loss ");
+    line = find_line(r.out, "[rank 0] final test accuracy ", true);
+    cr_assert(line != NULL, "no final accuracy\nstdout:\n%s\nstderr:\n%s", r.out, r.err);
+    cr_assert(sscanf(line, "[rank 0] final test accuracy %lf%%", &acc) == 1, "%.200s", line);
+    cr_assert(acc >= min_acc && acc <= 100.0, "accuracy %.2f%% on %s ranks, %s samples", acc,
+              ranks, limit);
+    snprintf(want, sizeof(want), "[rank 0] parameters bit-identical on all %s ranks", ranks);
+    assert_line_prefix(&r, want);
+    assert_line_prefix(&r, "[rank 0] {\"system\":\"weft\",\"world\":");
+    cr_assert(strstr(r.out, "\"params_identical\":true") != NULL, "%s", r.out);
+    result_free(&r);
+}
+
+Test(examples, dp_train_learns_on_two_ranks, .timeout = 120)
+{
+    if (!have_data()) {
+        cr_skip_test("Fashion-MNIST is not installed (package dataset-fashion-mnist)");
+    }
+    dp_train_run("2", "6000", 70.0);
+}
+
+Test(examples, dp_train_runs_on_one_and_four_ranks, .timeout = 180)
+{
+    if (!have_data()) {
+        cr_skip_test("Fashion-MNIST is not installed (package dataset-fashion-mnist)");
+    }
+    dp_train_run("1", "3000", 60.0);
+    dp_train_run("4", "6000", 60.0);
+}
+
+Test(examples, dp_train_bad_input_exits_2, .timeout = 90)
+{
+    result_t r;
+
+    run_weftrun(&r, "-n", "2", path_from_env("DP_TRAIN"), "--data", "/nonexistent", NULL);
+    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    cr_assert(strstr(r.err, "cannot load Fashion-MNIST: /nonexistent/train-images-idx3-ubyte") !=
+                  NULL,
+              "stderr:\n%s", r.err);
+    cr_assert(strstr(r.err, "dataset-fashion-mnist") != NULL, "says what to install:\n%s", r.err);
+    result_free(&r);
+
+    run_weftrun(&r, "-n", "1", path_from_env("DP_TRAIN"), "--hidden", "256,x", NULL);
+    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    cr_assert(strstr(r.err, "bad value '256,x' for --hidden") != NULL, "stderr:\n%s", r.err);
+    result_free(&r);
 }

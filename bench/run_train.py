@@ -1,0 +1,282 @@
+#!/usr/bin/env python3
+"""weft's data-parallel training benchmark against torch DistributedDataParallel (gloo).
+
+Trains the same model on the same data with the same batch size and optimizer in both
+systems, in one run: an MLP 784-HIDDEN-10 (ReLU) on Fashion-MNIST, pixels/255 normalised
+with mean 0.2860 and std 0.3530, SGD(lr, momentum) without schedule, BATCH samples per
+rank per step, each epoch's shard that of DistributedSampler(shuffle=True, drop_last=False),
+test accuracy on the 10000 test images every --eval-every steps and after every epoch,
+the training clock stopped during evaluation, stopping at the first evaluation that
+reaches --target (--stop-at-target) or after --epochs epochs. One thread per rank.
+
+  weft       BUILDDIR/tools/weftrun -n WORLD BUILDDIR/examples/dp_train --json ...
+  torch_ddp  bench/torch_ddp_train.py WORLD ... under a python that has torch
+
+For each repeat, for each world size, the two systems run in turn (the order alternating
+between repeats, so that drift of a shared machine hits both alike); repeat r uses seed
+SEED+r in both, so the medians average over training trajectories as well as timings.
+Each program prints one JSON line (weftrun's "[rank 0] " prefix is stripped):
+
+  {"system":"weft"|"torch_ddp","world":2,"batch":64,"lr":..,"momentum":..,"hidden":256,
+   "epochs_run":..,"steps":..,"samples_per_s":..,"time_to_target_s":..|null,"target":0.85,
+   "final_acc":..,"peak_rss_mb_max":..,"peak_rss_mb_sum":..}
+
+which goes to stderr with "round", "seed" and the runner's "wall_s" added. Then one JSON
+object per (world, metric) on stdout, value = weft's median over the repeats:
+
+  {"bench":"train","world":2,"metric":"time_to_target_s","value":3.1,"unit":"s",
+   "vs":{"torch_ddp":0.8},"ratio":"weft/peer","better":"lower","peers":{"torch_ddp":3.9},
+   "runs":{"weft":3,"torch_ddp":3},"reached":{"weft":3,"torch_ddp":3},"settings":{..},
+   "machine":{..},"date":".."}
+
+metrics: time_to_target_s (median over the runs that reached the target), samples_per_s,
+peak_rss_mb_max, peak_rss_mb_sum (MiB, ru_maxrss of the ranks), final_acc. Every ratio is
+weft/torch: < 1 is better for time and memory, > 1 for samples_per_s. A markdown table of
+the same follows on stdout. The raw lines and the summary lines are appended to
+bench/results-train-DATE.jsonl (--out FILE instead; --no-save or --quick: not saved).
+Python 3 standard library only.
+"""
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+from benchlib import find_torch_python, fmt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SYSTEMS = ["weft", "torch_ddp"]
+METRICS = [  # (key, unit, better)
+    ("time_to_target_s", "s", "lower"),
+    ("samples_per_s", "samples/s", "higher"),
+    ("peak_rss_mb_max", "MiB", "lower"),
+    ("peak_rss_mb_sum", "MiB", "lower"),
+    ("final_acc", "", "higher"),
+]
+PREFIX = re.compile(r"^\[rank (\d+)\] ")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--builddir", default="build", help="meson build directory (default: build)")
+    p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, world 2 only, not saved")
+    p.add_argument("--repeat", type=int, default=None, help="rounds (default 3, --quick 1); medians are reported")
+    p.add_argument("--worlds", default=None, help="comma list of world sizes (default 1,2; --quick 2)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch", type=int, default=64, help="samples per rank per step (default 64)")
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seed", type=int, default=1, help="seed of round 0; round r uses SEED+r (default 1)")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--target", type=float, default=0.85)
+    p.add_argument("--no-stop-at-target", dest="stop_at_target", action="store_false",
+                   help="train all epochs instead of stopping at the target")
+    p.add_argument("--data", default="/usr/share/datasets/fashion-mnist", help="directory of the IDX files")
+    p.add_argument("--out", help="append the JSON lines to this file (default bench/results-train-DATE.jsonl)")
+    p.add_argument("--no-save", action="store_true", help="do not append to a results file")
+    p.add_argument("--skip-torch", action="store_true", help="do not run torch DDP")
+    p.add_argument("--torch-python", help="python with torch (default: this one, else /usr/bin/python3)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    p.add_argument("--verbose", action="store_true", help="pass the programs' stderr through")
+    a = p.parse_args()
+    if a.repeat is None:
+        a.repeat = 1 if a.quick else 3
+    a.worlds = [int(w) for w in (a.worlds or ("2" if a.quick else "1,2")).split(",")]
+    if a.quick and not a.out:
+        a.no_save = True
+    return a
+
+
+def machine_info(torch_python):
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    cpu = ln.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {"nproc": os.cpu_count(), "cpu": cpu, "kernel": os.uname().release}
+    if torch_python:
+        try:
+            r = subprocess.run([torch_python, "-c", "import torch; print(torch.__version__)"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=60)
+            info["torch"] = r.stdout.strip() or None
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return info
+
+
+def parse_output(out):
+    """JSON lines of the output, weftrun's "[rank R] " prefix stripped; only rank 0's prefixed ones."""
+    lines = []
+    for ln in (out or "").splitlines():
+        m = PREFIX.match(ln)
+        if m:
+            if m.group(1) != "0":
+                continue
+            ln = ln[m.end():]
+        ln = ln.strip()
+        if ln.startswith("{"):
+            try:
+                d = json.loads(ln)
+            except ValueError:
+                continue
+            if isinstance(d, dict) and "system" in d:
+                lines.append(d)
+    return lines
+
+
+def run_cmd(cmd, timeout, verbose, env):
+    """Runs one program in its own process group; returns (json lines, error text or None, wall seconds)."""
+    t0 = time.monotonic()
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if verbose else subprocess.PIPE,
+                             text=True, start_new_session=True, env=env)
+    except OSError as e:
+        return [], str(e), 0.0
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return parse_output(out), "timed out after %.0f s" % timeout, time.monotonic() - t0
+    wall = time.monotonic() - t0
+    lines = parse_output(out)
+    if p.returncode != 0:
+        tail = (err or "").strip().splitlines()[-5:]
+        return lines, "exit %d after %.1f s: %s" % (p.returncode, wall, " | ".join(tail)), wall
+    if not lines:
+        return lines, "no result line", wall
+    return lines, None, wall
+
+
+def common_opts(a, seed):
+    o = ["--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", "%g" % a.lr,
+         "--momentum", "%g" % a.momentum, "--hidden", str(a.hidden), "--seed", str(seed),
+         "--eval-every", str(a.eval_every), "--target", "%g" % a.target, "--data", a.data]
+    if a.stop_at_target:
+        o.append("--stop-at-target")
+    return o
+
+
+def commands(a, torch_python):
+    """system -> function(world, seed) -> argv."""
+    weftrun = os.path.join(a.builddir, "tools", "weftrun")
+    prog = os.path.join(a.builddir, "examples", "dp_train")
+    cmds = {"weft": lambda w, s: [weftrun, "-n", str(w), prog, "--json"] + common_opts(a, s)}
+    if torch_python:
+        cmds["torch_ddp"] = lambda w, s: ([torch_python, os.path.join(HERE, "torch_ddp_train.py"), str(w), "--json",
+                                           "--timeout", "%g" % max(10.0, a.timeout - 10.0)] + common_opts(a, s))
+    return cmds
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def main():
+    a = parse_args()
+    torch_python = None
+    if not a.skip_torch:
+        torch_python = find_torch_python(a)
+        if torch_python is None:
+            print("run_train: no python with torch found; torch_ddp skipped", file=sys.stderr)
+    cmds = commands(a, torch_python)
+    needed = [os.path.join(a.builddir, "tools", "weftrun"), os.path.join(a.builddir, "examples", "dp_train")]
+    if not all(os.access(x, os.X_OK) for x in needed):
+        print("run_train: %s missing; build it (ninja -C %s); weft skipped"
+              % (" or ".join(needed), a.builddir), file=sys.stderr)
+        del cmds["weft"]
+    systems = [s for s in SYSTEMS if s in cmds]
+    machine = machine_info(torch_python)
+    settings = {"epochs": a.epochs, "batch": a.batch, "lr": a.lr, "momentum": a.momentum, "hidden": a.hidden,
+                "seeds": [a.seed + r for r in range(a.repeat)], "eval_every": a.eval_every, "target": a.target,
+                "stop_at_target": a.stop_at_target, "threads_per_rank": 1}
+    print("run_train: %s; %s" % (json.dumps(machine), json.dumps(settings)), file=sys.stderr)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+    raw = []
+    values = {}  # world -> system -> [result lines]
+    failures = []
+    t_start = time.monotonic()
+    k = 0
+    for rnd in range(a.repeat):
+        seed = a.seed + rnd
+        for world in a.worlds:
+            r = k % len(systems) if systems else 0
+            k += 1
+            for system in systems[r:] + systems[:r]:
+                cmd = cmds[system](world, seed)
+                lines, err, wall = run_cmd(cmd, a.timeout, a.verbose, env)
+                if err:
+                    failures.append((system, world, seed, err))
+                    print("run_train: %s world %d seed %d failed: %s" % (system, world, seed, err), file=sys.stderr)
+                for ln in lines[-1:]:
+                    ln["round"] = rnd
+                    ln["seed"] = seed
+                    ln["wall_s"] = round(wall, 3)
+                    text = json.dumps(ln, separators=(",", ":"))
+                    print(text, file=sys.stderr, flush=True)
+                    raw.append(text)
+                    if not err:
+                        values.setdefault(world, {}).setdefault(system, []).append(ln)
+                print("run_train: %s world %d seed %d: %.1f s" % (system, world, seed, wall), file=sys.stderr)
+
+    date = datetime.date.today().isoformat()
+    summary = []
+    table = []
+    for world in a.worlds:
+        runs = values.get(world, {})
+        for key, unit, better in METRICS:
+            med = {s: median([ln.get(key) for ln in runs.get(s, [])]) for s in systems}
+            w = med.get("weft")
+            p = med.get("torch_ddp")
+            ratio = round(w / p, 3) if w is not None and p else None
+            res = {"bench": "train", "world": world, "metric": key, "value": fmt(w), "unit": unit,
+                   "vs": {"torch_ddp": ratio}, "ratio": "weft/peer", "better": better,
+                   "peers": {"torch_ddp": fmt(p)}, "runs": {s: len(runs.get(s, [])) for s in systems}}
+            if key == "time_to_target_s":
+                res["reached"] = {s: sum(1 for ln in runs.get(s, []) if ln.get(key) is not None) for s in systems}
+            res.update({"settings": settings, "machine": machine, "date": date})
+            summary.append(json.dumps(res, separators=(",", ":")))
+            table.append((world, key, unit, better, w, p, ratio, res.get("reached")))
+    for text in summary:
+        print(text, flush=True)
+
+    print()
+    print("machine: %d x %s, torch %s; %s" % (machine["nproc"] or 0, machine["cpu"], machine.get("torch"),
+                                             ", ".join("%s=%s" % kv for kv in settings.items())))
+    print()
+    print("| world | metric | weft | torch DDP (gloo) | weft/torch | better |")
+    print("|---|---|---|---|---|---|")
+    for world, key, unit, better, w, p, ratio, reached in table:
+        note = ""
+        if reached:
+            note = " (reached %s)" % ", ".join("%s %d/%d" % (s, reached[s], len(values.get(world, {}).get(s, [])))
+                                               for s in systems)
+        print("| %d | %s%s | %s | %s | %s | %s |" % (world, key, note, fmt(w), fmt(p), ratio, better))
+
+    if not a.no_save and (raw or summary):
+        path = a.out or os.path.join(HERE, "results-train-%s.jsonl" % date)
+        with open(path, "a") as f:
+            for text in raw + summary:
+                f.write(text + "\n")
+        print("run_train: appended %d lines to %s" % (len(raw) + len(summary), path), file=sys.stderr)
+    print("run_train: %d round(s) in %.0f s%s" % (a.repeat, time.monotonic() - t_start,
+                                                 ", %d failed runs" % len(failures) if failures else ""),
+          file=sys.stderr)
+    weft_missing = "weft" not in systems or any("weft" not in values.get(w, {}) for w in a.worlds)
+    return 1 if weft_missing or not raw else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
