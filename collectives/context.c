@@ -14,6 +14,13 @@ static void ctx_destroy(void *state)
 {
     coll_ctx_t *ctx = state;
 
+    if (ctx->timer_started) {
+        pthread_mutex_lock(&ctx->mu);
+        ctx->timer_stop = true;
+        pthread_cond_signal(&ctx->timer_cv);
+        pthread_mutex_unlock(&ctx->mu);
+        pthread_join(ctx->timer, NULL);
+    }
     while (ctx->msgs != NULL) {
         coll_msg_t *m = ctx->msgs;
         ctx->msgs = m->next;
@@ -41,6 +48,7 @@ static void ctx_destroy(void *state)
     weft_free(ctx->lost);
     pthread_mutex_destroy(&ctx->mu);
     pthread_cond_destroy(&ctx->cv);
+    pthread_cond_destroy(&ctx->timer_cv);
     weft_free(ctx);
 }
 
@@ -98,6 +106,26 @@ static bool p2p_matches(const coll_precv_t *p, const Weft__V1__CollHeader *h)
            (p->src == WEFT_ANY_SOURCE || (uint32_t)p->src == h->src) && h->tag == p->tag;
 }
 
+/* Whether operation @p seq of group @p id has finished on this rank. Called with ctx->mu. */
+static bool seq_finished(const coll_ctx_t *ctx, uint32_t id, uint64_t seq)
+{
+    for (const coll_group_t *g = ctx->groups; g != NULL; g = g->gnext) {
+        if (g->id != id) {
+            continue;
+        }
+        if (seq < g->done_below) {
+            return true;
+        }
+        for (size_t i = 0; i < g->ndone_extra; i++) {
+            if (g->done_extra[i] == seq) {
+                return true;
+            }
+        }
+        return false;
+    }
+    return false; /* a group not created here yet: keep its pieces */
+}
+
 static void on_message(weft_agent_t *a, int src_world, weft_value_t *msg, void *arg)
 {
     coll_ctx_t *ctx = arg;
@@ -123,10 +151,17 @@ static void on_message(weft_agent_t *a, int src_world, weft_value_t *msg, void *
                 weft_status_valid(h->tag) && h->tag < 0 ? (weft_status_t)h->tag : WEFT_ERR_MISMATCH;
             x->why = weft_strdup(h->error != NULL ? h->error : "aborted");
             pthread_mutex_lock(&ctx->mu);
-            x->next = ctx->aborts;
-            ctx->aborts = x;
-            pthread_cond_broadcast(&ctx->cv);
-            pthread_mutex_unlock(&ctx->mu);
+            if (seq_finished(ctx, x->group, x->seq)) {
+                /* The operation is over here: nobody will look at it. */
+                pthread_mutex_unlock(&ctx->mu);
+                weft_free(x->why);
+                weft_free(x);
+            } else {
+                x->next = ctx->aborts;
+                ctx->aborts = x;
+                pthread_cond_broadcast(&ctx->cv);
+                pthread_mutex_unlock(&ctx->mu);
+            }
         }
         weft__v1__coll_header__free_unpacked(h, NULL);
         weft_value_free(msg);
@@ -158,6 +193,11 @@ static void on_message(weft_agent_t *a, int src_world, weft_value_t *msg, void *
             deliver_p2p(hit, m);
             return;
         }
+    } else if (seq_finished(ctx, h->group, h->seq)) {
+        /* A late piece of an operation that failed or finished here: nobody takes it. */
+        pthread_mutex_unlock(&ctx->mu);
+        coll__msg_free(m);
+        return;
     }
     /* Kept in arrival order (the oldest first) until an operation takes it. */
     coll_msg_t **tail = &ctx->msgs;
@@ -210,6 +250,71 @@ static void on_lost(weft_agent_t *a, int rank, const char *why, void *arg)
     }
 }
 
+static void precv_free(coll_precv_t *p)
+{
+    weft_future_release(p->f);
+    weft_tensor_release(p->dst);
+    weft_free(p);
+}
+
+static void set_abs_time(struct timespec *ts, int64_t wake_ns)
+{
+    int64_t now = weft__now_ns();
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    int64_t abs = (int64_t)ts->tv_sec * 1000000000LL + ts->tv_nsec + (wake_ns - now);
+    ts->tv_sec = abs / 1000000000LL;
+    ts->tv_nsec = abs % 1000000000LL;
+}
+
+/* The timer thread: fails posted receives whose deadline has passed. It sleeps until the
+ * earliest deadline; a receive posted with an earlier one wakes it. */
+static void *timer_main(void *arg)
+{
+    coll_ctx_t *ctx = arg;
+
+    pthread_mutex_lock(&ctx->mu);
+    while (!ctx->timer_stop) {
+        int64_t now = weft__now_ns(), next = INT64_MAX;
+        coll_precv_t *expired = NULL;
+        coll_precv_t **pp = &ctx->precvs;
+        while (*pp != NULL) {
+            coll_precv_t *p = *pp;
+            if (p->deadline_ns <= now) {
+                *pp = p->next;
+                p->next = expired;
+                expired = p;
+            } else {
+                next = p->deadline_ns < next ? p->deadline_ns : next;
+                pp = &p->next;
+            }
+        }
+        if (expired != NULL) {
+            pthread_mutex_unlock(&ctx->mu);
+            while (expired != NULL) {
+                coll_precv_t *p = expired;
+                expired = p->next;
+                weft_future_fail(p->f, WEFT_ERR_TIMEOUT,
+                                 "recv: no matching send from %s %d (tag %d) before the deadline",
+                                 p->src == WEFT_ANY_SOURCE ? "any rank of group" : "group rank",
+                                 p->src == WEFT_ANY_SOURCE ? (int)p->group : p->src, p->tag);
+                precv_free(p);
+            }
+            pthread_mutex_lock(&ctx->mu);
+            continue;
+        }
+        ctx->timer_wake = next;
+        if (next == INT64_MAX) {
+            pthread_cond_wait(&ctx->timer_cv, &ctx->mu);
+        } else {
+            struct timespec ts;
+            set_abs_time(&ts, next);
+            pthread_cond_timedwait(&ctx->timer_cv, &ctx->mu, &ts);
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    return NULL;
+}
+
 static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
 {
     int n = weft_agent_world_size(a);
@@ -226,11 +331,18 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&ctx->cv, &ca);
+    pthread_cond_init(&ctx->timer_cv, &ca);
     pthread_condattr_destroy(&ca);
+    ctx->timer_wake = INT64_MAX;
     if (ctx->lost == NULL || ctx->why == NULL) {
         ctx_destroy(ctx);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: no memory");
     }
+    if (pthread_create(&ctx->timer, NULL, timer_main, ctx) != 0) {
+        ctx_destroy(ctx);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: cannot start a thread");
+    }
+    ctx->timer_started = true;
     weft_status_t st = weft_agent_register_channel(a, WEFT_CHANNEL_COLLECTIVES, on_message, ctx);
     if (st == WEFT_OK) {
         st = weft_agent_on_peer_lost(a, on_lost, ctx);
@@ -281,9 +393,18 @@ const char *coll__kind_name(coll_kind_t k)
     }
 }
 
+/* Sent pieces whose bytes the transport still holds (white-box tests). */
+static _Atomic long held_pieces;
+
+long coll__held_pieces(void)
+{
+    return atomic_load(&held_pieces);
+}
+
 static void release_cb(void *data, void *arg)
 {
     (void)data;
+    atomic_fetch_sub(&held_pieces, 1);
     weft_future_complete(arg, WEFT_OK, NULL, NULL);
     weft_future_release(arg);
 }
@@ -314,9 +435,11 @@ static weft_status_t send_header(coll_group_t *g, int dst, Weft__V1__CollHeader 
         weft_tensor_t *t;
         int64_t cnt = (int64_t)count;
         WEFT_CHECK_GOTO(weft_future_create(&rel), st, err_free_value);
+        atomic_fetch_add(&held_pieces, 1);
         st = weft_tensor_wrap(dtype, 1, &cnt, data, count * weft_dtype_size(dtype), WEFT_CPU,
                               release_cb, weft_future_retain(rel), &t);
         if (st != WEFT_OK) {
+            atomic_fetch_sub(&held_pieces, 1);
             weft_future_release(rel); /* the retain for the callback */
             goto err_free_future;
         }
@@ -585,6 +708,7 @@ weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag
     p->dst = weft_tensor_retain(t);
     p->f = weft_future_retain(f);
     p->g = g;
+    p->deadline_ns = weft__now_ns() + atomic_load(&g->timeout_ms) * 1000000LL;
     pthread_mutex_lock(&ctx->mu);
     if (src != WEFT_ANY_SOURCE && ctx->lost[g->world[src]]) {
         pthread_mutex_unlock(&ctx->mu);
@@ -613,41 +737,92 @@ weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag
             tail = &(*tail)->next;
         }
         *tail = p;
+        if (p->deadline_ns < ctx->timer_wake) {
+            /* Earlier than the timer sleeps: wake it (the usual receive, with the same
+             * timeout as those before it, does not). */
+            ctx->timer_wake = p->deadline_ns;
+            pthread_cond_signal(&ctx->timer_cv);
+        }
         pthread_mutex_unlock(&ctx->mu);
     }
     *f_p = f;
     return WEFT_OK;
 }
 
-bool coll__p2p_cancel(coll_group_t *g, weft_future_t *f, weft_status_t st, const char *why)
+void coll__ctx_add_group(coll_ctx_t *ctx, coll_group_t *g)
 {
-    coll_ctx_t *ctx = g->ctx;
-    coll_precv_t *hit = NULL;
-
     pthread_mutex_lock(&ctx->mu);
-    for (coll_precv_t **pp = &ctx->precvs; *pp != NULL; pp = &(*pp)->next) {
-        if ((*pp)->f == f) {
-            hit = *pp;
-            *pp = hit->next;
-            break;
+    g->gnext = ctx->groups;
+    ctx->groups = g;
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+/* Takes the pieces of group @p g (of operation @p seq only, unless @p all) out of the
+ * mailbox into *drop_p, and its aborts likewise. Called with ctx->mu. */
+static void take_pieces(coll_ctx_t *ctx, const coll_group_t *g, uint64_t seq, bool all,
+                        coll_msg_t **drop_p, coll_abort_t **xdrop_p)
+{
+    coll_msg_t **pp = &ctx->msgs;
+    while (*pp != NULL) {
+        coll_msg_t *m = *pp;
+        if (m->hdr->group == g->id && (all || m->hdr->seq == seq) &&
+            m->hdr->op != WEFT__V1__COLL_OP__COLL_OP_P2P) {
+            *pp = m->next;
+            m->next = *drop_p;
+            *drop_p = m;
+        } else {
+            pp = &m->next;
         }
     }
-    pthread_mutex_unlock(&ctx->mu);
-    if (hit == NULL) {
-        return false;
+    coll_abort_t **xp = &ctx->aborts;
+    while (*xp != NULL) {
+        coll_abort_t *x = *xp;
+        if (x->group == g->id && (all || x->seq == seq)) {
+            *xp = x->next;
+            x->next = *xdrop_p;
+            *xdrop_p = x;
+        } else {
+            xp = &x->next;
+        }
     }
-    weft_future_complete(hit->f, st, why, NULL);
-    weft_future_release(hit->f);
-    weft_tensor_release(hit->dst);
-    weft_free(hit);
-    return true;
+}
+
+static void free_pieces(coll_msg_t *drop, coll_abort_t *xdrop)
+{
+    while (drop != NULL) {
+        coll_msg_t *next = drop->next;
+        coll__msg_free(drop);
+        drop = next;
+    }
+    while (xdrop != NULL) {
+        coll_abort_t *next = xdrop->next;
+        weft_free(xdrop->why);
+        weft_free(xdrop);
+        xdrop = next;
+    }
 }
 
 void coll__ctx_drop_group(coll_ctx_t *ctx, coll_group_t *g)
 {
     coll_precv_t *fail = NULL;
+    coll_msg_t *drop = NULL;
+    coll_abort_t *xdrop = NULL;
 
     pthread_mutex_lock(&ctx->mu);
+    for (coll_group_t **gp = &ctx->groups; *gp != NULL; gp = &(*gp)->gnext) {
+        if (*gp == g) {
+            *gp = g->gnext;
+            break;
+        }
+    }
+    /* Another group with its id (the world made again) keeps what is its. */
+    bool id_taken = false;
+    for (coll_group_t *o = ctx->groups; o != NULL; o = o->gnext) {
+        id_taken = id_taken || o->id == g->id;
+    }
+    if (!id_taken && g->rank >= 0) {
+        take_pieces(ctx, g, 0, true, &drop, &xdrop);
+    }
     coll_precv_t **pp = &ctx->precvs;
     while (*pp != NULL) {
         coll_precv_t *p = *pp;
@@ -660,6 +835,7 @@ void coll__ctx_drop_group(coll_ctx_t *ctx, coll_group_t *g)
         }
     }
     pthread_mutex_unlock(&ctx->mu);
+    free_pieces(drop, xdrop);
     while (fail != NULL) {
         coll_precv_t *next = fail->next;
         weft_future_fail(fail->f, WEFT_ERR_INVALID_STATE, "recv: its group was freed");
@@ -670,28 +846,64 @@ void coll__ctx_drop_group(coll_ctx_t *ctx, coll_group_t *g)
     }
 }
 
-void coll__purge(coll_group_t *g, uint64_t seq)
+void coll__seq_done(coll_group_t *g, uint64_t seq)
 {
     coll_ctx_t *ctx = g->ctx;
     coll_msg_t *drop = NULL;
+    coll_abort_t *xdrop = NULL;
 
     pthread_mutex_lock(&ctx->mu);
-    coll_msg_t **pp = &ctx->msgs;
-    while (*pp != NULL) {
-        coll_msg_t *m = *pp;
-        if (m->hdr->group == g->id && m->hdr->seq == seq &&
-            m->hdr->op != WEFT__V1__COLL_OP__COLL_OP_P2P) {
-            *pp = m->next;
-            m->next = drop;
-            drop = m;
-        } else {
-            pp = &m->next;
+    if (seq == g->done_below) {
+        g->done_below++;
+        /* Refused calls finished out of order may follow. */
+        for (size_t i = 0; i < g->ndone_extra;) {
+            if (g->done_extra[i] == g->done_below) {
+                g->done_extra[i] = g->done_extra[--g->ndone_extra];
+                g->done_below++;
+                i = 0;
+            } else {
+                i++;
+            }
+        }
+    } else if (seq > g->done_below) {
+        if (g->ndone_extra == g->done_cap) {
+            size_t cap = g->done_cap == 0 ? 8 : 2 * g->done_cap;
+            uint64_t *n = weft_alloc(cap * sizeof(*n));
+            if (n != NULL) {
+                if (g->ndone_extra > 0) {
+                    memcpy(n, g->done_extra, g->ndone_extra * sizeof(*n));
+                }
+                weft_free(g->done_extra);
+                g->done_extra = n;
+                g->done_cap = cap;
+            }
+        }
+        if (g->ndone_extra < g->done_cap) {
+            g->done_extra[g->ndone_extra++] = seq;
         }
     }
+    take_pieces(ctx, g, seq, false, &drop, &xdrop);
     pthread_mutex_unlock(&ctx->mu);
-    while (drop != NULL) {
-        coll_msg_t *next = drop->next;
-        coll__msg_free(drop);
-        drop = next;
+    free_pieces(drop, xdrop);
+}
+
+size_t coll__mailbox_count(const weft_pg_t *pg)
+{
+    coll_group_t *g = pg->g;
+    coll_ctx_t *ctx = g->ctx;
+    size_t n = 0;
+
+    pthread_mutex_lock(&g->mu);
+    uint64_t issued = g->next_seq;
+    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_lock(&ctx->mu);
+    for (const coll_msg_t *m = ctx->msgs; m != NULL; m = m->next) {
+        n += m->hdr->group == g->id && m->hdr->op != WEFT__V1__COLL_OP__COLL_OP_P2P &&
+             m->hdr->seq < issued;
     }
+    for (const coll_abort_t *x = ctx->aborts; x != NULL; x = x->next) {
+        n += x->group == g->id && x->seq < issued;
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    return n;
 }

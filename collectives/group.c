@@ -66,6 +66,7 @@ static weft_status_t group_new(coll_ctx_t *ctx, uint32_t id, const int *world, i
             return weft__set_error(WEFT_ERR_NO_MEMORY, "new_group: cannot start a thread");
         }
         g->started = true;
+        coll__ctx_add_group(ctx, g);
     }
     pg->g = g;
     *pg_p = pg;
@@ -205,7 +206,6 @@ void weft_pg_free(weft_pg_t *pg)
         ctx->world = NULL;
     }
     pthread_mutex_unlock(&ctx->mu);
-    coll__ctx_drop_group(ctx, g);
     if (g->started) {
         pthread_mutex_lock(&g->mu);
         g->stop = true; /* the worker runs what is queued, then exits */
@@ -213,8 +213,11 @@ void weft_pg_free(weft_pg_t *pg)
         pthread_mutex_unlock(&g->mu);
         pthread_join(g->thread, NULL);
     }
+    /* Then its posted receives fail, and its pieces go. */
+    coll__ctx_drop_group(ctx, g);
     pthread_mutex_destroy(&g->mu);
     pthread_cond_destroy(&g->cv);
+    weft_free(g->done_extra);
     weft_free(g->world);
     weft_free(g);
     weft_free(pg);
@@ -222,10 +225,14 @@ void weft_pg_free(weft_pg_t *pg)
 
 /* ------------------------------------------------------------ the worker */
 
+/* The group whose worker this thread is (NULL elsewhere). */
+static _Thread_local coll_group_t *tls_worker;
+
 static void *worker_main(void *arg)
 {
     coll_group_t *g = arg;
 
+    tls_worker = g;
     pthread_mutex_lock(&g->mu);
     for (;;) {
         while ((g->qh == NULL || g->busy) && !(g->stop && g->qh == NULL && !g->busy)) {
@@ -298,7 +305,29 @@ static weft_status_t reject(coll_group_t *g, weft_status_t st)
     uint64_t seq = g->next_seq++;
     pthread_mutex_unlock(&g->mu);
     coll__abort(g, seq, st, why);
+    coll__seq_done(g, seq);
     return weft__set_error(st, "%s", why);
+}
+
+/* A blocking call from a callback of one of the group's futures, running on its worker
+ * while it completes an operation: the worker cannot run @p op for it. This thread runs
+ * the operations queued before it, then it, in order (as the worker would have). */
+static void run_nested(coll_group_t *g, coll_op_t *op)
+{
+    for (;;) {
+        pthread_mutex_lock(&g->mu);
+        coll_op_t *head = g->qh; /* op is queued: the queue is not empty */
+        g->qh = head->next;
+        if (g->qh == NULL) {
+            g->qt = NULL;
+        }
+        pthread_mutex_unlock(&g->mu);
+        bool last = head == op;
+        coll__run(g, head); /* frees head */
+        if (last) {
+            return;
+        }
+    }
 }
 
 /* Queues @p op (taken either way); with @p work_p NULL waits for it. */
@@ -308,6 +337,9 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
     weft_future_t *f;
     coll_kind_t kind = op->kind;
     weft_status_t st = WEFT_OK;
+    /* The deadline counts from the call, as torch's timeout does: time spent queued
+     * behind the group's earlier operations counts. */
+    int64_t deadline = weft__now_ns() + atomic_load(&g->timeout_ms) * 1000000LL;
 
     if (g->rank < 0) {
         st = weft__set_error(WEFT_ERR_INVALID_STATE, "%s: this rank is not a member of group %u",
@@ -341,8 +373,27 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
         return g->rank < 0 ? st : reject(g, st);
     }
     op->f = weft_future_retain(f);
+    op->deadline_ns = deadline;
     pthread_mutex_lock(&g->mu);
     op->seq = g->next_seq++;
+    if (work_p == NULL && tls_worker == g) {
+        /* On the worker itself (a callback of the group's futures): it is busy with the
+         * operation that completed, so nobody else takes ops off the queue. */
+        if (g->qt == NULL) {
+            g->qh = g->qt = op;
+        } else {
+            g->qt->next = op;
+            g->qt = op;
+        }
+        pthread_mutex_unlock(&g->mu);
+        run_nested(g, op);
+        st = weft_future_status(f);
+        if (st != WEFT_OK) {
+            weft__set_error(st, "%s", weft_future_error(f));
+        }
+        weft_future_release(f);
+        return st;
+    }
     if (work_p == NULL && g->qh == NULL && !g->busy) {
         /* A blocking call on an idle group runs on the caller's thread: no hand-off
          * to the worker and back. The worker waits while it runs (order is kept). */
@@ -372,10 +423,11 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
         *work_p = f;
         return WEFT_OK;
     }
-    /* The operation fails by its own deadline; the margin covers a last step. */
-    st = weft_future_wait(f, atomic_load(&g->timeout_ms) + 5000);
+    /* The operation ends by its own deadline (and once the transport has let go of its
+     * buffers): returning before would hand the caller tensors still in use. */
+    st = weft_future_wait(f, -1);
     if (st != WEFT_OK) {
-        weft__set_error(st, "%s", weft_future_done(f) ? weft_future_error(f) : "timed out");
+        weft__set_error(st, "%s", weft_future_error(f));
     }
     weft_future_release(f);
     return st;
@@ -617,8 +669,16 @@ weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int dst, int
         return WEFT_OK;
     }
     weft_status_t st = weft_future_wait(f, atomic_load(&g->timeout_ms));
-    if (st != WEFT_OK) {
-        weft__set_error(st, "send: %s", weft_future_done(f) ? weft_future_error(f) : "timed out");
+    if (st == WEFT_ERR_TIMEOUT && !weft_future_done(f)) {
+        /* Past the deadline the transport still reads t: the call may not return before
+         * it lets go (a stalled write ends once written, or with its connection). */
+        (void)weft_future_wait(f, -1);
+        st = weft__set_error(WEFT_ERR_TIMEOUT,
+                             "send: the transport held the tensor past the deadline (group "
+                             "rank %d, tag %d)",
+                             dst, tag);
+    } else if (st != WEFT_OK) {
+        weft__set_error(st, "send: %s", weft_future_error(f));
     }
     weft_future_release(f);
     return st;
@@ -645,14 +705,8 @@ weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
         *work_p = f;
         return WEFT_OK;
     }
-    int64_t to = atomic_load(&g->timeout_ms);
-    weft_status_t st = weft_future_wait(f, to);
-    if (st == WEFT_ERR_TIMEOUT && !weft_future_done(f) &&
-        !coll__p2p_cancel(g, f, WEFT_ERR_TIMEOUT, "recv: no matching send before the deadline")) {
-        /* A delivery took it a moment ago and is copying into t: let it finish. */
-        (void)weft_future_wait(f, -1);
-    }
-    st = weft_future_status(f);
+    /* The posted receive fails at its deadline (the group's timeout from now). */
+    weft_status_t st = weft_future_wait(f, -1);
     if (st != WEFT_OK) {
         weft__set_error(st, "%s", weft_future_error(f));
     } else if (src_p != NULL) {

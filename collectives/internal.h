@@ -29,6 +29,7 @@ typedef struct coll_precv {
     weft_tensor_t *dst; /* reference held until completion */
     weft_future_t *f;
     struct coll_group *g;
+    int64_t deadline_ns; /* the group's timeout from the call (the timer fails it then) */
 } coll_precv_t;
 
 typedef struct coll_abort {
@@ -52,6 +53,13 @@ typedef struct coll_ctx {
     uint32_t next_group;
     struct coll_group *world; /* the world group, shared by every handle to it */
     int world_refs;
+    struct coll_group *groups; /* the member groups alive, by gnext */
+    /* The timer: fails posted receives at their deadline. */
+    pthread_t timer;
+    pthread_cond_t timer_cv;
+    int64_t timer_wake; /* when it wakes next (INT64_MAX: when told) */
+    bool timer_started;
+    bool timer_stop;
 } coll_ctx_t;
 
 typedef enum {
@@ -78,6 +86,7 @@ typedef struct coll_op {
     int root;
     weft_reduce_op_t rop;
     weft_future_t *f;
+    int64_t deadline_ns; /* the group's timeout from the call that issued it */
 } coll_op_t;
 
 /* Shared state of a group; handles point at it. */
@@ -96,9 +105,15 @@ typedef struct coll_group {
     uint64_t next_seq;
     bool stop;
     bool started;
-    bool busy;   /* an operation is running (on the worker or on a caller's thread) */
-    int running; /* ops queued or running */
+    bool busy; /* an operation is running (on the worker or on a caller's thread) */
     pthread_t thread;
+    /* Finished operations (under ctx->mu): every seq below done_below, and those in
+     * done_extra (finished out of order: refused calls). Pieces and aborts of a finished
+     * operation are dropped, those arriving later too. */
+    uint64_t done_below;
+    uint64_t *done_extra;
+    size_t ndone_extra, done_cap;
+    struct coll_group *gnext; /* ctx->groups */
 } coll_group_t;
 
 struct weft_pg {
@@ -107,7 +122,8 @@ struct weft_pg {
 
 /* context.c */
 weft_status_t coll__ctx(weft_agent_t *a, coll_ctx_t **ctx_p);
-/* Fails the posted receives of a group that is going away. */
+/* Fails the posted receives of a group that is going away (its operations are over), and
+ * drops its pieces and aborts. */
 void coll__ctx_drop_group(coll_ctx_t *ctx, coll_group_t *g);
 
 /* The sender's view of an operation, carried by every message of it. */
@@ -142,16 +158,22 @@ weft_status_t coll__p2p_send(coll_group_t *g, const weft_tensor_t *t, int dst, i
 weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag,
                              weft_future_t **f_p);
 
-/* Withdraws a posted receive (its future fails with @p st) if it is still posted;
- * false if a delivery has already taken it. */
-bool coll__p2p_cancel(coll_group_t *g, weft_future_t *f, weft_status_t st, const char *why);
+/* Marks operation @p seq finished on this rank: drops its pieces nobody took and its
+ * aborts, and those that arrive later. */
+void coll__seq_done(coll_group_t *g, uint64_t seq);
+/* Adds @p g to the groups whose late pieces are dropped; coll__ctx_drop_group removes it. */
+void coll__ctx_add_group(coll_ctx_t *ctx, coll_group_t *g);
 
-/* Drops the pieces of operation @p seq nobody took. */
-void coll__purge(coll_group_t *g, uint64_t seq);
+/* White-box counters for tests: the pieces and aborts held in the mailbox for operations of
+ * @p pg's group that this rank has issued (pieces of later ones may come early), and the
+ * sent pieces (of every group) whose bytes the transport still holds. */
+size_t coll__mailbox_count(const weft_pg_t *pg);
+long coll__held_pieces(void);
 
 void coll__op_free(coll_op_t *op, int size);
 
 /* ops.c */
+/* Runs @p op, completes its future and frees it. */
 void coll__run(coll_group_t *g, coll_op_t *op);
 const char *coll__kind_name(coll_kind_t k);
 

@@ -17,6 +17,10 @@
 /* The step of the messages that carry only a rank's view of the operation. */
 #define VERIFY_STEP 0xffff0000u
 
+/* Waits until the transport has let go of the sent pieces @p rel (and releases them). An
+ * operation may not end while the transport still reads its buffers, deadline or not: one
+ * still held at the deadline makes it fail with WEFT_ERR_TIMEOUT, once let go (a stalled
+ * write ends when written, or when its connection fails). */
 static weft_status_t wait_released(weft_future_t **rel, size_t n, int64_t deadline_ns)
 {
     weft_status_t st = WEFT_OK;
@@ -26,9 +30,12 @@ static weft_status_t wait_released(weft_future_t **rel, size_t n, int64_t deadli
         }
         int64_t left = (deadline_ns - weft__now_ns()) / 1000000;
         weft_status_t s = weft_future_wait(rel[i], left > 0 ? left : 0);
-        if (s != WEFT_OK && st == WEFT_OK) {
-            st = weft__set_error(WEFT_ERR_TIMEOUT, "the transport did not release a sent buffer "
-                                                   "before the deadline");
+        if (s != WEFT_OK) {
+            (void)weft_future_wait(rel[i], -1);
+            if (st == WEFT_OK) {
+                st = weft__set_error(WEFT_ERR_TIMEOUT, "the transport did not release a sent "
+                                                       "buffer before the deadline");
+            }
         }
         weft_future_release(rel[i]);
         rel[i] = NULL;
@@ -133,18 +140,24 @@ static bool is_half(weft_dtype_t dt)
     return dt == WEFT_F16 || dt == WEFT_BF16;
 }
 
-/* f16/bf16 accumulate in f32: the working buffer holds f32 copies. */
-static void to_f32(float *dst, const uint16_t *src, size_t n, weft_dtype_t dt)
+/* Completes a reduction of @p size contributions accumulated in @p acc (f32 for f16/bf16)
+ * and writes its @p count elements into @p t, in t's dtype. f16/bf16 round once, from the
+ * f32 accumulator (an AVG from the exact quotient). @p acc may be t's data; it is modified. */
+static void finish(weft_tensor_t *t, uint8_t *acc, size_t count, weft_dtype_t wt,
+                   weft_reduce_op_t rop, int size)
 {
-    for (size_t i = 0; i < n; i++) {
-        dst[i] = dt == WEFT_F16 ? weft_f16_to_f32(src[i]) : weft_bf16_to_f32(src[i]);
+    weft_dtype_t dt = weft_tensor_dtype(t);
+    uint8_t *dst = weft_tensor_data(t);
+    if (count == 0) {
+        return;
     }
-}
-
-static void from_f32(uint16_t *dst, const float *src, size_t n, weft_dtype_t dt)
-{
-    for (size_t i = 0; i < n; i++) {
-        dst[i] = dt == WEFT_F16 ? weft_f32_to_f16(src[i]) : weft_f32_to_bf16(src[i]);
+    if (is_half(dt)) {
+        weft_reduce_narrow(dst, (const float *)acc, count, dt, rop, size);
+        return;
+    }
+    weft_reduce_finish(acc, count, wt, rop, size);
+    if (dst != acc) {
+        memcpy(dst, acc, count * weft_dtype_size(wt));
     }
 }
 
@@ -317,7 +330,7 @@ static weft_status_t run_all_reduce(coll_group_t *g, const coll_desc_t *d, weft_
         if (wide == NULL) {
             return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
         }
-        to_f32(wide, weft_tensor_data(t), count, dt);
+        weft_reduce_widen(wide, weft_tensor_data(t), count, dt);
         work = (uint8_t *)wide;
     }
     const char *algo = getenv("WEFT_COLL_ALGO");
@@ -338,10 +351,7 @@ static weft_status_t run_all_reduce(coll_group_t *g, const coll_desc_t *d, weft_
         st = all_reduce_direct(g, d, work, count, wt, deadline);
     }
     if (st == WEFT_OK && count > 0) {
-        weft_reduce_finish(work, count, wt, d->rop, g->size);
-        if (wide != NULL) {
-            from_f32(weft_tensor_data(t), wide, count, dt);
-        }
+        finish(t, work, count, wt, d->rop, g->size);
     }
     weft_free(wide);
     return st;
@@ -386,26 +396,11 @@ static weft_status_t widen(const weft_tensor_t *t, size_t count, weft_dtype_t *w
         if (w == NULL) {
             return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: no memory");
         }
-        to_f32(w, weft_tensor_data(t), count, dt);
+        weft_reduce_widen(w, weft_tensor_data(t), count, dt);
         *owned_p = w;
         *work_p = (uint8_t *)w;
     }
     return WEFT_OK;
-}
-
-/* Writes @p count accumulated elements back in the tensor's dtype. */
-static void narrow(weft_tensor_t *t, size_t off, const uint8_t *acc, size_t count, weft_dtype_t wt)
-{
-    weft_dtype_t dt = weft_tensor_dtype(t);
-    if (count == 0) {
-        return;
-    }
-    if (is_half(dt)) {
-        from_f32((uint16_t *)weft_tensor_data(t) + off, (const float *)acc, count, dt);
-    } else if ((const uint8_t *)weft_tensor_data(t) + off * weft_dtype_size(wt) != acc) {
-        memcpy((uint8_t *)weft_tensor_data(t) + off * weft_dtype_size(wt), acc,
-               count * weft_dtype_size(wt));
-    }
 }
 
 /* Receives one piece from every other rank at @p step and reduces all pieces, own
@@ -463,8 +458,7 @@ static weft_status_t run_reduce(coll_group_t *g, const coll_desc_t *d, weft_tens
         } else {
             st = reduce_from_all(g, d, 0, work, acc, count, wt, deadline);
             if (st == WEFT_OK) {
-                weft_reduce_finish(acc, count, wt, d->rop, g->size);
-                narrow(t, 0, acc, count, wt);
+                finish(t, acc, count, wt, d->rop, g->size);
             }
             weft_free(acc);
         }
@@ -628,8 +622,7 @@ static weft_status_t run_reduce_scatter(coll_group_t *g, const coll_desc_t *d, w
                 st = w0;
             }
             if (st == WEFT_OK) {
-                weft_reduce_finish(acc, count, wt, d->rop, g->size);
-                narrow(out, 0, acc, count, wt);
+                finish(out, acc, count, wt, d->rop, g->size);
             }
             weft_free(acc);
         }
@@ -638,6 +631,42 @@ static weft_status_t run_reduce_scatter(coll_group_t *g, const coll_desc_t *d, w
     weft_free(rel);
     weft_free(owned);
     return st != WEFT_OK ? st : w;
+}
+
+/* Receives every member's split lists (sent at VERIFY_STEP) into @p all (n rows of 2n:
+ * in_splits, then out_splits) and checks every pair: what s sends r is what r expects from
+ * s. Every member checks every pair, so that every member fails a disagreement, not only
+ * the two ranks of the pair. */
+static weft_status_t all_to_all_check(coll_group_t *g, const coll_desc_t *dv, int64_t *all,
+                                      int64_t deadline)
+{
+    int n = g->size;
+    size_t row = 2 * (size_t)n;
+
+    for (int r = 0; r < n; r++) {
+        if (r == g->rank) {
+            continue;
+        }
+        coll_msg_t *m;
+        WEFT_CHECK(coll__recv(g, dv, VERIFY_STEP, r, deadline, &m));
+        weft_status_t st = take_piece(m, all + (size_t)r * row, row, WEFT_I64, r);
+        coll__msg_free(m);
+        WEFT_CHECK(st);
+    }
+    for (int s = 0; s < n; s++) {
+        for (int r = 0; r < n; r++) {
+            int64_t sent = all[(size_t)s * row + (size_t)r];
+            int64_t expected = all[(size_t)r * row + (size_t)n + (size_t)s];
+            if (sent != expected) {
+                return weft__set_error(WEFT_ERR_MISMATCH,
+                                       "all_to_all (operation %llu of group %u): rank %d sends "
+                                       "%lld elements to rank %d, which expects %lld from it",
+                                       (unsigned long long)dv->seq, g->id, s, (long long)sent, r,
+                                       (long long)expected);
+            }
+        }
+    }
+    return WEFT_OK;
 }
 
 static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll_op_t *op,
@@ -649,11 +678,16 @@ static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll
     uint8_t *in = weft_tensor_data(op->t), *out = weft_tensor_data(op->out);
     size_t inb = (size_t)weft_tensor_numel(op->t) * es,
            outb = (size_t)weft_tensor_numel(op->out) * es;
+    size_t row = 2 * (size_t)n;
     uint8_t *copy = NULL;
-    weft_future_t **rel = weft_calloc((size_t)n, sizeof(*rel));
+    /* rel[r]: the data piece to r; rel[n + r]: the split lists to r */
+    weft_future_t **rel = weft_calloc(2 * (size_t)n, sizeof(*rel));
+    int64_t *all = weft_alloc((size_t)n * row * sizeof(int64_t));
     weft_status_t st = WEFT_OK;
 
-    if (rel == NULL) {
+    if (rel == NULL || all == NULL) {
+        weft_free(rel);
+        weft_free(all);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "all_to_all: no memory");
     }
     if (inb > 0 && outb > 0 && in < out + outb && out < in + inb) {
@@ -661,27 +695,29 @@ static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll
         copy = weft_alloc(inb);
         if (copy == NULL) {
             weft_free(rel);
+            weft_free(all);
             return weft__set_error(WEFT_ERR_NO_MEMORY, "all_to_all: no memory");
         }
         memcpy(copy, in, inb);
         in = copy;
     }
-    if (op->out_splits[g->rank] != op->in_splits[g->rank]) {
-        char why[200];
-        snprintf(why, sizeof(why),
-                 "all_to_all: rank %d sends itself %lld elements but expects %lld", g->rank,
-                 (long long)op->in_splits[g->rank], (long long)op->out_splits[g->rank]);
-        coll__abort(g, d0->seq, WEFT_ERR_MISMATCH, why);
-        weft_free(rel);
-        weft_free(copy);
-        return weft__set_error(WEFT_ERR_MISMATCH, "%s", why);
+    /* This rank's split lists, to every member, in the same round as the data. */
+    int64_t *mine = all + (size_t)g->rank * row;
+    memcpy(mine, op->in_splits, (size_t)n * sizeof(int64_t));
+    memcpy(mine + n, op->out_splits, (size_t)n * sizeof(int64_t));
+    coll_desc_t dv = *d0;
+    dv.count = 0;
+    dv.root = 0;
+    for (int r = 0; r < n && st == WEFT_OK; r++) {
+        if (r != g->rank) {
+            st = coll__send(g, &dv, VERIFY_STEP, r, mine, row, WEFT_I64, &rel[(size_t)n + r]);
+        }
     }
     size_t ioff = 0;
     for (int r = 0; r < n && st == WEFT_OK; r++) {
         size_t c = (size_t)op->in_splits[r];
         if (r != g->rank) {
-            /* Each piece carries its size and what this rank expects back from r, so
-             * that a disagreement is seen on both sides of the pair. */
+            /* Each piece also carries its size and what this rank expects back from r. */
             coll_desc_t d = *d0;
             d.count = c;
             d.root = (int)op->out_splits[r];
@@ -689,16 +725,19 @@ static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll
         }
         ioff += c;
     }
+    if (st == WEFT_OK) {
+        st = all_to_all_check(g, &dv, all, deadline);
+    }
     size_t ooff = 0;
     for (int r = 0; r < n && st == WEFT_OK; r++) {
         size_t c = (size_t)op->out_splits[r];
         if (r == g->rank) {
-            size_t mine = 0;
+            size_t from = 0;
             for (int k = 0; k < r; k++) {
-                mine += (size_t)op->in_splits[k];
+                from += (size_t)op->in_splits[k];
             }
             if (c > 0) {
-                memcpy(out + ooff * es, in + mine * es, c * es);
+                memcpy(out + ooff * es, in + from * es, c * es);
             }
         } else {
             coll_desc_t d = *d0;
@@ -713,17 +752,19 @@ static weft_status_t run_all_to_all(coll_group_t *g, const coll_desc_t *d0, coll
         }
         ooff += c;
     }
-    weft_status_t w = wait_released(rel, (size_t)n, deadline);
+    weft_status_t w = wait_released(rel, 2 * (size_t)n, deadline);
     weft_free(rel);
+    weft_free(all);
     weft_free(copy);
     return st != WEFT_OK ? st : w;
 }
 
 void coll__run(coll_group_t *g, coll_op_t *op)
 {
-    int64_t deadline = weft__now_ns() + atomic_load(&g->timeout_ms) * 1000000LL;
+    int64_t deadline = op->deadline_ns;
     coll_desc_t d = {op->kind, op->seq, WEFT_U8, op->rop, op->root, 0};
     weft_status_t st;
+    bool expired = false;
 
     if (op->t != NULL) {
         d.dtype = weft_tensor_dtype(op->t);
@@ -733,56 +774,66 @@ void coll__run(coll_group_t *g, coll_op_t *op)
         d.dtype = weft_tensor_dtype(op->out);
         d.count = (uint64_t)weft_tensor_numel(op->out); /* per part */
     }
-    switch (op->kind) {
-    case OP_REDUCE:
-        st = run_reduce(g, &d, op->t, deadline);
-        break;
-    case OP_GATHER:
-        st = run_gather(g, &d, op->t, op->out, deadline);
-        break;
-    case OP_SCATTER:
-        st = run_scatter(g, &d, op->t, op->out, deadline);
-        break;
-    case OP_ALL_GATHER:
-        st = run_all_gather(g, &d, op->t, op->out, op->outs, deadline);
-        break;
-    case OP_REDUCE_SCATTER:
-        st = run_reduce_scatter(g, &d, op->t, op->out, deadline);
-        break;
-    case OP_ALL_TO_ALL:
-        st = run_all_to_all(g, &d, op, deadline);
-        break;
-    case OP_BARRIER:
-        st = run_barrier(g, &d, deadline);
-        break;
-    case OP_BROADCAST:
-        st = run_broadcast(g, &d, op->t, deadline);
-        break;
-    case OP_ALL_REDUCE:
-        st = run_all_reduce(g, &d, op->t, deadline);
-        break;
-    default:
-        st = weft__set_error(WEFT_ERR_INVALID_ARG, "collectives: unknown operation");
-        break;
-    }
-    if (st == WEFT_OK) {
-        weft_future_complete(op->f, WEFT_OK, NULL, NULL);
+    if (weft__now_ns() >= deadline) {
+        /* Queued behind earlier operations past its deadline: it fails without starting. */
+        expired = true;
+        st = weft__set_error(WEFT_ERR_TIMEOUT,
+                             "%s: operation %llu of group %u waited in the queue past its "
+                             "deadline",
+                             coll__kind_name(op->kind), (unsigned long long)op->seq, g->id);
     } else {
-        char why[800];
+        switch (op->kind) {
+        case OP_REDUCE:
+            st = run_reduce(g, &d, op->t, deadline);
+            break;
+        case OP_GATHER:
+            st = run_gather(g, &d, op->t, op->out, deadline);
+            break;
+        case OP_SCATTER:
+            st = run_scatter(g, &d, op->t, op->out, deadline);
+            break;
+        case OP_ALL_GATHER:
+            st = run_all_gather(g, &d, op->t, op->out, op->outs, deadline);
+            break;
+        case OP_REDUCE_SCATTER:
+            st = run_reduce_scatter(g, &d, op->t, op->out, deadline);
+            break;
+        case OP_ALL_TO_ALL:
+            st = run_all_to_all(g, &d, op, deadline);
+            break;
+        case OP_BARRIER:
+            st = run_barrier(g, &d, deadline);
+            break;
+        case OP_BROADCAST:
+            st = run_broadcast(g, &d, op->t, deadline);
+            break;
+        case OP_ALL_REDUCE:
+            st = run_all_reduce(g, &d, op->t, deadline);
+            break;
+        default:
+            st = weft__set_error(WEFT_ERR_INVALID_ARG, "collectives: unknown operation");
+            break;
+        }
+    }
+    char why[800] = "";
+    if (st != WEFT_OK) {
         snprintf(why, sizeof(why), "%s", weft_last_error());
         /* A failure of this rank's own (not a mismatch or a loss, which every member
-         * sees for itself; not a deadline, which they reach too): tell the others, so
-         * that they fail now instead of waiting for pieces that will not come. */
-        if (st != WEFT_ERR_MISMATCH && st != WEFT_ERR_PEER_LOST && st != WEFT_ERR_TIMEOUT &&
+         * sees for itself; not a deadline met while waiting, which they reach too): tell
+         * the others, so that they fail now instead of waiting for pieces that will not
+         * come. */
+        if (((st != WEFT_ERR_MISMATCH && st != WEFT_ERR_PEER_LOST && st != WEFT_ERR_TIMEOUT) ||
+             expired) &&
             g->size > 1) {
             char text[900];
             snprintf(text, sizeof(text), "rank %d: %s", g->rank, why);
             coll__abort(g, op->seq, st, text);
         }
-        weft_future_complete(op->f, st, why, NULL);
     }
+    /* Over here: its pieces nobody took, and those still to come, are dropped. Before
+     * the future completes, whose callbacks may issue the next operations. */
+    coll__seq_done(g, op->seq);
+    weft_future_complete(op->f, st, st == WEFT_OK ? NULL : why, NULL);
     weft_future_release(op->f);
-    /* Pieces of it that were never taken (a failed or mismatched operation). */
-    coll__purge(g, op->seq);
     coll__op_free(op, g->size);
 }

@@ -361,7 +361,8 @@ SIMD_KERNEL(bf16avx2_prod, TARGET_AVX2, bf16x8_load, bf16x8_store, v_mul, bf16_e
 SIMD_KERNEL(bf16avx2_min, TARGET_AVX2, bf16x8_load, bf16x8_store, v_min, bf16_elem_min)
 SIMD_KERNEL(bf16avx2_max, TARGET_AVX2, bf16x8_load, bf16x8_store, v_max, bf16_elem_max)
 
-/* AVG for count <= F32_EXACT_INT (the caller checks): one f32 division, rounded back */
+/* AVG for count <= F16_AVG_F32 / BF16_AVG_F32 (the caller checks): one f32 division, rounded
+ * back (exact there: see AVG below) */
 #define SIMD_AVG(name, TARGET, LOAD, STORE, TOF, FROMF)                                            \
     TARGET static void name(uint16_t *d, size_t n, int count)                                      \
     {                                                                                              \
@@ -516,10 +517,37 @@ void weft_reduce_into(void *dst, const void *src, size_t n, weft_dtype_t dtype, 
 
 /*
  * Floats: x / count in f32 is the correctly rounded quotient while count is exact in f32
- * (<= 2^24); beyond, divide in f64 (53 >= 2*24+2 bits, so rounding twice is harmless). f16/bf16
- * round the f32 quotient once more, harmless for the same reason (24 >= 2*11+2).
+ * (<= 2^24); beyond, divide in f64 (53 >= 2*24+2 bits, so rounding twice is harmless).
+ *
+ * f16/bf16 results must come from the exact quotient rounded once. Rounding an f32 quotient
+ * again is harmless only while the f32 quotient cannot land on a midpoint of the narrow dtype
+ * that the exact quotient is not on: for an f16 (bf16) dividend while count <= 2^13 (2^16),
+ * for an f32 dividend (an f32 accumulator) while count < 2^12 and the quotient is not an f32
+ * subnormal (which bf16 can still tell apart). Elsewhere the quotient is taken in f64, where
+ * it cannot land on such a midpoint, and brought to f32 rounding to odd, which a narrower
+ * format with at least two bits fewer then rounds exactly as it would the f64 value.
  */
-#define F32_EXACT_INT (1 << 24)
+#define F32_EXACT_INT  (1 << 24)
+#define F16_AVG_F32    (1 << 13)
+#define BF16_AVG_F32   (1 << 16)
+#define NARROW_AVG_F32 (1 << 12)
+
+/* @p x rounded to f32 "to odd": truncated, its last bit set when inexact. */
+static inline float f32_round_odd(double x)
+{
+    float f = (float)x;
+    double back = (double)f;
+
+    if (back != x && x == x) {
+        uint32_t u = as_bits(f);
+        if ((u & 1u) == 0) {
+            /* f is even: the neighbour on x's side of it is odd */
+            u = (x < 0 ? -x : x) > (back < 0 ? -back : back) ? u + 1 : u - 1;
+        }
+        f = as_float(u);
+    }
+    return f;
+}
 
 static void avg_f32(float *restrict d, size_t n, int count)
 {
@@ -538,20 +566,57 @@ static void avg_f64(double *restrict d, size_t n, int count)
     LOOP(n, d[i] = d[i] / c);
 }
 
-#define AVG_HALF(name, TOF, FROMF)                                                                 \
+#define AVG_HALF(name, TOF, FROMF, F32_MAX_COUNT)                                                  \
     static void name(uint16_t *restrict d, size_t n, int count)                                    \
     {                                                                                              \
-        if (count <= F32_EXACT_INT) {                                                              \
+        if (count <= F32_MAX_COUNT) {                                                              \
             float c = (float)count;                                                                \
             LOOP(n, d[i] = FROMF(TOF(d[i]) / c));                                                  \
         } else {                                                                                   \
             double c = (double)count;                                                              \
-            LOOP(n, d[i] = FROMF((float)((double)TOF(d[i]) / c)));                                 \
+            for (size_t i = 0; i < n; i++) {                                                       \
+                d[i] = FROMF(f32_round_odd((double)TOF(d[i]) / c));                                \
+            }                                                                                      \
         }                                                                                          \
     }
 
-AVG_HALF(avg_f16, h2f, f2h)
-AVG_HALF(avg_bf16, bf2f, f2bf)
+AVG_HALF(avg_f16, h2f, f2h, F16_AVG_F32)
+AVG_HALF(avg_bf16, bf2f, f2bf, BF16_AVG_F32)
+
+/* An f32 accumulator to f16/bf16, finishing AVG from the exact quotient (see above). */
+#define NARROW_HALF(name, FROMF, TINY_CHECK)                                                       \
+    static void name(uint16_t *restrict d, const float *restrict acc, size_t n, int count)         \
+    {                                                                                              \
+        if (count <= 1) {                                                                          \
+            LOOP(n, d[i] = FROMF(acc[i]));                                                         \
+        } else if (count < NARROW_AVG_F32) {                                                       \
+            float c = (float)count;                                                                \
+            double cd = (double)count;                                                             \
+            for (size_t b = 0; b < n; b += BLOCK) {                                                \
+                size_t e = n - b < BLOCK ? n - b : BLOCK;                                          \
+                uint32_t tiny = 0;                                                                 \
+                for (size_t i = b; i < b + e; i++) {                                               \
+                    float q = acc[i] / c;                                                          \
+                    uint32_t u = as_bits(q);                                                       \
+                    tiny |= (uint32_t)(TINY_CHECK && (u & 0x7f800000u) == 0 &&                     \
+                                       (u & 0x007fffffu) != 0);                                    \
+                    d[i] = FROMF(q);                                                               \
+                }                                                                                  \
+                for (size_t i = b; tiny != 0 && i < b + e; i++) {                                  \
+                    d[i] = FROMF(f32_round_odd((double)acc[i] / cd));                              \
+                }                                                                                  \
+            }                                                                                      \
+        } else {                                                                                   \
+            double cd = (double)count;                                                             \
+            for (size_t i = 0; i < n; i++) {                                                       \
+                d[i] = FROMF(f32_round_odd((double)acc[i] / cd));                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+/* f16 quotients near f16 values are f32 normals; bf16 reaches into the f32 subnormals. */
+NARROW_HALF(narrow_avg_f16, f2h, 0)
+NARROW_HALF(narrow_avg_bf16, f2bf, 1)
 
 /* Integers: C division truncates toward zero; count >= 2 keeps INT_MIN / count in range. */
 #define AVG_INT(name, T, W)                                                                        \
@@ -583,7 +648,7 @@ void weft_reduce_finish(void *dst, size_t n, weft_dtype_t dtype, weft_reduce_op_
     case WEFT_F16:
 #if REDUCE_X86
         pthread_once(&active_once, active_init);
-        if (simd_f16c && count <= F32_EXACT_INT) {
+        if (simd_f16c && count <= F16_AVG_F32) {
             f16c_avg(dst, n, count);
             break;
         }
@@ -593,7 +658,7 @@ void weft_reduce_finish(void *dst, size_t n, weft_dtype_t dtype, weft_reduce_op_
     case WEFT_BF16:
 #if REDUCE_X86
         pthread_once(&active_once, active_init);
-        if (simd_avx2 && count <= F32_EXACT_INT) {
+        if (simd_avx2 && count <= BF16_AVG_F32) {
             bf16avx2_avg(dst, n, count);
             break;
         }
@@ -611,6 +676,50 @@ void weft_reduce_finish(void *dst, size_t n, weft_dtype_t dtype, weft_reduce_op_
         break;
     case WEFT_I64:
         avg_i64(dst, n, count);
+        break;
+    default:
+        break;
+    }
+}
+
+void weft_reduce_widen(float *dst, const void *src, size_t n, weft_dtype_t dtype)
+{
+    const uint16_t *h = src;
+
+    switch (dtype) {
+    case WEFT_F16:
+        LOOP(n, dst[i] = h2f(h[i]));
+        break;
+    case WEFT_BF16:
+        LOOP(n, dst[i] = bf2f(h[i]));
+        break;
+    case WEFT_F32:
+        if (n > 0) {
+            memcpy(dst, src, n * sizeof(float));
+        }
+        break;
+    default:
+        break;
+    }
+}
+
+void weft_reduce_narrow(void *dst, const float *acc, size_t n, weft_dtype_t dtype,
+                        weft_reduce_op_t op, int count)
+{
+    int c = op == WEFT_AVG ? count : 1;
+
+    switch (dtype) {
+    case WEFT_F16:
+        narrow_avg_f16(dst, acc, n, c);
+        break;
+    case WEFT_BF16:
+        narrow_avg_bf16(dst, acc, n, c);
+        break;
+    case WEFT_F32:
+        if (dst != acc && n > 0) {
+            memcpy(dst, acc, n * sizeof(float));
+        }
+        weft_reduce_finish(dst, n, WEFT_F32, op, count);
         break;
     default:
         break;

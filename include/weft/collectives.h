@@ -41,9 +41,18 @@ int weft_pg_rank(const weft_pg_t *pg);
 int weft_pg_size(const weft_pg_t *pg);
 /** World rank of group rank @p r (-1 if out of range). */
 int weft_pg_world_rank(const weft_pg_t *pg, int r);
-/** Deadline of each operation of the group (default WEFT_COLL_TIMEOUT_MS or 60000). */
+/**
+ * Timeout of each operation of the group (default WEFT_COLL_TIMEOUT_MS or 60000), counted from
+ * the call that issues it, as torch's: time queued behind the group's earlier operations counts.
+ * Applies to operations (and receives) issued after it; @p timeout_ms <= 0 is ignored.
+ * Thread-safe.
+ */
 void weft_pg_set_timeout(weft_pg_t *pg, int64_t timeout_ms);
-/** Waits (bounded by the timeout) for the group's operations, then frees it. NULL: no-op. */
+/**
+ * Waits for the group's operations to end (each by its deadline, and once the transport has let
+ * go of its buffers), fails its posted receives, then frees it. Not from a callback of the
+ * group's futures (it would wait for itself). NULL: no-op.
+ */
 void weft_pg_free(weft_pg_t *pg);
 
 /*
@@ -51,25 +60,51 @@ void weft_pg_free(weft_pg_t *pg);
  * once and *work_p gets a future that completes when the operation is done on
  * this rank (wait with weft_future_wait; caller releases it). With @p work_p
  * NULL the call blocks and returns the operation's status (text in
- * weft_last_error()). Tensors are borrowed: they must stay valid, and unchanged
- * by the caller, until the operation completes. Operations of one group run in
- * the order they were issued; groups run concurrently.
+ * weft_last_error()). Operations of one group run in the order they were
+ * issued; groups run concurrently.
+ *
+ * Tensors are borrowed: they must stay valid, and unchanged by the caller,
+ * until the work completes (the blocking call returns). Sent pieces are not
+ * copied: the transport reads them from the tensors, and an operation completes,
+ * whatever its status, only once the transport has let go of every buffer of it,
+ * so the caller may free or reuse its tensors as soon as it has completed. A
+ * piece still held at the deadline (a stalled peer) keeps the operation pending
+ * until it is written or its connection fails; it then fails with
+ * WEFT_ERR_TIMEOUT.
+ *
+ * Deadline: the group's timeout (weft_pg_set_timeout) from the call, time spent
+ * queued behind earlier operations of the group included. An operation still
+ * queued at its deadline fails without running, and the other members fail it
+ * too.
+ *
+ * Callbacks: the futures of a group's operations complete on its worker thread,
+ * which runs their callbacks (weft_future_then). A callback may issue operations
+ * on the group, blocking ones included: the worker runs a blocking one there,
+ * after the operations issued before it, and the call returns its status. It
+ * must not wait on another future of the group, nor free the group.
  *
  * Statuses of a failed operation: WEFT_ERR_MISMATCH when ranks called
- * different operations (op, count, dtype, root or reduce op; the text names the
- * ranks and values) — every member gets it; WEFT_ERR_PEER_LOST when a member
- * died; WEFT_ERR_TIMEOUT at the group's deadline; WEFT_ERR_DTYPE for a reduce
- * op that does not apply to the dtype.
+ * different operations (op, count, dtype, root, reduce op, or all_to_all split
+ * sizes; the text names the ranks and values) — every member gets it;
+ * WEFT_ERR_PEER_LOST when a member died; WEFT_ERR_TIMEOUT at the deadline;
+ * WEFT_ERR_DTYPE for a reduce op that does not apply to the dtype. A member whose
+ * call is refused (bad argument) fails it with its status, and so do the others.
  */
 
-/** Sends @p t to group rank @p dst with @p tag (>= 0). */
+/**
+ * Sends @p t to group rank @p dst with @p tag (>= 0). @p t is borrowed until the work completes:
+ * when the transport no longer reads it (no copy is made). Blocking: returns then, with
+ * WEFT_ERR_TIMEOUT if that was past the group's timeout.
+ */
 weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int dst, int tag,
                              weft_future_t **work_p);
 /**
  * Receives into @p t (same dtype and element count as sent) from group rank
  * @p src or WEFT_ANY_SOURCE, with @p tag. The future's value carries the
  * source's group rank as a 4-byte payload; with @p work_p NULL it goes to
- * @p src_p (may be NULL).
+ * @p src_p (may be NULL). @p t is borrowed until the work completes. With no
+ * matching send by the group's timeout from this call, the receive fails with
+ * WEFT_ERR_TIMEOUT (asynchronous ones too) and @p t is left unwritten.
  */
 weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
                              weft_future_t **work_p, int *src_p);
@@ -100,7 +135,8 @@ weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
 /**
  * Reduces @p t element-wise over the members with @p op; every member ends with
  * the same result, bit for bit, in @p t (in place). f16 and bf16 accumulate
- * in f32. Algorithm by size (WEFT_COLL_ALGO=direct|ring overrides): direct
+ * in f32 and round once at the end (AVG: the exact quotient of the f32 sum,
+ * rounded once). Algorithm by size (WEFT_COLL_ALGO=direct|ring overrides): direct
  * exchange for small tensors, ring reduce-scatter + all-gather for large ones.
  */
 weft_status_t weft_coll_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
@@ -146,7 +182,9 @@ weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor_t *in, w
  * Member r sends the r-th part of @p in to member r and receives its parts in
  * @p out, in member order. Parts are equal (numel / size) when @p in_splits and
  * @p out_splits are NULL, else in_splits[r] elements go to r and out_splits[r]
- * come from r (arrays of size() entries, copied).
+ * come from r (arrays of size() entries, copied). Every member checks every
+ * pair: when s sends r another size than r expects from s, every member fails
+ * with WEFT_ERR_MISMATCH naming s, r and both sizes.
  */
 weft_status_t weft_coll_all_to_all(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
                                    const int64_t *in_splits, const int64_t *out_splits,

@@ -46,7 +46,10 @@ weft_status_t weft_reduce_check(weft_reduce_op_t op, weft_dtype_t dtype);
 /**
  * dst[i] = dst[i] (op) src[i] for i < n. AVG reduces as SUM does: scale once afterwards with
  * weft_reduce_finish. Integer sum and product wrap around; float min/max give NaN when either
- * operand is NaN; f16/bf16 compute each element in f32 and round back to nearest even.
+ * operand is NaN; f16/bf16 compute each element in f32 and round back to nearest even, so a
+ * reduction of several f16/bf16 contributions rounds at every step: to round once (AVG above
+ * all), accumulate in f32 instead (weft_reduce_widen, the f32 kernels, weft_reduce_narrow), as
+ * the collectives do.
  * The pair must pass weft_reduce_check; a pair it refuses leaves @p dst unchanged.
  * @param[in,out] dst n elements; borrowed for the call.
  * @param[in] src n elements; borrowed for the call. It may be @p dst itself but may not overlap
@@ -76,6 +79,29 @@ void weft_reduce_to(void *dst, const void *a, const void *b, size_t n, weft_dtyp
  * Thread-safe (on buffers no other thread writes).
  */
 void weft_reduce_finish(void *dst, size_t n, weft_dtype_t dtype, weft_reduce_op_t op, int count);
+
+/**
+ * Widens @p n f16 or bf16 elements to f32, exactly: the accumulator of a reduction that rounds
+ * once (see weft_reduce_narrow). f32 elements are copied. Other dtypes leave @p dst unchanged.
+ * @param[out] dst n floats; borrowed for the call; may not overlap @p src.
+ * @param[in] src n elements of @p dtype; borrowed for the call.
+ * Thread-safe (on buffers no other thread writes).
+ */
+void weft_reduce_widen(float *dst, const void *src, size_t n, weft_dtype_t dtype);
+
+/**
+ * Completes a reduction of @p count contributions accumulated in f32 and writes it as @p dtype
+ * (f16 or bf16) with a single rounding to nearest even: AVG rounds the exact quotient
+ * acc[i] / count (never a rounded f32 quotient), other ops the f32 value. f32 is finished as
+ * weft_reduce_finish does and copied. Other dtypes leave @p dst unchanged.
+ * @param[out] dst n elements of @p dtype; borrowed for the call; may not overlap @p acc
+ *             unless it is @p acc itself (f32).
+ * @param[in] acc n floats; borrowed for the call.
+ * @param[in] count number of contributions, >= 1.
+ * Thread-safe (on buffers no other thread writes).
+ */
+void weft_reduce_narrow(void *dst, const float *acc, size_t n, weft_dtype_t dtype,
+                        weft_reduce_op_t op, int count);
 
 /** IEEE binary16 bits to f32 (exact: subnormals, infinities; NaN stays NaN). Thread-safe. */
 float weft_f16_to_f32(uint16_t h);

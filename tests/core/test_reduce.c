@@ -978,6 +978,166 @@ Test(reduce, f32_to_bf16_rounds_to_nearest_even)
                    254);
 }
 
+/* ---- f16/bf16 AVG rounds once ---------------------------------------------------------------- */
+
+/*
+ * The nearest-even 16-bit value to num / count (num >= 0), computed exactly: as ref_round, but
+ * comparing num with count times each value or midpoint (exact in long double: num has 24 bits,
+ * count times a 12-bit midpoint at most 29).
+ */
+static uint16_t ref_quotient(long double num, int count, weft_dtype_t dt)
+{
+    uint16_t inf_bits = dt == WEFT_F16 ? 0x7c00 : 0x7f80;
+    double (*value)(uint16_t) = dt == WEFT_F16 ? ref_f16_value : ref_bf16_value;
+    double inf_step = dt == WEFT_F16 ? 65536.0 : ldexp(1.0, 128);
+    long double c = (long double)count;
+    uint32_t lo = 0;
+    uint32_t hi = inf_bits;
+
+    while (lo < hi) {
+        uint32_t mid = (lo + hi + 1) / 2;
+        double v = mid == inf_bits ? inf_step : value((uint16_t)mid);
+        if (c * (long double)v <= num) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    if (lo == inf_bits) {
+        return inf_bits;
+    }
+    double v_lo = value((uint16_t)lo);
+    double v_hi = lo + 1 == inf_bits ? inf_step : value((uint16_t)(lo + 1));
+    long double at_mid = c * (((long double)v_lo + (long double)v_hi) / 2);
+    return (uint16_t)(num < at_mid ? lo : (num > at_mid ? lo + 1 : ((lo & 1) ? lo + 1 : lo)));
+}
+
+static uint16_t to_half(weft_dtype_t dt, float f)
+{
+    return dt == WEFT_F16 ? weft_f32_to_f16(f) : weft_f32_to_bf16(f);
+}
+
+/*
+ * AVG of three contributions accumulated in f32 (weft_reduce_widen, the f32 kernels,
+ * weft_reduce_narrow) rounds once, where the f16/bf16 kernels round each partial sum: 2048 + 1
+ * is 2048 in f16 (256 + 1 is 256 in bf16), so they give 2048/3 where the average is 2050/3.
+ */
+static void check_avg_of_three_rounds_once(weft_dtype_t dt)
+{
+    float big = dt == WEFT_F16 ? 2048.0f : 256.0f;
+    uint16_t c0[] = {to_half(dt, big), to_half(dt, 1.0f), to_half(dt, 3.0f)};
+    uint16_t c1[] = {to_half(dt, 1.0f), to_half(dt, big), to_half(dt, 5.0f)};
+    uint16_t c2[] = {to_half(dt, 1.0f), to_half(dt, 1.0f), to_half(dt, 7.0f)};
+    float acc[3], w1[3], w2[3];
+    uint16_t got[3], twice[3];
+
+    weft_reduce_widen(acc, c0, 3, dt);
+    weft_reduce_widen(w1, c1, 3, dt);
+    weft_reduce_widen(w2, c2, 3, dt);
+    weft_reduce_into(acc, w1, 3, WEFT_F32, WEFT_AVG);
+    weft_reduce_into(acc, w2, 3, WEFT_F32, WEFT_AVG);
+    weft_reduce_narrow(got, acc, 3, dt, WEFT_AVG, 3);
+    /* the same in the f16/bf16 kernels, for contrast: rounded at each step */
+    weft_reduce_to(twice, c0, c1, 3, dt, WEFT_AVG);
+    weft_reduce_into(twice, c2, 3, dt, WEFT_AVG);
+    weft_reduce_finish(twice, 3, dt, WEFT_AVG, 3);
+    for (int i = 0; i < 2; i++) {
+        uint16_t want = ref_quotient((long double)big + 2, 3, dt);
+        cr_assert_eq(got[i], want, "%s avg element %d: %04x, want %04x", weft_dtype_name(dt), i,
+                     got[i], want);
+        cr_assert_neq(twice[i], want, "the data must tell one rounding from several");
+    }
+    cr_assert_eq(got[2], ref_quotient(15, 3, dt));
+}
+
+/* Quotients of f32 accumulators whose f32 rounding lands on a midpoint of the narrow dtype
+ * (rounding it again would go the wrong way), and random ones, against the exact reference. */
+static void check_narrow_exact(void)
+{
+    static const int counts[] = {1, 2, 3, 7, 4095, 4097, 8195, 70001};
+    float acc[257];
+    uint16_t got[257];
+
+    /* 10928 / 8195 in f32 is an f16 midpoint; the exact quotient is below it */
+    acc[0] = 10928.0f;
+    weft_reduce_narrow(got, acc, 1, WEFT_F16, WEFT_AVG, 8195);
+    cr_assert_eq(got[0], ref_quotient(10928.0L, 8195, WEFT_F16));
+    cr_assert_eq(got[0], 0x3d55);
+    /* an f32 subnormal over 3: its f32 quotient is a bf16 midpoint, the exact one above it */
+    acc[0] = bits_f32(0x00018001u);
+    weft_reduce_narrow(got, acc, 1, WEFT_BF16, WEFT_AVG, 3);
+    cr_assert_eq(got[0], 0x0001);
+    cr_assert_eq(got[0], ref_quotient((long double)acc[0], 3, WEFT_BF16));
+
+    rng = 4242;
+    for (int d = 0; d < 2; d++) {
+        weft_dtype_t dt = d == 0 ? WEFT_F16 : WEFT_BF16;
+        for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+            for (size_t i = 0; i < 257; i++) {
+                /* positive finite f32, exponents spanning the dtype's range and below */
+                uint32_t e = dt == WEFT_F16 ? 90 + (uint32_t)(rnd() % 60) : (uint32_t)(rnd() % 200);
+                acc[i] = bits_f32((e << 23) | (uint32_t)(rnd() & 0x7fffffu));
+            }
+            weft_reduce_narrow(got, acc, 257, dt, WEFT_AVG, counts[c]);
+            for (size_t i = 0; i < 257; i++) {
+                uint16_t want = ref_quotient((long double)acc[i], counts[c], dt);
+                cr_assert_eq(got[i], want, "%s: %a / %d gave %04x, want %04x", weft_dtype_name(dt),
+                             (double)acc[i], counts[c], got[i], want);
+            }
+        }
+    }
+}
+
+/* weft_reduce_finish of f16 data by a count past 2^13: the f32 quotient 0x3aca / 11067 is an
+ * f16 midpoint, the exact quotient above it. */
+static void check_finish_half_large_count(void)
+{
+    uint16_t h[] = {0x3aca, 0x3eca, 0x7bff};
+    uint16_t want[3];
+
+    for (int i = 0; i < 3; i++) {
+        want[i] = ref_quotient((long double)ref_f16_value(h[i]), 11067, WEFT_F16);
+    }
+    cr_assert_eq(want[0], 0x0507);
+    weft_reduce_finish(h, 3, WEFT_F16, WEFT_AVG, 11067);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(h[i], want[i], "element %d: %04x, want %04x", i, h[i], want[i]);
+    }
+}
+
+Test(reduce, half_avg_rounds_once)
+{
+    check_avg_of_three_rounds_once(WEFT_F16);
+    check_avg_of_three_rounds_once(WEFT_BF16);
+    check_narrow_exact();
+    check_finish_half_large_count();
+}
+
+Test(reduce, half_avg_rounds_once_portable)
+{
+    cr_assert_eq(setenv("WEFT_REDUCE_SIMD", "0", 1), 0);
+    check_avg_of_three_rounds_once(WEFT_F16);
+    check_avg_of_three_rounds_once(WEFT_BF16);
+    check_narrow_exact();
+    check_finish_half_large_count();
+}
+
+Test(reduce, widen_is_exact)
+{
+    uint16_t h[] = {0x3c00, 0xc700, 0x7bff, 0x0001, 0x7c00};
+    uint16_t b[] = {0x3f80, 0xc0e0, 0x7f7f, 0x0001};
+    float f[5];
+
+    weft_reduce_widen(f, h, 5, WEFT_F16);
+    for (int i = 0; i < 5; i++) {
+        cr_assert_eq((double)f[i], ref_f16_value(h[i]));
+    }
+    weft_reduce_widen(f, b, 4, WEFT_BF16);
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq((double)f[i], ref_bf16_value(b[i]));
+    }
+}
+
 /* ---- throughput (printed, not asserted) ------------------------------------------------------ */
 
 static double now_s(void)
