@@ -162,7 +162,7 @@ static void write_file(const char *path, const void *data, size_t len)
     cr_assert(fclose(f) == 0);
 }
 
-Test(examples, rpc_train_corrupt_data_exits_2, .timeout = 90)
+Test(examples, corrupt_data_exits_2, .timeout = 90)
 {
     /* Uncompressed IDX files (the reader takes those too): a label file's
      * magic number on the training images, and a test set cut short. */
@@ -181,6 +181,12 @@ Test(examples, rpc_train_corrupt_data_exits_2, .timeout = 90)
     run_weftrun(&r, "-n", "1", path_from_env("RPC_TRAIN"), "--data", dir, NULL);
     cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
     cr_assert(strstr(r.err, "bad magic number") != NULL, "stderr:\n%s", r.err);
+    result_free(&r);
+    run_weftrun(&r, "-n", "2", path_from_env("DP_TRAIN"), "--data", dir, NULL);
+    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    cr_assert(strstr(r.err, "dp_train: cannot load Fashion-MNIST: ") != NULL &&
+                  strstr(r.err, "bad magic number") != NULL,
+              "stderr:\n%s", r.err);
     result_free(&r);
 
     snprintf(path, sizeof(path), "%s/train-images-idx3-ubyte", dir);
@@ -216,8 +222,8 @@ static void dp_train_run(const char *ranks, const char *limit, double min_acc)
     line = find_line(r.out, "[rank 0] final test accuracy ", true);
     cr_assert(line != NULL, "no final accuracy\nstdout:\n%s\nstderr:\n%s", r.out, r.err);
     cr_assert(sscanf(line, "[rank 0] final test accuracy %lf%%", &acc) == 1, "%.200s", line);
-    cr_assert(acc >= min_acc && acc <= 100.0, "accuracy %.2f%% on %s ranks, %s samples", acc,
-              ranks, limit);
+    cr_assert(acc >= min_acc && acc <= 100.0, "accuracy %.2f%% on %s ranks, %s samples", acc, ranks,
+              limit);
     snprintf(want, sizeof(want), "[rank 0] parameters bit-identical on all %s ranks", ranks);
     assert_line_prefix(&r, want);
     assert_line_prefix(&r, "[rank 0] {\"system\":\"weft\",\"world\":");
