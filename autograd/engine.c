@@ -10,6 +10,7 @@
  * parameters' gradients complete in reverse order of use, which is what bucketed reducers want).
  * A leaf's gradients are summed per backward and accumulated once, then its hooks fire.
  */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,11 +34,9 @@ typedef struct {
     hook_t *hooks;
     int n_hooks;
     int next_hook_id;
-    /* Backward bookkeeping of a leaf. */
-    uint64_t run;
-    int pending;
-    weft_tensor_t *bw_grad;
-    int bw_sparse;
+    /* Guards grad, sp_idx, sp_rows and hooks: graphs that share a leaf may run backward on
+     * different threads at once (each keeps its own per-leaf bookkeeping in its run_t). */
+    pthread_mutex_t mu;
 } meta_t;
 
 static _Thread_local int grad_off;
@@ -56,8 +55,8 @@ static void meta_free(void *p)
     weft_tensor_release(m->grad);
     weft_tensor_release(m->sp_idx);
     weft_tensor_release(m->sp_rows);
-    weft_tensor_release(m->bw_grad);
     weft_free(m->hooks);
+    pthread_mutex_destroy(&m->mu);
     weft_free(m);
 }
 
@@ -75,6 +74,7 @@ static weft_status_t meta_get(weft_tensor_t *t, meta_t **m_p)
         if (m == NULL) {
             return weft__set_error(WEFT_ERR_NO_MEMORY, "autograd: out of memory for metadata");
         }
+        pthread_mutex_init(&m->mu, NULL);
         weft__tensor_set_ag(t, m, meta_free);
     }
     *m_p = m;
@@ -185,12 +185,14 @@ void weft_tensor_grad_clear(weft_tensor_t *t)
     if (m == NULL) {
         return;
     }
+    pthread_mutex_lock(&m->mu);
     weft_tensor_release(m->grad);
     weft_tensor_release(m->sp_idx);
     weft_tensor_release(m->sp_rows);
     m->grad = NULL;
     m->sp_idx = NULL;
     m->sp_rows = NULL;
+    pthread_mutex_unlock(&m->mu);
 }
 
 static int same_shape(int nd_a, const int64_t *a, int nd_b, const int64_t *b)
@@ -252,13 +254,20 @@ weft_status_t weft_tensor_set_grad(weft_tensor_t *t, weft_tensor_t *grad)
     if (grad != NULL) {
         WEFT_CHECK(check_like("set_grad", t, grad));
     }
+    if (meta_of(t) != NULL && meta_of(t)->grad_fn != NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE,
+                               "set_grad: only leaves hold gradients; this tensor was made by %s",
+                               meta_of(t)->grad_fn->name);
+    }
     if (grad == NULL && meta_of(t) == NULL) {
         return WEFT_OK;
     }
     WEFT_CHECK(meta_get(t, &m));
     weft_tensor_retain(grad);
+    pthread_mutex_lock(&m->mu);
     weft_tensor_release(m->grad);
     m->grad = grad;
+    pthread_mutex_unlock(&m->mu);
     return WEFT_OK;
 }
 
@@ -283,8 +292,10 @@ weft_status_t weft_tensor_add_grad_hook(weft_tensor_t *param, weft_grad_hook_cb_
         return weft__set_error(WEFT_ERR_INVALID_STATE,
                                "add_grad_hook: hooks go on leaves that require gradients");
     }
+    pthread_mutex_lock(&m->mu);
     hooks = weft_realloc(m->hooks, (size_t)(m->n_hooks + 1) * sizeof(*hooks));
     if (hooks == NULL) {
+        pthread_mutex_unlock(&m->mu);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "add_grad_hook: out of memory");
     }
     m->hooks = hooks;
@@ -295,6 +306,7 @@ weft_status_t weft_tensor_add_grad_hook(weft_tensor_t *param, weft_grad_hook_cb_
     if (id_p != NULL) {
         *id_p = m->next_hook_id;
     }
+    pthread_mutex_unlock(&m->mu);
     return WEFT_OK;
 }
 
@@ -302,13 +314,19 @@ weft_status_t weft_tensor_remove_grad_hook(weft_tensor_t *param, int id)
 {
     meta_t *m = meta_of(param);
 
-    for (int i = 0; m != NULL && i < m->n_hooks; i++) {
+    if (m == NULL) {
+        return weft__set_error(WEFT_ERR_NOT_FOUND, "remove_grad_hook: no hook with id %d", id);
+    }
+    pthread_mutex_lock(&m->mu);
+    for (int i = 0; i < m->n_hooks; i++) {
         if (m->hooks[i].id == id) {
             memmove(&m->hooks[i], &m->hooks[i + 1], (size_t)(m->n_hooks - 1 - i) * sizeof(hook_t));
             m->n_hooks--;
+            pthread_mutex_unlock(&m->mu);
             return WEFT_OK;
         }
     }
+    pthread_mutex_unlock(&m->mu);
     return weft__set_error(WEFT_ERR_NOT_FOUND, "remove_grad_hook: no hook with id %d", id);
 }
 
@@ -384,7 +402,11 @@ weft_status_t weft__ag_save(weft__ag_node_t *n, weft_tensor_t *t)
         return weft__set_error(WEFT_ERR_INVALID_STATE, "autograd: %s saves too many tensors",
                                n->name);
     }
-    if (t != NULL) {
+    if (t != NULL && !weft__op_is_float(weft_tensor_dtype(t))) {
+        /* Indices and labels are copied: backward indexes memory with them, and the caller may
+         * refill its batch buffers before calling it. */
+        WEFT_CHECK(weft_tensor_clone(t, &alias));
+    } else if (t != NULL) {
         WEFT_CHECK(weft_tensor_view(t, weft_tensor_ndim(t), weft_tensor_shape(t), &alias));
     }
     n->saved[n->n_saved++] = alias;
@@ -644,8 +666,21 @@ static weft_status_t sparse_append(weft_tensor_t *leaf, meta_t *m, const sparse_
         return weft__set_error(WEFT_ERR_SHAPE, "autograd: sparse rows do not match the leaf");
     }
     if (m->sp_idx == NULL) {
-        m->sp_idx = weft_tensor_retain(s->idx);
-        m->sp_rows = weft_tensor_retain(s->rows);
+        /* Private copies unless nothing else can see them: the rows may be a view of the
+         * gradient the caller passed to backward, the indices of the caller's batch. */
+        if (weft__tensor_exclusive(s->idx)) {
+            idx = weft_tensor_retain(s->idx);
+        } else {
+            WEFT_CHECK(weft_tensor_clone(s->idx, &idx));
+        }
+        if (weft__tensor_exclusive(s->rows)) {
+            rows = weft_tensor_retain(s->rows);
+        } else if ((status = weft_tensor_clone(s->rows, &rows)) != WEFT_OK) {
+            weft_tensor_release(idx);
+            return status;
+        }
+        m->sp_idx = idx;
+        m->sp_rows = rows;
         return WEFT_OK;
     }
     n0 = weft_tensor_shape(m->sp_idx)[0];
@@ -677,6 +712,13 @@ err_free_idx:
     return status;
 }
 
+/* One leaf's part in one backward: edges still to deliver and the gradient summed so far. */
+typedef struct {
+    weft_tensor_t *leaf; /* borrowed from the edges */
+    int pending;
+    weft_tensor_t *grad;
+} leaf_state_t;
+
 typedef struct {
     uint64_t run;
     int retain;
@@ -685,9 +727,11 @@ typedef struct {
     size_t cap_nodes;
     weft__ag_node_t **heap; /* ready nodes, max-heap by seq */
     size_t n_heap;
-    weft_tensor_t **leaves; /* every leaf of the graph (borrowed from the edges) */
+    leaf_state_t *leaves; /* every leaf of the graph, with this backward's bookkeeping */
     size_t n_leaves;
     size_t cap_leaves;
+    size_t *slots; /* open-addressing index into leaves (entry + 1; 0 = empty) */
+    size_t n_slots;
 } run_t;
 
 static weft_status_t push_ptr(void ***arr, size_t *n, size_t *cap, void *p)
@@ -749,19 +793,81 @@ static weft__ag_node_t *heap_pop(run_t *r)
     return top;
 }
 
+static size_t slot_of(const void *p, size_t n_slots)
+{
+    uint64_t h = (uint64_t)(uintptr_t)p * 0x9e3779b97f4a7c15ULL;
+
+    return (size_t)(h >> 20) & (n_slots - 1);
+}
+
+/* The bookkeeping of @p leaf in this backward, NULL if it has none. */
+static leaf_state_t *leaf_state(const run_t *r, const weft_tensor_t *leaf)
+{
+    if (r->n_slots == 0) {
+        return NULL;
+    }
+    for (size_t i = slot_of(leaf, r->n_slots);; i = (i + 1) & (r->n_slots - 1)) {
+        if (r->slots[i] == 0) {
+            return NULL;
+        }
+        if (r->leaves[r->slots[i] - 1].leaf == leaf) {
+            return &r->leaves[r->slots[i] - 1];
+        }
+    }
+}
+
+static weft_status_t leaf_index_grow(run_t *r)
+{
+    size_t n = r->n_slots == 0 ? 64 : r->n_slots * 2;
+    size_t *slots = weft_calloc(n, sizeof(*slots));
+
+    if (slots == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+    }
+    for (size_t e = 0; e < r->n_leaves; e++) {
+        size_t i = slot_of(r->leaves[e].leaf, n);
+        while (slots[i] != 0) {
+            i = (i + 1) & (n - 1);
+        }
+        slots[i] = e + 1;
+    }
+    weft_free(r->slots);
+    r->slots = slots;
+    r->n_slots = n;
+    return WEFT_OK;
+}
+
 static weft_status_t visit_leaf(run_t *r, weft_tensor_t *leaf)
 {
-    meta_t *m = meta_of(leaf);
+    leaf_state_t *st = leaf_state(r, leaf);
 
-    if (m->run != r->run) {
-        m->run = r->run;
-        m->pending = 0;
-        m->bw_sparse = 0;
-        weft_tensor_release(m->bw_grad);
-        m->bw_grad = NULL;
-        WEFT_CHECK(push_ptr((void ***)&r->leaves, &r->n_leaves, &r->cap_leaves, leaf));
+    if (st == NULL) {
+        if (r->n_leaves == r->cap_leaves) {
+            size_t ncap = r->cap_leaves == 0 ? 16 : r->cap_leaves * 2;
+            leaf_state_t *a = weft_realloc(r->leaves, ncap * sizeof(*a));
+
+            if (a == NULL) {
+                return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+            }
+            r->leaves = a;
+            r->cap_leaves = ncap;
+        }
+        if (2 * (r->n_leaves + 1) > r->n_slots) {
+            WEFT_CHECK(leaf_index_grow(r));
+        }
+        st = &r->leaves[r->n_leaves];
+        st->leaf = leaf;
+        st->pending = 0;
+        st->grad = NULL;
+        {
+            size_t i = slot_of(leaf, r->n_slots);
+            while (r->slots[i] != 0) {
+                i = (i + 1) & (r->n_slots - 1);
+            }
+            r->slots[i] = ++r->n_leaves;
+        }
     }
-    m->pending++;
+    st->pending++;
     return WEFT_OK;
 }
 
@@ -816,48 +922,71 @@ static weft_status_t out_zeros(weft__ag_node_t *n, int k, weft_tensor_t **out_p)
                           n->out_shape_ext[k - WEFT__AG_MAX_IN], out_p);
 }
 
-static weft_status_t leaf_done(weft_tensor_t *leaf, meta_t *m)
+/* Adds this backward's gradient @p g (consumed; may be NULL) into the leaf's, then runs its hooks.
+ */
+static weft_status_t leaf_done(weft_tensor_t *leaf, meta_t *m, weft_tensor_t *g)
 {
-    weft_tensor_t *g = m->bw_grad;
+    hook_t hooks_inline[4];
+    hook_t *hooks = hooks_inline;
+    weft_tensor_t *grad;
+    weft_status_t status = WEFT_OK;
+    int n_hooks;
 
-    m->bw_grad = NULL;
-    if (g != NULL) {
+    pthread_mutex_lock(&m->mu);
+    if (g != NULL && m->requires_grad) {
         if (m->grad == NULL) {
             if (!weft__tensor_exclusive(g)) {
                 weft_tensor_t *c = NULL;
-                weft_status_t status = weft_tensor_clone(g, &c);
 
+                status = weft_tensor_clone(g, &c);
                 weft_tensor_release(g);
-                WEFT_CHECK(status);
                 g = c;
             }
-            m->grad = g;
+            if (status == WEFT_OK) {
+                m->grad = g;
+                g = NULL;
+            }
         } else {
-            weft_status_t status = weft__op_add_inplace(m->grad, g);
-
-            weft_tensor_release(g);
-            WEFT_CHECK(status);
+            status = weft__op_add_inplace(m->grad, g);
         }
     }
-    for (int h = 0; h < m->n_hooks; h++) {
-        WEFT_CHECK(m->hooks[h].cb(leaf, m->grad, m->hooks[h].arg));
+    weft_tensor_release(g);
+    /* Hooks run unlocked, from a snapshot: one may remove itself or add another. */
+    n_hooks = m->n_hooks;
+    if (status == WEFT_OK && n_hooks > (int)(sizeof(hooks_inline) / sizeof(hooks_inline[0]))) {
+        hooks = weft_alloc((size_t)n_hooks * sizeof(*hooks));
+        if (hooks == NULL) {
+            status = weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+        }
     }
-    return WEFT_OK;
+    if (status == WEFT_OK && n_hooks > 0) {
+        memcpy(hooks, m->hooks, (size_t)n_hooks * sizeof(*hooks));
+    }
+    grad = weft_tensor_retain(m->grad);
+    pthread_mutex_unlock(&m->mu);
+    for (int h = 0; status == WEFT_OK && h < n_hooks; h++) {
+        status = hooks[h].cb(leaf, grad, hooks[h].arg);
+    }
+    weft_tensor_release(grad);
+    if (hooks != hooks_inline) {
+        weft_free(hooks);
+    }
+    return status;
 }
 
 /* Delivers gradient @p g (consumed) of an input along edge @p e. */
 static weft_status_t deliver(run_t *r, weft__ag_edge_t *e, weft_tensor_t *g)
 {
     if (e->leaf != NULL) {
-        meta_t *m = meta_of(e->leaf);
-        weft_status_t status;
+        leaf_state_t *st = leaf_state(r, e->leaf);
 
         if (g != NULL) {
-            status = accumulate(&m->bw_grad, g);
-            WEFT_CHECK(status);
+            WEFT_CHECK(accumulate(&st->grad, g));
         }
-        if (--m->pending == 0) {
-            return leaf_done(e->leaf, m);
+        if (--st->pending == 0) {
+            g = st->grad;
+            st->grad = NULL;
+            return leaf_done(e->leaf, meta_of(e->leaf), g);
         }
         return WEFT_OK;
     }
@@ -885,8 +1014,8 @@ static weft_status_t deliver(run_t *r, weft__ag_edge_t *e, weft_tensor_t *g)
 
 static weft_status_t run_node(run_t *r, weft__ag_node_t *n)
 {
-    weft_tensor_t *gout_inline[WEFT__AG_MAX_IN];
-    weft_tensor_t *gin_inline[WEFT__AG_MAX_IN];
+    weft_tensor_t *gout_inline[WEFT__AG_MAX_IN] = {0};
+    weft_tensor_t *gin_inline[WEFT__AG_MAX_IN] = {0};
     weft_tensor_t **gout = gout_inline;
     weft_tensor_t **gin = gin_inline;
     sparse_list_t sp = {.node = n};
@@ -953,7 +1082,14 @@ static weft_status_t run_node(run_t *r, weft__ag_node_t *n)
         int i = sp.items[s].input;
 
         if (e->leaf != NULL) {
-            WEFT_CHECK_GOTO(sparse_append(e->leaf, meta_of(e->leaf), &sp.items[s]), status, out);
+            meta_t *lm = meta_of(e->leaf);
+
+            pthread_mutex_lock(&lm->mu);
+            status = sparse_append(e->leaf, lm, &sp.items[s]);
+            pthread_mutex_unlock(&lm->mu);
+            if (status != WEFT_OK) {
+                goto out;
+            }
         } else if (e->node != NULL && i < WEFT__AG_MAX_IN) {
             weft_tensor_t *d = NULL;
 
@@ -1122,11 +1258,9 @@ out:
         n->run = 0;
     }
     for (size_t i = 0; i < r.n_leaves; i++) {
-        meta_t *m = meta_of(r.leaves[i]);
-        weft_tensor_release(m->bw_grad);
-        m->bw_grad = NULL;
-        m->run = 0;
+        weft_tensor_release(r.leaves[i].grad);
     }
+    weft_free(r.slots);
     if (root_grads != NULL) {
         for (int i = 0; i < n_roots; i++) {
             weft_tensor_release(root_grads[i]);

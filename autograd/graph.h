@@ -88,7 +88,12 @@ int weft__ag_should_record(int n, weft_tensor_t *const *inputs);
  */
 weft_status_t weft__ag_node_new(const char *name, weft__ag_backward_cb_t backward, int n_in,
                                 weft_tensor_t *const *inputs, weft__ag_node_t **node_p);
-/** Saves a data-only alias of @p t (no grad_fn, so no reference cycle) in the next slot. */
+/**
+ * Saves @p t for backward in the next slot: a data-only alias of a float tensor (no grad_fn, so
+ * no reference cycle; like torch without version counters, a later in-place write to it changes
+ * the gradient), a private copy of an integer tensor (indices, labels: backward indexes memory
+ * with them, so they must not change after the forward checked them).
+ */
 weft_status_t weft__ag_save(weft__ag_node_t *n, weft_tensor_t *t);
 /** Makes @p n the grad_fn of each output (which must be fresh tensors with no grad_fn). */
 weft_status_t weft__ag_attach(weft__ag_node_t *n, int n_out, weft_tensor_t *const *outputs);

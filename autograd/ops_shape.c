@@ -150,8 +150,9 @@ weft_status_t weft_op_reshape(weft_tensor_t *a, int ndim, const int64_t *shape,
         } else if (shape[i] < 0) {
             return weft__set_error(WEFT_ERR_INVALID_ARG, "reshape: negative size %lld in shape %s",
                                    (long long)shape[i], shape_str(ndim, shape).s);
-        } else {
-            known *= shape[i];
+        } else if (__builtin_mul_overflow(known, shape[i], &known)) {
+            return weft__set_error(WEFT_ERR_SHAPE, "reshape: shape %s overflows 64 bits",
+                                   shape_str(ndim, shape).s);
         }
     }
     if (infer >= 0) {

@@ -294,6 +294,68 @@ static weft_status_t apply_sparse(const weft_optimizer_t *opt, slot_t *s, weft_t
     return weft_optim_adagrad_sparse_step(&opt->adagrad, s->param, idx, rows, s->state[0], step);
 }
 
+/*
+ * What the kernels would refuse, checked for one parameter before any is updated, so that a
+ * failing step changes nothing: the gradient's dtype, shape and storage; sparse indices in range.
+ */
+static weft_status_t precheck(const weft_optimizer_t *opt, const slot_t *s, int sparse)
+{
+    const char *fn = kind_name(opt->kind);
+    weft_tensor_t *p = s->param;
+    weft_tensor_t *g = weft_tensor_grad(p);
+    weft_tensor_t *idx = NULL;
+    weft_tensor_t *rows = NULL;
+
+    if (!sparse) {
+        if (g == NULL) {
+            return WEFT_OK;
+        }
+        if (weft_tensor_dtype(g) != weft_tensor_dtype(p)) {
+            return weft__set_error(WEFT_ERR_DTYPE, "%s: parameter '%s' is %s, its gradient %s", fn,
+                                   s->name, weft_dtype_name(weft_tensor_dtype(p)),
+                                   weft_dtype_name(weft_tensor_dtype(g)));
+        }
+        if (weft_tensor_numel(g) != weft_tensor_numel(p) ||
+            weft_tensor_ndim(g) != weft_tensor_ndim(p) ||
+            memcmp(weft_tensor_shape(g), weft_tensor_shape(p),
+                   (size_t)weft_tensor_ndim(p) * sizeof(int64_t)) != 0) {
+            return weft__set_error(WEFT_ERR_SHAPE,
+                                   "%s: the gradient of parameter '%s' has another shape", fn,
+                                   s->name);
+        }
+        if (weft_tensor_numel(p) > 0 && weft_tensor_data(g) == weft_tensor_data(p)) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG,
+                                   "%s: parameter '%s' and its gradient share storage", fn,
+                                   s->name);
+        }
+        return WEFT_OK;
+    }
+    if (weft_tensor_sparse_grad(p, &idx, &rows) != WEFT_OK) {
+        return WEFT_OK;
+    }
+    if (weft_tensor_dtype(idx) != WEFT_I64 || weft_tensor_ndim(idx) != 1 ||
+        weft_tensor_dtype(rows) != weft_tensor_dtype(p) || weft_tensor_ndim(p) < 1 ||
+        weft_tensor_ndim(rows) != weft_tensor_ndim(p) ||
+        weft_tensor_shape(rows)[0] != weft_tensor_shape(idx)[0] ||
+        memcmp(weft_tensor_shape(rows) + 1, weft_tensor_shape(p) + 1,
+               (size_t)(weft_tensor_ndim(p) - 1) * sizeof(int64_t)) != 0) {
+        return weft__set_error(WEFT_ERR_SHAPE,
+                               "%s: the sparse gradient of parameter '%s' does not match it", fn,
+                               s->name);
+    }
+    for (int64_t k = 0; k < weft_tensor_numel(idx); k++) {
+        int64_t i = ((const int64_t *)weft_tensor_data(idx))[k];
+        if (i < 0 || i >= weft_tensor_shape(p)[0]) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG,
+                                   "%s: parameter '%s': sparse gradient index %lld at %lld is out "
+                                   "of range [0, %lld)",
+                                   fn, s->name, (long long)i, (long long)k,
+                                   (long long)weft_tensor_shape(p)[0]);
+        }
+    }
+    return WEFT_OK;
+}
+
 weft_status_t weft_optimizer_step(weft_optimizer_t *opt)
 {
     if (opt == NULL) {
@@ -312,6 +374,7 @@ weft_status_t weft_optimizer_step(weft_optimizer_t *opt)
         if (sparse) {
             WEFT_CHECK(sparse_allowed(opt, s));
         }
+        WEFT_CHECK(precheck(opt, s, sparse));
     }
     for (int i = 0; i < opt->n; i++) {
         slot_t *s = &opt->slots[i];

@@ -9,7 +9,8 @@
  * backward through a freed graph is an error.
  *
  * Thread-safety: grad mode is per thread. One graph must not be used by two threads at once;
- * separate graphs may run backward concurrently. Hooks run on the thread that runs backward.
+ * separate graphs may run backward concurrently, also when they share leaves (a leaf's gradient
+ * is summed under its lock). Hooks run on the thread that runs backward.
  */
 #ifndef WEFT_AUTOGRAD_H
 #define WEFT_AUTOGRAD_H
@@ -63,8 +64,10 @@ int weft_tensor_has_sparse_grad(const weft_tensor_t *t);
 /** Drops the gradient of @p t, dense and sparse (zero_grad with set_to_none). */
 void weft_tensor_grad_clear(weft_tensor_t *t);
 /**
- * Replaces the dense gradient of leaf @p t with @p grad (retained; NULL clears it).
- * @return WEFT_ERR_SHAPE / WEFT_ERR_DTYPE when @p grad does not match @p t.
+ * Replaces the dense gradient of leaf @p t with @p grad (retained; NULL clears it). Backward then
+ * adds into @p grad in place: a trainer can place every gradient in one flat buffer.
+ * @return WEFT_ERR_SHAPE / WEFT_ERR_DTYPE when @p grad does not match @p t,
+ *         WEFT_ERR_INVALID_STATE when @p t is not a leaf.
  */
 weft_status_t weft_tensor_set_grad(weft_tensor_t *t, weft_tensor_t *grad);
 
@@ -77,8 +80,9 @@ weft_status_t weft_tensor_detach(weft_tensor_t *t, weft_tensor_t **out_p);
 /**
  * Runs backward from @p root. @p grad is the gradient of the root (same shape and dtype); NULL
  * means 1 and needs a root with one element. Gradients accumulate into the leaves that require
- * them. Unless @p retain_graph, what the graph saved is freed as backward passes, and a second
- * backward through it fails with WEFT_ERR_INVALID_STATE.
+ * them. Unless @p retain_graph, what the graph's nodes saved is freed as backward passes, and a
+ * second backward through a node that had saved something fails with WEFT_ERR_INVALID_STATE
+ * (as in torch, nodes that saved nothing can be gone through again).
  * @return WEFT_ERR_INVALID_ARG (the root does not require gradients, or NULL grad with a
  *         non-scalar root), WEFT_ERR_SHAPE (grad's shape differs), WEFT_ERR_INVALID_STATE (the
  *         graph was freed by an earlier backward), or the status of a failing node or hook.
@@ -91,8 +95,10 @@ weft_status_t weft_backward_many(int n, weft_tensor_t *const *roots, weft_tensor
 /**
  * Called when backward has finished accumulating into @p param's gradient, once per backward
  * (torch's post-accumulate-grad hook; the DDP reducer hangs its buckets on these). @p grad is
- * the parameter's dense gradient (NULL when the gradient is sparse). Return WEFT_OK to go on; any
- * other status stops backward and is returned by it.
+ * the parameter's dense gradient (NULL when it has none, e.g. only a sparse one). Hooks of one
+ * parameter run in order from a snapshot taken before the first: one may remove itself or add
+ * others (which run from the next backward on). Return WEFT_OK to go on; any other status stops
+ * backward and is returned by it.
  */
 typedef weft_status_t (*weft_grad_hook_cb_t)(weft_tensor_t *param, weft_tensor_t *grad, void *arg);
 /**

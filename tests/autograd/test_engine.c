@@ -478,3 +478,161 @@ Test(engine, set_grad_checks_shape)
     weft_tensor_release(g);
     weft_tensor_release(x);
 }
+
+/* ---- fixes from review -------------------------------------------------------------------------
+ */
+
+#include <pthread.h>
+
+typedef struct {
+    weft_tensor_t *w;
+    int rounds;
+    int failures;
+} shared_leaf_job_t;
+
+static void *shared_leaf_worker(void *arg)
+{
+    shared_leaf_job_t *job = arg;
+
+    for (int i = 0; i < job->rounds; i++) {
+        weft_tensor_t *y = scale(job->w, 1.0); /* a graph of its own over the shared leaf */
+        weft_tensor_t *s = sum(y);
+        if (weft_backward(s, NULL, 0) != WEFT_OK) {
+            job->failures++;
+        }
+        weft_tensor_release(s);
+        weft_tensor_release(y);
+    }
+    return NULL;
+}
+
+Test(engine, graphs_sharing_a_leaf_run_backward_concurrently)
+{
+    double init[256];
+    shared_leaf_job_t jobs[2];
+    pthread_t th[2];
+    weft_tensor_t *w;
+
+    for (int i = 0; i < 256; i++) {
+        init[i] = i;
+    }
+    w = vec(256, init, 1);
+    for (int t = 0; t < 2; t++) {
+        jobs[t] = (shared_leaf_job_t){.w = w, .rounds = 300};
+        cr_assert_eq(pthread_create(&th[t], NULL, shared_leaf_worker, &jobs[t]), 0);
+    }
+    for (int t = 0; t < 2; t++) {
+        pthread_join(th[t], NULL);
+        cr_assert_eq(jobs[t].failures, 0);
+    }
+    for (int i = 0; i < 256; i++) {
+        cr_assert_eq(D(weft_tensor_grad(w))[i], 600.0, "element %d: %g", i,
+                     D(weft_tensor_grad(w))[i]);
+    }
+    weft_tensor_release(w);
+}
+
+static int once_calls;
+static int after_calls;
+
+static weft_status_t once_hook(weft_tensor_t *param, weft_tensor_t *grad, void *arg)
+{
+    (void)grad;
+    once_calls++;
+    return weft_tensor_remove_grad_hook(param, *(int *)arg);
+}
+
+static weft_status_t after_hook(weft_tensor_t *param, weft_tensor_t *grad, void *arg)
+{
+    (void)param;
+    (void)grad;
+    (void)arg;
+    after_calls++;
+    return WEFT_OK;
+}
+
+Test(engine, a_hook_that_removes_itself_does_not_skip_the_next)
+{
+    weft_tensor_t *x = vec(2, (double[]){1, 2}, 1);
+    int id = 0;
+
+    cr_assert_eq(weft_tensor_add_grad_hook(x, once_hook, &id, &id), WEFT_OK);
+    cr_assert_eq(weft_tensor_add_grad_hook(x, after_hook, NULL, NULL), WEFT_OK);
+    for (int round = 0; round < 2; round++) {
+        weft_tensor_t *y = scale(x, 2);
+        cr_assert_eq(weft_backward(y, x, 0), WEFT_OK, "%s", weft_last_error());
+        weft_tensor_release(y);
+    }
+    cr_assert_eq(once_calls, 1);
+    cr_assert_eq(after_calls, 2);
+    weft_tensor_release(x);
+}
+
+Test(engine, leaves_turned_off_after_recording_and_non_leaf_set_grad)
+{
+    weft_tensor_t *x = vec(2, (double[]){1, 2}, 1);
+    weft_tensor_t *y = scale(x, 2);
+    weft_tensor_t *g = vec(2, (double[]){1, 1}, 0);
+
+    cr_assert_eq(weft_tensor_set_grad(y, g), WEFT_ERR_INVALID_STATE);
+    cr_assert_eq(weft_tensor_set_requires_grad(x, 0), WEFT_OK);
+    cr_assert_eq(weft_backward(y, g, 0), WEFT_OK, "%s", weft_last_error());
+    cr_assert_null(weft_tensor_grad(x), "a leaf that no longer requires grad gets none");
+    weft_tensor_release(g);
+    weft_tensor_release(y);
+    weft_tensor_release(x);
+}
+
+Test(engine, sparse_rows_do_not_alias_the_callers_gradient)
+{
+    int64_t shape[2] = {3, 2};
+    weft_tensor_t *table = NULL;
+    weft_tensor_t *r;
+    weft_tensor_t *g;
+    weft_tensor_t *idx;
+    weft_tensor_t *val;
+
+    cr_assert_eq(weft_tensor_create(WEFT_F64, 2, shape, &table), WEFT_OK);
+    cr_assert_eq(weft_tensor_set_requires_grad(table, 1), WEFT_OK);
+    r = rows(table, 1, (int64_t[]){2});
+    cr_assert_eq(weft_tensor_create(WEFT_F64, 2, (int64_t[]){1, 2}, &g), WEFT_OK);
+    D(g)[0] = 5;
+    D(g)[1] = 6;
+    cr_assert_eq(weft_backward(r, g, 0), WEFT_OK, "%s", weft_last_error());
+    D(g)[0] = 42; /* the caller reuses its buffer */
+    cr_assert_eq(weft_tensor_sparse_grad(table, &idx, &val), WEFT_OK);
+    cr_assert_eq(D(val)[0], 5.0);
+    cr_assert_eq(D(val)[1], 6.0);
+    weft_tensor_release(g);
+    weft_tensor_release(r);
+    weft_tensor_release(table);
+}
+
+Test(engine, saved_labels_are_private)
+{
+    int64_t ls[2] = {2, 3};
+    int64_t n = 2;
+    weft_tensor_t *logits = NULL;
+    weft_tensor_t *labels = NULL;
+    weft_tensor_t *loss = NULL;
+    weft_rng_t rng;
+
+    weft_rng_init(&rng, 3, 0);
+    cr_assert_eq(weft_tensor_empty(WEFT_F64, 2, ls, &logits), WEFT_OK);
+    cr_assert_eq(weft_tensor_fill_uniform(logits, -1, 1, &rng), WEFT_OK);
+    cr_assert_eq(weft_tensor_set_requires_grad(logits, 1), WEFT_OK);
+    cr_assert_eq(weft_tensor_create(WEFT_I64, 1, &n, &labels), WEFT_OK);
+    ((int64_t *)weft_tensor_data(labels))[1] = 2;
+    cr_assert_eq(weft_op_cross_entropy(logits, labels, WEFT_REDUCTION_SUM, &loss), WEFT_OK);
+    /* The caller refills its label buffer (out of range for this batch) before backward. */
+    ((int64_t *)weft_tensor_data(labels))[1] = 1000000;
+    cr_assert_eq(weft_backward(loss, NULL, 0), WEFT_OK, "%s", weft_last_error());
+    {
+        /* Row 1's gradient is softmax - onehot(2): its entry 2 is negative. */
+        double g12 = D(weft_tensor_grad(logits))[5];
+        cr_assert(g12 < 0, "label 2 was used: %g", g12);
+    }
+    weft_tensor_release(loss);
+    weft_tensor_release(labels);
+    weft_tensor_release(logits);
+}

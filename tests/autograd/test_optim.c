@@ -724,3 +724,40 @@ Test(optim, objects_bad_hyperparameters)
     weft_tensor_release(pi);
     weft_param_list_free(ps);
 }
+
+Test(optim, a_failing_step_changes_nothing)
+{
+    int64_t n = 3;
+    weft_tensor_t *a = NULL;
+    weft_tensor_t *b = NULL;
+    weft_tensor_t *ga = NULL;
+    weft_tensor_t *gb = NULL;
+    weft_param_list_t *list = NULL;
+    weft_optimizer_t *opt = NULL;
+    weft_optim_sgd_config_t cfg = weft_optim_sgd_defaults();
+
+    cfg.lr = 1.0;
+    cr_assert_eq(weft_tensor_create(WEFT_F32, 1, &n, &a), WEFT_OK);
+    cr_assert_eq(weft_tensor_create(WEFT_F32, 1, &n, &b), WEFT_OK);
+    cr_assert_eq(weft_tensor_set_requires_grad(a, 1), WEFT_OK);
+    cr_assert_eq(weft_tensor_set_requires_grad(b, 1), WEFT_OK);
+    cr_assert_eq(weft_tensor_create(WEFT_F32, 1, &n, &ga), WEFT_OK);
+    ((float *)weft_tensor_data(ga))[0] = 1.0f;
+    cr_assert_eq(weft_tensor_set_grad(a, ga), WEFT_OK);
+    /* b's gradient shares b's storage: the SGD kernel refuses it. */
+    cr_assert_eq(weft_tensor_view(b, 1, &n, &gb), WEFT_OK);
+    cr_assert_eq(weft_tensor_set_grad(b, gb), WEFT_OK);
+    cr_assert_eq(weft_param_list_create(&list), WEFT_OK);
+    cr_assert_eq(weft_param_list_add(list, "a", a), WEFT_OK);
+    cr_assert_eq(weft_param_list_add(list, "b", b), WEFT_OK);
+    cr_assert_eq(weft_optimizer_sgd_create(list, &cfg, &opt), WEFT_OK);
+    cr_assert_eq(weft_optimizer_step(opt), WEFT_ERR_INVALID_ARG);
+    cr_assert(strstr(weft_last_error(), "'b'") != NULL, "%s", weft_last_error());
+    cr_assert_eq(((float *)weft_tensor_data(a))[0], 0.0f, "a was updated by a failing step");
+    weft_optimizer_free(opt);
+    weft_param_list_free(list);
+    weft_tensor_release(ga);
+    weft_tensor_release(gb);
+    weft_tensor_release(a);
+    weft_tensor_release(b);
+}
