@@ -315,6 +315,9 @@ static void *timer_main(void *arg)
     return NULL;
 }
 
+static bool on_land(weft_agent_t *a, int src_world, const void *payload, size_t len,
+                    weft_dtype_t dtype, int64_t numel, weft_landing_t *l, void *arg);
+
 static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
 {
     int n = weft_agent_world_size(a);
@@ -344,6 +347,9 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     }
     ctx->timer_started = true;
     weft_status_t st = weft_agent_register_channel(a, WEFT_CHANNEL_COLLECTIVES, on_message, ctx);
+    if (st == WEFT_OK) {
+        st = weft_agent_set_channel_lander(a, WEFT_CHANNEL_COLLECTIVES, on_land);
+    }
     if (st == WEFT_OK) {
         st = weft_agent_on_peer_lost(a, on_lost, ctx);
     }
@@ -451,7 +457,8 @@ static weft_status_t send_header(coll_group_t *g, int dst, Weft__V1__CollHeader 
     }
     /* Pieces of collectives are matched by (seq, step, src), not by arrival order: they
      * may take a direct connection. Point-to-point keeps its order. */
-    uint32_t flags = h->op != WEFT__V1__COLL_OP__COLL_OP_P2P ? WEFT_SEND_UNORDERED : 0;
+    uint32_t flags =
+        h->op != WEFT__V1__COLL_OP__COLL_OP_P2P ? WEFT_SEND_UNORDERED | WEFT_SEND_INLINE : 0;
     st = weft_agent_send_flags(g->ctx->agent, g->world[dst], WEFT_CHANNEL_COLLECTIVES, v, flags,
                                NULL);
     weft_value_free(v); /* the transport holds its own references to the bytes */
@@ -573,6 +580,126 @@ static bool same_op(const coll_group_t *g, const coll_desc_t *d, const Weft__V1_
                  (unsigned long long)d->seq, g->id, h->src, theirs, g->rank, mine);
     }
     return false;
+}
+
+/* ------------------------------------------------------------ pieces landing in place */
+
+static void slot_sink(void *arg, size_t off, const void *bytes, size_t n)
+{
+    coll_slot_t *s = arg;
+    size_t es = weft_dtype_size(s->dtype);
+    weft_reduce_into(s->dst + off, bytes, n / es, s->dtype, s->rop);
+}
+
+/* Pieces that landed in place (white-box tests). */
+static _Atomic long landed_pieces;
+
+long coll__landed_pieces(void)
+{
+    return atomic_load(&landed_pieces);
+}
+
+static void slot_done(void *arg, bool landed)
+{
+    coll_slot_t *s = arg;
+    if (landed) {
+        atomic_fetch_add(&landed_pieces, 1);
+    }
+    coll_ctx_t *ctx = s->g->ctx;
+    pthread_mutex_lock(&ctx->mu);
+    atomic_store(&s->state, landed ? COLL_SLOT_LANDED : COLL_SLOT_FAILED);
+    pthread_cond_broadcast(&ctx->cv);
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+/* The direct connection's reader asks where a piece lands: into its posted slot when
+ * the piece is the one expected there, with the operation's view. */
+static bool on_land(weft_agent_t *a, int src_world, const void *payload, size_t len,
+                    weft_dtype_t dtype, int64_t numel, weft_landing_t *l, void *arg)
+{
+    coll_ctx_t *ctx = arg;
+    Weft__V1__CollHeader *h = weft__v1__coll_header__unpack(NULL, len, payload);
+    bool taken = false;
+    char why[700];
+
+    (void)a;
+    if (h == NULL) {
+        return false;
+    }
+    if (h->version == COLL_VERSION && h->kind == WEFT__V1__COLL_KIND__COLL_DATA &&
+        h->op != WEFT__V1__COLL_OP__COLL_OP_P2P) {
+        pthread_mutex_lock(&ctx->mu);
+        for (coll_slot_t *s = ctx->slots; s != NULL; s = s->next) {
+            if (s->g->id != h->group || s->d->seq != h->seq || s->step != h->step ||
+                (uint32_t)s->src != h->src) {
+                continue;
+            }
+            if (atomic_load(&s->state) == COLL_SLOT_POSTED && s->g->world[s->src] == src_world &&
+                dtype == s->dtype && numel >= 0 && (uint64_t)numel == s->count &&
+                same_op(s->g, s->d, h, false, why, sizeof(why))) {
+                atomic_store(&s->state, COLL_SLOT_CLAIMED);
+                l->dst = s->dst;
+                l->sink = s->reduce ? slot_sink : NULL;
+                l->done = slot_done;
+                l->arg = s;
+                taken = true;
+            }
+            break;
+        }
+        pthread_mutex_unlock(&ctx->mu);
+    }
+    weft__v1__coll_header__free_unpacked(h, NULL);
+    return taken;
+}
+
+void coll__slot_post(coll_group_t *g, const coll_desc_t *d, coll_slot_t *s, uint32_t step, int src,
+                     void *dst, size_t count, weft_dtype_t dtype, bool reduce, weft_reduce_op_t rop)
+{
+    coll_ctx_t *ctx = g->ctx;
+
+    s->g = g;
+    s->d = d;
+    s->step = step;
+    s->src = src;
+    s->dst = dst;
+    s->count = count;
+    s->dtype = dtype;
+    s->rop = rop;
+    s->reduce = reduce;
+    atomic_store(&s->state, COLL_SLOT_POSTED);
+    pthread_mutex_lock(&ctx->mu);
+    s->next = ctx->slots;
+    ctx->slots = s;
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+bool coll__slot_landed(const coll_slot_t *s)
+{
+    return atomic_load(&s->state) == COLL_SLOT_LANDED;
+}
+
+void coll__slot_end(coll_group_t *g, coll_slot_t *s)
+{
+    coll_ctx_t *ctx = g->ctx;
+
+    if (atomic_load(&s->state) == COLL_SLOT_IDLE) {
+        return;
+    }
+    pthread_mutex_lock(&ctx->mu);
+    /* The reader is writing into it: it finishes, or its connection breaks (a lost
+     * peer's connections are cut). */
+    while (atomic_load(&s->state) == COLL_SLOT_CLAIMED) {
+        pthread_cond_wait(&ctx->cv, &ctx->mu);
+    }
+    for (coll_slot_t **pp = &ctx->slots; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == s) {
+            *pp = s->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    s->next = NULL;
+    atomic_store(&s->state, COLL_SLOT_IDLE);
 }
 
 weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,

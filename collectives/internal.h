@@ -40,6 +40,24 @@ typedef struct coll_abort {
     char *why;
 } coll_abort_t;
 
+/* A destination posted for one expected piece: the direct connection's reader
+ * receives its bytes straight into it (or reduces them into it as they arrive). */
+typedef struct coll_slot {
+    struct coll_slot *next;
+    struct coll_group *g;
+    const struct coll_desc *d; /* the operation's view, checked before bytes land */
+    uint32_t step;
+    int src; /* group rank */
+    uint8_t *dst;
+    size_t count;
+    weft_dtype_t dtype;
+    weft_reduce_op_t rop; /* when reduce */
+    bool reduce;
+    _Atomic int state; /* COLL_SLOT_* */
+} coll_slot_t;
+
+enum { COLL_SLOT_IDLE, COLL_SLOT_POSTED, COLL_SLOT_CLAIMED, COLL_SLOT_LANDED, COLL_SLOT_FAILED };
+
 /* Per-agent state (weft_agent_module on WEFT_CHANNEL_COLLECTIVES). */
 typedef struct coll_ctx {
     weft_agent_t *agent;
@@ -48,8 +66,9 @@ typedef struct coll_ctx {
     coll_msg_t *msgs;
     coll_precv_t *precvs;
     coll_abort_t *aborts;
-    bool *lost; /* by world rank */
-    char **why; /* by world rank */
+    coll_slot_t *slots; /* posted destinations */
+    bool *lost;         /* by world rank */
+    char **why;         /* by world rank */
     uint32_t next_group;
     struct coll_group *world; /* the world group, shared by every handle to it */
     int world_refs;
@@ -127,7 +146,7 @@ weft_status_t coll__ctx(weft_agent_t *a, coll_ctx_t **ctx_p);
 void coll__ctx_drop_group(coll_ctx_t *ctx, coll_group_t *g);
 
 /* The sender's view of an operation, carried by every message of it. */
-typedef struct {
+typedef struct coll_desc {
     coll_kind_t kind;
     uint64_t seq;
     weft_dtype_t dtype;
@@ -147,6 +166,17 @@ weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
 weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
                          int64_t deadline_ns, coll_msg_t **m_p);
 void coll__msg_free(coll_msg_t *m);
+/* Posts @p s (the caller's, zeroed or ended) as the destination of piece @p step from
+ * group rank @p src: @p count elements of @p dtype at @p dst, copied, or reduced into it
+ * with @p rop when @p reduce. @p d must outlive the slot. A piece that lands there comes
+ * to coll__recv without its tensor, and coll__slot_landed says so. */
+void coll__slot_post(coll_group_t *g, const coll_desc_t *d, coll_slot_t *s, uint32_t step, int src,
+                     void *dst, size_t count, weft_dtype_t dtype, bool reduce,
+                     weft_reduce_op_t rop);
+/* Whether the piece of @p s landed in place (call after coll__recv returned it). */
+bool coll__slot_landed(const coll_slot_t *s);
+/* Withdraws @p s, waiting while a transport thread writes into it. No-op if not posted. */
+void coll__slot_end(coll_group_t *g, coll_slot_t *s);
 /* Tells every member that operation @p seq failed here: they fail it too, with @p st. */
 void coll__abort(coll_group_t *g, uint64_t seq, weft_status_t st, const char *why);
 /* The data tensor of a received message (NULL if none). */
@@ -169,6 +199,8 @@ void coll__ctx_add_group(coll_ctx_t *ctx, coll_group_t *g);
  * sent pieces (of every group) whose bytes the transport still holds. */
 size_t coll__mailbox_count(const weft_pg_t *pg);
 long coll__held_pieces(void);
+/* Received pieces that landed in place (coll__slot_post), in this process. */
+long coll__landed_pieces(void);
 
 void coll__op_free(coll_op_t *op, int size);
 

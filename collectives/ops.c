@@ -8,9 +8,10 @@
 
 #include "internal.h"
 
-/* Direct exchange below this many bytes (latency: one round), ring above. */
+/* Direct exchange below this many bytes (latency: one round), ring above (2 ranks: from
+ * RING2_MIN_BYTES). */
 #define DIRECT_MAX_BYTES (64u << 10)
-#define RING2_MIN_BYTES  (4u << 20)
+#define RING2_MIN_BYTES  (1u << 20)
 /* Ring segments: large enough for the direct connections (>= 1 MiB), small enough
  * to overlap transfer and reduction. */
 #define RING_SEGMENT_BYTES (2u << 20)
@@ -253,11 +254,33 @@ static weft_status_t all_reduce_ring(coll_group_t *g, const coll_desc_t *d, uint
         return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
     }
     int steps = 2 * (n - 1);
+    /* slots[t * nseg + k]: where piece (t, k) lands in place, posted for all at once. */
+    coll_slot_t *slots = weft_calloc((size_t)steps * nseg, sizeof(*slots));
+    if (slots == NULL) {
+        weft_free(rel);
+        weft_free(off);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
+    }
 #define SEG_LO(c, k) (off[(c)] + (size_t)(k)*seg)
 #define SEG_LEN(c, k)                                                                              \
     (SEG_LO(c, k) >= off[(c) + 1]                                                                  \
          ? 0                                                                                       \
          : (off[(c) + 1] - SEG_LO(c, k) < seg ? off[(c) + 1] - SEG_LO(c, k) : seg))
+    /* Every piece may land in place from the start: a reduce-scatter piece is reduced
+     * into a region no send of ours reads yet (we forward it once reduced), and an
+     * all-gather piece can only come after the whole ring, this rank included, has
+     * passed on what this rank sent from that region (its bytes were written out). */
+    for (int t = 0; t < steps; t++) {
+        int ri = ((me - t - 1) % n + n) % n;
+        for (size_t k = 0; k < nseg; k++) {
+            size_t len = SEG_LEN(ri, k);
+            if (len > 0) {
+                coll__slot_post(g, d, &slots[(size_t)t * nseg + k],
+                                (uint32_t)((size_t)t * nseg + k), left, work + SEG_LO(ri, k) * es,
+                                len, wt, t < n - 1, d->rop);
+            }
+        }
+    }
     /* Step 0: every segment of our own chunk goes out. */
     for (size_t k = 0; k < nseg && st == WEFT_OK; k++) {
         size_t len = SEG_LEN(me, k);
@@ -268,15 +291,20 @@ static weft_status_t all_reduce_ring(coll_group_t *g, const coll_desc_t *d, uint
         int ri = ((me - t - 1) % n + n) % n; /* the chunk arriving at step t */
         for (size_t k = 0; k < nseg && st == WEFT_OK; k++) {
             size_t len = SEG_LEN(ri, k);
+            coll_slot_t *slot = &slots[(size_t)t * nseg + k];
             coll_msg_t *m;
             st = coll__recv(g, d, (uint32_t)((size_t)t * nseg + k), left, deadline, &m);
             if (st != WEFT_OK) {
                 break;
             }
+            bool landed = coll__slot_landed(slot);
+            coll__slot_end(g, slot);
             weft_tensor_t *tt = coll__msg_tensor(m);
             uint8_t *dst = work + SEG_LO(ri, k) * es;
-            if (len > 0 && (tt == NULL || weft_tensor_dtype(tt) != wt ||
-                            (size_t)weft_tensor_numel(tt) != len)) {
+            if (landed) {
+                /* Reduced or copied in place as it arrived. */
+            } else if (len > 0 && (tt == NULL || weft_tensor_dtype(tt) != wt ||
+                                   (size_t)weft_tensor_numel(tt) != len)) {
                 st = weft__set_error(WEFT_ERR_PROTOCOL,
                                      "all_reduce: group rank %d sent a piece of the wrong size",
                                      left);
@@ -294,22 +322,25 @@ static weft_status_t all_reduce_ring(coll_group_t *g, const coll_desc_t *d, uint
             }
             coll__msg_free(m);
             /* Forward it at once: it is this rank's piece of step t + 1. */
-            if (st == WEFT_OK && t + 1 < steps && t + 1 != steps) {
-                if (t + 1 < steps) {
-                    weft_future_t **r = &rel[(size_t)ri * nseg + k];
-                    if (*r != NULL) {
-                        weft_future_release(*r); /* a newer send supersedes it */
-                        *r = NULL;
-                    }
-                    st = coll__send(g, d, (uint32_t)((size_t)(t + 1) * nseg + k), right,
-                                    len > 0 ? dst : NULL, len, wt, r);
+            if (st == WEFT_OK && t + 1 < steps) {
+                weft_future_t **r = &rel[(size_t)ri * nseg + k];
+                if (*r != NULL) {
+                    weft_future_release(*r); /* a newer send supersedes it */
+                    *r = NULL;
                 }
+                st = coll__send(g, d, (uint32_t)((size_t)(t + 1) * nseg + k), right,
+                                len > 0 ? dst : NULL, len, wt, r);
             }
         }
+    }
+    /* Pieces that never came (a failure) may be landing still: wait for their writers. */
+    for (size_t i = 0; i < (size_t)steps * nseg; i++) {
+        coll__slot_end(g, &slots[i]);
     }
 #undef SEG_LO
 #undef SEG_LEN
     weft_status_t w = wait_released(rel, (size_t)n * nseg, deadline);
+    weft_free(slots);
     weft_free(rel);
     weft_free(off);
     return st != WEFT_OK ? st : w;
@@ -334,10 +365,11 @@ static weft_status_t run_all_reduce(coll_group_t *g, const coll_desc_t *d, weft_
         work = (uint8_t *)wide;
     }
     const char *algo = getenv("WEFT_COLL_ALGO");
-    /* With two ranks the direct exchange moves the same bytes as the ring; the ring's
-     * pipelining pays off only for large tensors. */
+    /* With two ranks the direct exchange moves the same bytes as the ring in one round;
+     * from 1 MiB the ring wins: each rank reduces half the tensor, as it arrives, and
+     * its pieces (>= 256 KiB each, on the direct connections) land in place. */
     size_t bytes = count * weft_dtype_size(wt);
-    bool ring = bytes > DIRECT_MAX_BYTES && (g->size > 2 || bytes > RING2_MIN_BYTES);
+    bool ring = bytes > DIRECT_MAX_BYTES && (g->size > 2 || bytes >= RING2_MIN_BYTES);
     if (algo != NULL && strcmp(algo, "ring") == 0) {
         ring = true;
     } else if (algo != NULL && strcmp(algo, "direct") == 0) {

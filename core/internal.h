@@ -102,4 +102,16 @@ int weft__tensor_exclusive(const weft_tensor_t *t);
 /** Sum of the byte sizes of the value's tensors (0 for NULL). */
 size_t weft__value_tensors_nbytes(const weft_value_t *v);
 
+/**
+ * weft_value_add_ref that takes over the caller's reference to @p obj on success (no retain);
+ * caller keeps it on failure. WEFT_ERR_INVALID_ARG, WEFT_ERR_NO_MEMORY.
+ */
+weft_status_t weft__value_push_ref(weft_value_t *v, const weft_value_ref_type_t *type, void *obj);
+/** Borrowed object of reference @p i and its type (@p type_p); NULL when out of range. */
+void *weft__value_ref_at(const weft_value_t *v, size_t i, const weft_value_ref_type_t **type_p);
+/** Replaces reference @p i (in range) by @p obj of @p type, taking over the caller's reference to
+ * @p obj; the old object is released. */
+void weft__value_replace_ref(weft_value_t *v, size_t i, const weft_value_ref_type_t *type,
+                             void *obj);
+
 #endif

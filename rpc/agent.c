@@ -708,6 +708,8 @@ weft_status_t weft_agent_shutdown(weft_agent_t *a, int64_t timeout_ms)
         timeout_ms = a->default_timeout_ms;
     }
     int64_t deadline = weft__now_ns() + timeout_ms * 1000000;
+    /* Modules settle first (weft_agent_on_shutdown), while calls still go. */
+    weft__shutdown_listeners(a, deadline / 1000000);
     atomic_store(&a->state, WEFT__AGENT_SHUTTING_DOWN);
     weft_status_t st = weft__shutdown_barrier(a, deadline);
     char why[1024];
@@ -805,6 +807,8 @@ void weft_agent_free(weft_agent_t *a)
         grpc_server_destroy(a->server);
     }
     weft__shutdown_free(a);
+    /* References still kept for this rank itself: released before their modules go. */
+    weft__refs_free(a);
     /* Upper modules' state, now that nothing can call into it any more. */
     for (int c = 0; c <= WEFT_CHANNEL_MAX; c++) {
         if (a->module_state[c] != NULL && a->module_destroy[c] != NULL) {

@@ -16,7 +16,20 @@ struct weft_call {
     weft_value_t *args;
     int64_t deadline_ns;
     bool internal;
+    /* while the objects of the arguments' references get ready */
+    weft_rpc_handler_cb_t handler;
+    void *handler_arg;
+    /* weft_rpc_call_local: the caller's future, completed with the reply value itself */
+    weft_future_t *local;
 };
+
+static void drop_ready(weft_future_t **ready, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        weft_future_release(ready[i]);
+    }
+    weft_free(ready);
+}
 
 /* ---------------------------------------------------------------- registry */
 
@@ -91,8 +104,35 @@ weft_status_t weft_agent_register_channel(weft_agent_t *a, uint32_t channel, wef
     return WEFT_OK;
 }
 
+weft_status_t weft_agent_set_channel_lander(weft_agent_t *a, uint32_t channel,
+                                            weft_channel_land_cb_t land)
+{
+    if (a == NULL || land == NULL || channel < 1 || channel > WEFT_CHANNEL_MAX) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "set_channel_lander: bad argument");
+    }
+    pthread_mutex_lock(&a->chan_mu);
+    bool ok = a->channel_cb[channel] != NULL;
+    if (ok) {
+        atomic_store(&a->channel_land[channel], land);
+    }
+    pthread_mutex_unlock(&a->chan_mu);
+    if (!ok) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "set_channel_lander: channel %u has no receiver", channel);
+    }
+    return WEFT_OK;
+}
+
 void weft__channel_deliver(weft_agent_t *a, uint32_t channel, int src, weft_value_t *v)
 {
+    /* References come as the frame carried them: decode them now (a ONEWAY's objects are not
+     * awaited, which keeps the channel's order). */
+    if (weft_value_num_refs(v) > 0 && weft__refs_decode_raw(a, src, v) != WEFT_OK) {
+        WEFT_WARN("dropped a message on channel %u from rank %d: %s", channel, src,
+                  weft_last_error());
+        weft_value_free(v);
+        return;
+    }
     if (!atomic_load(&a->chan_ready[channel])) {
         pthread_mutex_lock(&a->chan_mu);
         if (!atomic_load(&a->chan_ready[channel])) {
@@ -167,6 +207,7 @@ static void call_free(weft_call_t *call)
     if (call->stream != NULL) {
         weft__stream_unref(call->stream);
     }
+    weft_future_release(call->local);
     weft_value_free(call->args);
     weft_free(call->function);
     weft_free(call);
@@ -182,12 +223,28 @@ static void send_response(weft_call_t *call, weft_status_t st, const char *text,
     Weft__V1__Envelope env = WEFT__V1__ENVELOPE__INIT;
     weft__outmsg_t *m;
 
+    if (call->local != NULL) {
+        /* A local call's failure (its success goes through weft_call_reply). */
+        weft_future_complete(call->local, st, text, NULL);
+        return;
+    }
+
     env.kind = WEFT__V1__KIND__KIND_RESPONSE;
     env.request_id = call->request_id;
     env.src_rank = a->rank;
     env.status = st;
     env.error = (char *)(text != NULL ? text : "");
-    weft_status_t est = weft__wire_encode(&env, st == WEFT_OK ? result : NULL, &m);
+    weft__refs_out_t *refs = NULL;
+    weft_status_t est =
+        st == WEFT_OK ? weft__refs_encode(a, call->caller, result, &env, &refs) : WEFT_OK;
+    if (est == WEFT_OK) {
+        est = weft__wire_encode(&env, st == WEFT_OK ? result : NULL, &m);
+        if (est == WEFT_OK) {
+            m->refs = refs; /* "unsent" if the answer is freed unsent */
+        } else {
+            weft__refs_out_free(refs, false);
+        }
+    }
     if (est == WEFT_OK && st == WEFT_OK) {
         uint64_t limit = call->stream != NULL ? weft__stream_peer_max(call->stream)
                                               : a->peers[call->caller].max_message_bytes;
@@ -196,7 +253,7 @@ static void send_response(weft_call_t *call, weft_status_t st, const char *text,
             snprintf(why, sizeof(why),
                      "result of '%s' on %s is %zu bytes, over the caller's limit of %llu bytes",
                      call->function, a->name, m->nbytes, (unsigned long long)limit);
-            weft__outmsg_free(m, WEFT_OK, NULL);
+            weft__outmsg_free(m, WEFT_ERR_TOO_LARGE, why);
             send_response(call, WEFT_ERR_TOO_LARGE, why, NULL);
             return;
         }
@@ -237,9 +294,25 @@ static void send_response(weft_call_t *call, weft_status_t st, const char *text,
 
 void weft_call_reply(weft_call_t *call, weft_value_t *result)
 {
+    if (call->local != NULL) {
+        /* The value itself goes to the caller: nothing is copied. */
+        if (result == NULL && weft_value_create(&result) != WEFT_OK) {
+            weft_future_complete(call->local, WEFT_ERR_NO_MEMORY, "no memory for the result", NULL);
+        } else {
+            weft_future_complete(call->local, WEFT_OK, NULL, result);
+        }
+        call_free(call);
+        return;
+    }
     send_response(call, WEFT_OK, NULL, result);
     weft_value_free(result);
     call_free(call);
+}
+
+void weft_call_set_args(weft_call_t *call, weft_value_t *args)
+{
+    weft_value_free(call->args);
+    call->args = args;
 }
 
 void weft_call_fail(weft_call_t *call, weft_status_t status, const char *fmt, ...)
@@ -288,11 +361,25 @@ void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope 
     weft__call_dispatch_from(a, s, weft__stream_peer(s), env, args);
 }
 
+/* The objects of the arguments' references are ready (or one failed): run the handler. */
+static void args_ready(weft_status_t st, const char *text, void *arg)
+{
+    weft_call_t *call = arg;
+
+    if (st != WEFT_OK) {
+        weft_call_fail(call, st, "%s", text);
+        return;
+    }
+    call->handler(call, call->handler_arg);
+}
+
 void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer, Weft__V1__Envelope *env,
                               weft_value_t *args)
 {
     weft_call_t *call = weft_calloc(1, sizeof(*call));
     weft__fn_t *fn = NULL;
+    weft_future_t **ready = NULL;
+    size_t nready = 0;
 
     if (call == NULL) {
         WEFT_ERROR("no memory for an incoming call");
@@ -315,7 +402,20 @@ void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer, Weft
     }
     call->args = args;
     args = NULL;
+    if (env->n_refs > 0) {
+        /* First, whatever follows: every reference sent is decoded (and released with the
+         * arguments when the call fails), so that its module settles what the sender recorded. */
+        weft_status_t rst = call->args != NULL ? WEFT_OK : weft_value_create(&call->args);
+        if (rst == WEFT_OK) {
+            rst = weft__refs_decode(a, peer, env, call->args, &ready, &nready);
+        }
+        if (rst != WEFT_OK) {
+            weft_call_fail(call, rst, "%s", weft_last_error());
+            goto out;
+        }
+    }
     if (env->timeout_ms <= 0) {
+        drop_ready(ready, nready);
         weft_call_fail(call, WEFT_ERR_TIMEOUT, "the caller's deadline passed before the call ran");
         goto out;
     }
@@ -329,12 +429,20 @@ void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer, Weft
     void *arg = fn != NULL ? fn->arg : NULL;
     pthread_rwlock_unlock(&a->reg_mu);
     if (cb == NULL) {
+        drop_ready(ready, nready);
         weft_call_fail(call, WEFT_ERR_NO_SUCH_FUNCTION, "no function named '%s' is registered",
                        call->function);
         goto out;
     }
     /* The envelope goes before the handler runs: it may take long. */
     weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+    if (nready > 0) {
+        /* The handler runs once every object is ready, on the thread that completes the last. */
+        call->handler = cb;
+        call->handler_arg = arg;
+        weft__refs_when_ready(ready, nready, args_ready, call);
+        return;
+    }
     cb(call, arg);
     return;
 out:
@@ -396,6 +504,29 @@ void weft__call_response(weft_agent_t *a, int peer, Weft__V1__Envelope *env, wef
     weft__pending_t *p = pending_remove(a, env->request_id, peer);
     pthread_mutex_unlock(&a->pend_mu);
 
+    if (env->status == 0 && env->n_refs > 0) {
+        /* Decoded even when no call waits any more: released with the value, they settle. Their
+         * objects are not awaited. */
+        weft_future_t **ready = NULL;
+        size_t nready = 0;
+        weft_status_t rst = v != NULL ? WEFT_OK : weft_value_create(&v);
+        if (rst == WEFT_OK) {
+            rst = weft__refs_decode(a, peer, env, v, &ready, &nready);
+        }
+        drop_ready(ready, nready);
+        if (rst != WEFT_OK) {
+            char text[WEFT__ERROR_MAX];
+            snprintf(text, sizeof(text), "result from rank %d: %s", peer, weft_last_error());
+            WEFT_WARN("%s", text);
+            weft_value_free(v);
+            v = NULL;
+            if (p != NULL) {
+                pending_finish(p, rst, text, NULL);
+            }
+            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            return;
+        }
+    }
     if (p == NULL) {
         /* Timed out or failed already (or not a call to this peer): dropped. */
         WEFT_DEBUG("response %llu from rank %d matches no pending call; dropped",
@@ -579,7 +710,14 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
     env.function = (char *)fn;
     env.timeout_ms = timeout_ms;
     env.src_rank = a->rank;
-    WEFT_CHECK(weft__wire_encode(&env, args, &m));
+    weft__refs_out_t *refs;
+    WEFT_CHECK(weft__refs_encode(a, to, args, &env, &refs));
+    st = weft__wire_encode(&env, args, &m);
+    if (st != WEFT_OK) {
+        weft__refs_out_free(refs, false);
+        return st;
+    }
+    m->refs = refs; /* from here on, freeing @p m unsent runs the codecs' unsent */
     uint64_t limit = a->peers[to].max_message_bytes;
     if (limit > 0 && m->nbytes > limit) {
         st = weft__set_error(WEFT_ERR_TOO_LARGE,
@@ -633,8 +771,67 @@ err_free_pending:
 err_free_future:
     weft_future_release(f);
 err_free_msg:
-    weft__outmsg_free(m, WEFT_OK, NULL);
+    weft__outmsg_free(m, st, NULL); /* not sent (it has no sent future) */
     return st;
+}
+
+weft_status_t weft_rpc_call_local(weft_agent_t *a, const char *fn, weft_value_t *args,
+                                  int64_t timeout_ms, weft_future_t **f_p)
+{
+    weft_rpc_handler_cb_t cb = NULL;
+    void *cb_arg = NULL;
+    weft_call_t *call;
+    weft_future_t *f = NULL;
+
+    if (a == NULL || fn == NULL || f_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc_call_local: NULL argument");
+    }
+    pthread_rwlock_rdlock(&a->reg_mu);
+    for (weft__fn_t *e = a->fns; e != NULL; e = e->next) {
+        if (strcmp(e->name, fn) == 0) {
+            cb = e->cb;
+            cb_arg = e->arg;
+            break;
+        }
+    }
+    pthread_rwlock_unlock(&a->reg_mu);
+    if (cb == NULL) {
+        return weft__set_error(WEFT_ERR_NO_SUCH_FUNCTION, "no function named '%s' is registered",
+                               fn);
+    }
+    if (timeout_ms <= 0) {
+        timeout_ms = a->default_timeout_ms;
+    }
+    if (timeout_ms > WEFT__MAX_TIMEOUT_MS) {
+        timeout_ms = WEFT__MAX_TIMEOUT_MS;
+    }
+    call = weft_calloc(1, sizeof(*call));
+    if (call == NULL || weft_future_create(&f) != WEFT_OK) {
+        weft_free(call);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rpc_call_local: no memory");
+    }
+    call->function = weft_strdup(fn);
+    if (call->function == NULL) {
+        weft_future_release(f);
+        weft_free(call);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rpc_call_local: no memory");
+    }
+    if (args == NULL && weft_value_create(&args) != WEFT_OK) {
+        weft_free(call->function);
+        weft_future_release(f);
+        weft_free(call);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rpc_call_local: no memory");
+    }
+    call->agent = a;
+    call->caller = a->rank;
+    call->request_id = 0;
+    call->internal = true; /* not a message: the termination test does not count it */
+    call->deadline_ns = weft__now_ns() + timeout_ms * 1000000;
+    call->args = args;
+    call->local = weft_future_retain(f);
+    *f_p = f;
+    cb(call, cb_arg);
+    return WEFT_OK;
 }
 
 weft_status_t weft_rpc_async(weft_agent_t *a, int to_rank, const char *fn, const weft_value_t *args,
@@ -717,7 +914,14 @@ weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t chann
     env.kind = WEFT__V1__KIND__KIND_ONEWAY;
     env.channel = channel;
     env.src_rank = a->rank;
-    WEFT_CHECK(weft__wire_encode(&env, msg, &m));
+    weft__refs_out_t *refs;
+    WEFT_CHECK(weft__refs_encode(a, to_rank, msg, &env, &refs));
+    st = weft__wire_encode(&env, msg, &m);
+    if (st != WEFT_OK) {
+        weft__refs_out_free(refs, false);
+        return st;
+    }
+    m->refs = refs;
     uint64_t limit = a->peers[to_rank].max_message_bytes;
     if (limit > 0 && m->nbytes > limit) {
         st = weft__set_error(WEFT_ERR_TOO_LARGE,
@@ -729,9 +933,11 @@ weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t chann
         WEFT_CHECK_GOTO(weft_future_create(&f), st, err_free_msg);
         m->sent = weft_future_retain(f);
     }
+    /* With references it stays on the stream, whose receiver decodes them. */
     if ((flags & WEFT_SEND_UNORDERED) != 0 && m->nbytes >= WEFT__DIRECT_MIN_UNORDERED &&
-        weft__direct_available(a, to_rank)) {
-        st = weft__direct_send(a, to_rank, m); /* takes the message either way */
+        refs == NULL && weft__direct_available(a, to_rank)) {
+        /* takes the message either way */
+        st = weft__direct_send_ex(a, to_rank, m, (flags & WEFT_SEND_INLINE) != 0);
         if (st != WEFT_OK) {
             weft_future_release(f);
             return st;
@@ -760,6 +966,6 @@ err_free_future:
         weft_future_release(f);
     }
 err_free_msg:
-    weft__outmsg_free(m, WEFT_OK, NULL);
+    weft__outmsg_free(m, st, NULL); /* not sent (its sent future is gone) */
     return st;
 }

@@ -8,7 +8,14 @@
  * read with recv straight into the destination tensors, one kernel copy per
  * side. The frame layout is the stream's (docs/protocol.md). A connection
  * opens with a handshake: magic, version, rank and the job's token. If a peer
- * cannot be reached this way, its frames fall back to the gRPC stream. */
+ * cannot be reached this way, its frames fall back to the gRPC stream.
+ *
+ * A channel with a landing callback (collectives) says, from a one-way message's
+ * payload, where its tensor goes before it is read: straight into a buffer it
+ * posted, or through a small hot buffer into a sink that reduces it as it arrives,
+ * with no fresh tensor and no copy after. A sender that asks for it
+ * (WEFT_SEND_INLINE) writes on an idle connection itself, without waking the
+ * sender thread. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netdb.h>
@@ -22,18 +29,24 @@
 
 #include "internal.h"
 
-#define DIRECT_MAGIC   0x42544657u /* "WFTB" little-endian */
-#define DIRECT_VERSION 1u
-#define MAX_TOKEN      4096
-#define HANDSHAKE_S    10 /* a connection that has not shaken hands by then is dropped */
+#define DIRECT_MAGIC     0x42544657u /* "WFTB" little-endian */
+#define DIRECT_VERSION   1u
+#define MAX_TOKEN        4096
+#define HANDSHAKE_S      10 /* a connection that has not shaken hands by then is dropped */
+#define LAND_CHUNK       ((size_t)256 << 10) /* bytes handed to a landing sink at a time */
+#define LAND_MAX_PAYLOAD 65536               /* larger payloads do not ask where to land */
+#define LOWAT_MIN        ((size_t)64 << 10)  /* reads this large wake less often */
+#define LOWAT_MAX        ((size_t)256 << 10)
 
 typedef struct conn_in {
     struct conn_in *next;
     weft_agent_t *agent;
     int fd;
-    int peer;
+    _Atomic int peer; /* -1 until the handshake (weft__direct_cut reads it) */
     pthread_t thread;
     _Atomic bool done; /* the reader has finished: the acceptor reaps it */
+    uint8_t *hot;      /* landing buffer for messages reduced as they arrive (lazily) */
+    int lowat;         /* the socket's SO_RCVLOWAT */
 } conn_in_t;
 
 typedef struct {
@@ -46,7 +59,8 @@ typedef struct {
     pthread_t thread;
     weft_agent_t *agent;
     int peer;
-    bool cut; /* the peer was lost: nothing more goes this way */
+    bool cut;     /* the peer was lost: nothing more goes this way */
+    bool writing; /* a frame is being written (by the sender or a caller): one at a time */
 } conn_out_t;
 
 struct weft__direct {
@@ -256,6 +270,28 @@ static void send_on_stream(weft_agent_t *a, int peer, weft__outmsg_t *m)
     weft__stream_unref(s);
 }
 
+/* Writes @p m on the connection (the caller holds c->writing) and settles it. */
+static void write_out(conn_out_t *c, int fd, weft__outmsg_t *m)
+{
+    weft_agent_t *a = c->agent;
+
+    if (write_buffer(fd, m->bb)) {
+        weft__outmsg_free(m, WEFT_OK, NULL);
+        return;
+    }
+    char why[300];
+    snprintf(why, sizeof(why), "direct connection to %s (rank %d) broke while sending",
+             a->peers[c->peer].name != NULL ? a->peers[c->peer].name : "?", c->peer);
+    if (m->user_request) {
+        /* Never delivered: uncount it, or shutdown's counters cannot agree. */
+        atomic_fetch_sub(&a->requests_sent, 1);
+    }
+    weft__outmsg_free(m, WEFT_ERR_PEER_LOST, why);
+    if (!weft__agent_closing(a)) {
+        weft__agent_peer_lost(a, c->peer, WEFT_ERR_PEER_LOST, why);
+    }
+}
+
 static void *sender_main(void *arg)
 {
     conn_out_t *c = arg;
@@ -264,7 +300,7 @@ static void *sender_main(void *arg)
 
     pthread_mutex_lock(&c->mu);
     for (;;) {
-        while (c->qh == NULL && !atomic_load(&d->stop)) {
+        while ((c->qh == NULL || c->writing) && !atomic_load(&d->stop)) {
             pthread_cond_wait(&c->cv, &c->mu);
         }
         weft__outmsg_t *m = c->qh;
@@ -300,25 +336,15 @@ static void *sender_main(void *arg)
         }
         int fd = c->fd;
         bool unusable = atomic_load(&c->unusable);
+        c->writing = !unusable;
         pthread_mutex_unlock(&c->mu);
         if (unusable) {
             send_on_stream(a, c->peer, m);
-        } else if (write_buffer(fd, m->bb)) {
-            weft__outmsg_free(m, WEFT_OK, NULL);
         } else {
-            char why[300];
-            snprintf(why, sizeof(why), "direct connection to %s (rank %d) broke while sending",
-                     a->peers[c->peer].name != NULL ? a->peers[c->peer].name : "?", c->peer);
-            if (m->user_request) {
-                /* Never delivered: uncount it, or shutdown's counters cannot agree. */
-                atomic_fetch_sub(&a->requests_sent, 1);
-            }
-            weft__outmsg_free(m, WEFT_ERR_PEER_LOST, why);
-            if (!weft__agent_closing(a)) {
-                weft__agent_peer_lost(a, c->peer, WEFT_ERR_PEER_LOST, why);
-            }
+            write_out(c, fd, m);
         }
         pthread_mutex_lock(&c->mu);
+        c->writing = false;
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
@@ -343,6 +369,15 @@ void weft__direct_cut(weft_agent_t *a, int peer)
     }
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
+    /* And what comes from it: a reader blocked mid-frame on the lost peer returns (a
+     * message landing in place must not hold its destination forever). */
+    pthread_mutex_lock(&d->mu);
+    for (conn_in_t *in = d->ins; in != NULL; in = in->next) {
+        if (atomic_load(&in->peer) == peer && !atomic_load(&in->done)) {
+            shutdown(in->fd, SHUT_RDWR);
+        }
+    }
+    pthread_mutex_unlock(&d->mu);
 }
 
 bool weft__direct_available(weft_agent_t *a, int peer)
@@ -357,6 +392,11 @@ bool weft__direct_available(weft_agent_t *a, int peer)
 }
 
 weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m)
+{
+    return weft__direct_send_ex(a, peer, m, false);
+}
+
+weft_status_t weft__direct_send_ex(weft_agent_t *a, int peer, weft__outmsg_t *m, bool write_here)
 {
     weft__direct_t *d = a->direct;
     conn_out_t *c = &d->outs[peer];
@@ -377,6 +417,18 @@ weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m)
                           stopped ? "agent closed" : "peer lost");
         return stopped ? weft__set_error(WEFT_ERR_SHUTDOWN, "rpc: the agent is closed")
                        : weft__set_error(WEFT_ERR_PEER_LOST, "rpc: rank %d was lost", peer);
+    }
+    if (write_here && c->fd >= 0 && !atomic_load(&c->unusable) && !c->writing && c->qh == NULL) {
+        /* The connection is idle: write it from this thread, without waking the sender. */
+        int fd = c->fd;
+        c->writing = true;
+        pthread_mutex_unlock(&c->mu);
+        write_out(c, fd, m);
+        pthread_mutex_lock(&c->mu);
+        c->writing = false;
+        pthread_cond_broadcast(&c->cv); /* the sender, or weft__direct_stop, may wait */
+        pthread_mutex_unlock(&c->mu);
+        return WEFT_OK;
     }
     if (!c->started) {
         if (pthread_create(&c->thread, NULL, sender_main, c) != 0) {
@@ -438,12 +490,136 @@ static void refuse(weft_agent_t *a, int peer, const Weft__V1__Envelope *env, wef
     }
 }
 
+/* Sets the socket's receive low-water mark (cached). */
+static void set_lowat(conn_in_t *c, int v)
+{
+    if (c->lowat != v && setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0) {
+        c->lowat = v;
+    }
+}
+
+/* read_all for a frame's body. A reader blocked in recv is woken for every segment
+ * that arrives (64 KiB on loopback), and those wake-ups cost more than the copying;
+ * so it waits in poll until LOWAT_MAX bytes (or all that is left of the body, which
+ * must come) are there, then takes what is there without blocking. (A blocking recv
+ * cannot be given a low-water mark: it sleeps with part of it copied, and the kernel
+ * wakes it only when the mark is reached again, which the tail may never do.) */
+static bool read_body(conn_in_t *c, void *buf, size_t n)
+{
+    uint8_t *p = buf;
+    if (n < LOWAT_MIN) {
+        return read_all(c->fd, buf, n);
+    }
+    while (n > 0) {
+        set_lowat(c, (int)(n < LOWAT_MAX ? n : LOWAT_MAX));
+        ssize_t k = recv(c->fd, p, n, MSG_DONTWAIT);
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            struct pollfd pfd = {c->fd, POLLIN, 0};
+            if (poll(&pfd, 1, -1) < 0 && errno != EINTR) {
+                return false;
+            }
+            continue;
+        }
+        if (k <= 0) {
+            return false;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return true;
+}
+
+/* Reads @p n bytes into a landing; false when the connection broke. */
+static bool land_bytes(conn_in_t *c, const weft_landing_t *l, uint64_t n)
+{
+    if (l->sink == NULL) {
+        return read_body(c, l->dst, (size_t)n);
+    }
+    if (c->hot == NULL) {
+        c->hot = weft_alloc(LAND_CHUNK);
+    }
+    uint8_t small[16384];
+    uint8_t *buf = c->hot != NULL ? c->hot : small;
+    size_t cap = c->hot != NULL ? LAND_CHUNK : sizeof(small);
+    for (uint64_t off = 0; off < n;) {
+        size_t k = n - off < cap ? (size_t)(n - off) : cap;
+        if (!read_body(c, buf, k)) {
+            return false;
+        }
+        l->sink(l->arg, (size_t)off, buf, k);
+        off += k;
+    }
+    return true;
+}
+
+/* A one-way message with one tensor, on a channel that may say where it lands: its
+ * payload first, then the tensor's bytes, in place or into a fresh tensor. The
+ * envelope is consumed; false when the connection is over or broken. */
+static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, weft_channel_land_cb_t land,
+                         uint64_t body)
+{
+    weft_agent_t *a = c->agent;
+    const Weft__V1__TensorMeta *tm = env->tensors[0];
+    uint64_t nb = body - env->payload_bytes;
+    uint32_t ch = env->channel;
+    weft_value_t *v = NULL;
+    uint8_t *pl = weft_alloc(env->payload_bytes);
+    bool ok;
+
+    if (pl == NULL || weft_value_create(&v) != WEFT_OK) {
+        weft_free(pl);
+        weft_value_free(v);
+        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+        return skip_all(c->fd, body);
+    }
+    if (!read_all(c->fd, pl, env->payload_bytes)) {
+        ok = false;
+        goto out;
+    }
+    int64_t numel = 1;
+    for (size_t i = 0; i < tm->n_shape; i++) {
+        numel *= tm->shape[i];
+    }
+    weft_landing_t l = {0};
+    bool deliver = true;
+    if (land(a, c->peer, pl, env->payload_bytes, (weft_dtype_t)tm->dtype, numel, &l,
+             a->channel_arg[ch])) {
+        ok = land_bytes(c, &l, nb);
+        l.done(l.arg, ok);
+    } else {
+        weft_tensor_t *t = NULL;
+        if (weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t) !=
+                WEFT_OK ||
+            weft_value_push_tensor(v, t) != WEFT_OK) {
+            /* No memory: the message is dropped, the connection stays framed. */
+            weft_tensor_release(t);
+            WEFT_WARN("direct connection from rank %d: no memory for a message; dropped",
+                      (int)c->peer);
+            ok = skip_all(c->fd, nb);
+            deliver = false;
+        } else {
+            ok = read_body(c, weft_tensor_data(t), (size_t)nb);
+        }
+    }
+    if (ok && deliver && weft_value_take_payload(v, pl, env->payload_bytes) == WEFT_OK) {
+        pl = NULL;
+        weft__channel_deliver(a, ch, c->peer, v);
+        v = NULL;
+    }
+out:
+    weft_free(pl);
+    weft_value_free(v);
+    weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+    return ok;
+}
+
 /* Reads one frame; false when the connection is over or broken. */
 static bool read_frame(conn_in_t *c)
 {
     weft_agent_t *a = c->agent;
     uint8_t lenb[4];
 
+    set_lowat(c, 1); /* the next frame may be small */
     if (!read_all(c->fd, lenb, 4)) {
         return false;
     }
@@ -487,6 +663,14 @@ static bool read_frame(conn_in_t *c)
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
         return ok;
     }
+    if (env->kind == WEFT__V1__KIND__KIND_ONEWAY && env->n_tensors == 1 && env->payload_bytes > 0 &&
+        env->payload_bytes <= LAND_MAX_PAYLOAD && env->channel >= 1 &&
+        env->channel <= WEFT_CHANNEL_MAX && atomic_load(&a->chan_ready[env->channel])) {
+        weft_channel_land_cb_t land = atomic_load(&a->channel_land[env->channel]);
+        if (land != NULL) {
+            return read_landing(c, env, land, body);
+        }
+    }
     /* The body, straight into its destinations: allocate them all first, so that a
      * failure to allocate leaves the connection framed (the body is skipped). */
     weft_value_t *v = NULL;
@@ -529,7 +713,7 @@ static bool read_frame(conn_in_t *c)
     }
     for (size_t i = 0; ok && i < env->n_tensors; i++) {
         weft_tensor_t *t = weft_value_tensor(v, i);
-        ok = read_all(c->fd, weft_tensor_data(t), env->tensors[i]->nbytes);
+        ok = read_body(c, weft_tensor_data(t), env->tensors[i]->nbytes);
     }
     if (!ok) {
         /* The connection broke mid-frame: the peer is going away. Keep the shutdown
@@ -643,6 +827,7 @@ static int reap_locked(weft__direct_t *d)
             *pp = c->next;
             pthread_join(c->thread, NULL);
             close(c->fd);
+            weft_free(c->hot);
             weft_free(c);
         } else {
             live++;
@@ -686,6 +871,7 @@ static void *acceptor_main(void *arg)
         c->agent = d->agent;
         c->fd = fd;
         c->peer = -1;
+        c->lowat = 1;
         pthread_mutex_lock(&d->mu);
         if (atomic_load(&d->stop) || pthread_create(&c->thread, NULL, reader_main, c) != 0) {
             pthread_mutex_unlock(&d->mu);
@@ -803,6 +989,13 @@ void weft__direct_stop(weft_agent_t *a)
         if (started) {
             pthread_join(c->thread, NULL);
         }
+        /* A caller writing inline (weft__direct_send_ex) finishes first: its socket was
+         * shut down above, so it does not take long. */
+        pthread_mutex_lock(&c->mu);
+        while (c->writing) {
+            pthread_cond_wait(&c->cv, &c->mu);
+        }
+        pthread_mutex_unlock(&c->mu);
         if (c->fd >= 0) {
             close(c->fd);
             c->fd = -1;
@@ -820,6 +1013,7 @@ void weft__direct_stop(weft_agent_t *a)
         conn_in_t *next = ins->next;
         pthread_join(ins->thread, NULL);
         close(ins->fd);
+        weft_free(ins->hot);
         weft_free(ins);
         ins = next;
     }

@@ -49,6 +49,8 @@ typedef struct weft__outmsg {
     bool user_request;         /* a user REQUEST (counted in requests_sent) */
     grpc_status_code fin_code; /* finish marker on a server stream: the status to send */
     char *fin_text;
+    struct weft__refs_out *refs; /* its encoded references (refs.c): freed with it, "unsent"
+                                    when it is freed with a failure status */
 } weft__outmsg_t;
 
 /* A decoded message. */
@@ -89,7 +91,8 @@ bool weft__reader_more(const weft__reader_t *r);
  * and frees it); when *env_p is NULL the rest of the message cannot be framed. */
 weft_status_t weft__reader_envelope(weft__reader_t *r, uint64_t max_bytes,
                                     Weft__V1__Envelope **env_p);
-/* Copies the frame's payload and tensors into a new value (one copy). */
+/* Copies the frame's payload and tensors into a new value (one copy); a ONEWAY frame's
+ * references go in as they came (weft__refs_keep_raw). */
 weft_status_t weft__reader_body(weft__reader_t *r, const Weft__V1__Envelope *env,
                                 weft_value_t **v_p);
 weft_status_t weft__reader_skip_body(weft__reader_t *r);
@@ -204,6 +207,7 @@ struct weft_agent {
     weft__fn_t *fns;
     weft_channel_cb_t channel_cb[WEFT_CHANNEL_MAX + 1];
     void *channel_arg[WEFT_CHANNEL_MAX + 1];
+    _Atomic(weft_channel_land_cb_t) channel_land[WEFT_CHANNEL_MAX + 1];
     /* one-way messages that came before their channel was registered */
     pthread_mutex_t chan_mu;
     _Atomic bool chan_ready[WEFT_CHANNEL_MAX + 1];
@@ -239,6 +243,10 @@ struct weft_agent {
     /* shutdown barrier (rank 0) */
     pthread_mutex_t sd_mu;
     struct weft__sd_state *sd;
+    struct weft__sd_listener *sd_listeners; /* weft_agent_on_shutdown, in order; under sd_mu */
+
+    /* reference codecs and references sent to this rank itself (refs.c); made on first use */
+    _Atomic(struct weft__refs *) refs;
 };
 
 /* A one-way message kept until its channel is registered (at most WEFT__EARLY_MAX). */
@@ -292,6 +300,9 @@ bool weft__direct_usable(weft_agent_t *a, int peer, size_t nbytes);
 bool weft__direct_available(weft_agent_t *a, int peer);
 /* Queues @p m (takes it) for the peer's direct connection. */
 weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m);
+/* The same; with @p write_here, a connection that is open and idle is written from the
+ * calling thread (which may block until the bytes are in the socket). */
+weft_status_t weft__direct_send_ex(weft_agent_t *a, int peer, weft__outmsg_t *m, bool write_here);
 /* Stops the threads and closes the sockets (first thing at free); the state stays
  * readable until weft__direct_destroy, after the last thread that may look at it. */
 void weft__direct_stop(weft_agent_t *a);
@@ -323,8 +334,46 @@ weft_status_t weft__rendezvous(weft_agent_t *a);
 void weft__join_free(weft_agent_t *a);
 
 /* shutdown.c */
+/* Runs the weft_agent_on_shutdown listeners in order, on the calling thread. */
+void weft__shutdown_listeners(weft_agent_t *a, int64_t deadline_ms);
 weft_status_t weft__shutdown_barrier(weft_agent_t *a, int64_t deadline_ns);
 void weft__shutdown_register(weft_agent_t *a);
 void weft__shutdown_free(weft_agent_t *a);
+
+/* refs.c: references (weft_value_add_ref) in messages. To another rank each travels as
+ * Envelope.refs[i] = {kind, codec's encode(obj)}; to this rank itself as {kind, 8-byte token} of
+ * the object kept, retained, in a table of the agent until the receiving side takes it. */
+#define WEFT__MAX_REFS      4096 /* references in one message */
+#define WEFT__MAX_REF_BYTES 4096 /* bytes of one encoded reference */
+typedef struct weft__refs_out weft__refs_out_t;
+/* Encodes the references of @p v (may be NULL) for a message to @p to into @p env (its refs
+ * point into *out_p, NULL when there are none, until the record is freed). On failure nothing is
+ * left (unsent ran for what was encoded). WEFT_ERR_UNSUPPORTED (a kind without a codec),
+ * WEFT_ERR_TOO_LARGE (too many, or an encoding over WEFT__MAX_REF_BYTES), a codec's status. */
+weft_status_t weft__refs_encode(weft_agent_t *a, int to, const weft_value_t *v,
+                                Weft__V1__Envelope *env, weft__refs_out_t **out_p);
+/* Frees the record of a message that was sent (@p sent) or was not (then codecs' unsent run and
+ * objects kept for this rank are dropped). NULL is a no-op. Any thread. */
+void weft__refs_out_free(weft__refs_out_t *o, bool sent);
+/* Decodes the references of a received REQUEST or RESPONSE (@p env) from @p src into @p v.
+ * Futures of objects not ready yet go to *ready_p (an array; the caller releases each future and
+ * frees the array), their count to *nready_p. On failure (WEFT_ERR_PROTOCOL: unknown kind, bad
+ * data, over the bounds; a codec's status) every reference was still offered to its codec, the
+ * decoded objects are in @p v (the caller frees it) and no future is returned. */
+weft_status_t weft__refs_decode(weft_agent_t *a, int src, const Weft__V1__Envelope *env,
+                                weft_value_t *v, weft_future_t ***ready_p, size_t *nready_p);
+/* ONEWAY frames on a stream: weft__reader_body keeps the frame's references in the value as they
+ * came (weft__refs_keep_raw); weft__channel_deliver decodes them (weft__refs_decode_raw: futures
+ * are released, not awaited, so that the channel's order holds). */
+weft_status_t weft__refs_keep_raw(const Weft__V1__Envelope *env, weft_value_t *v);
+weft_status_t weft__refs_decode_raw(weft_agent_t *a, int src, weft_value_t *v);
+/* Calls @p cb once every future of @p futs (n > 0; takes their references and the array) has
+ * completed: WEFT_OK, or the status and text of the first that failed. Runs on the thread that
+ * completes the last one (at once on this thread if all have). */
+typedef void (*weft__refs_ready_cb_t)(weft_status_t st, const char *text, void *arg);
+void weft__refs_when_ready(weft_future_t **futs, size_t n, weft__refs_ready_cb_t cb, void *arg);
+/* Drops the codecs and the objects still kept for this rank (at weft_agent_free, transport gone).
+ */
+void weft__refs_free(weft_agent_t *a);
 
 #endif

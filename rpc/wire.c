@@ -185,6 +185,8 @@ void weft__outmsg_free(weft__outmsg_t *m, weft_status_t fail_status, const char 
     if (m->bb != NULL) {
         grpc_byte_buffer_destroy(m->bb);
     }
+    /* Freed with a failure status: the message never left this process. */
+    weft__refs_out_free(m->refs, fail_status == WEFT_OK);
     if (m->sent != NULL) {
         if (fail_status == WEFT_OK) {
             weft_future_complete(m->sent, WEFT_OK, NULL, NULL);
@@ -440,6 +442,11 @@ weft_status_t weft__reader_body(weft__reader_t *r, const Weft__V1__Envelope *env
             weft_tensor_release(t);
             goto err_free_value;
         }
+    }
+    if (env->kind == WEFT__V1__KIND__KIND_ONEWAY && env->n_refs > 0) {
+        /* Decoded at delivery (weft__channel_deliver), where the agent and sender are known;
+         * a REQUEST's or RESPONSE's are decoded from the envelope in call.c. */
+        WEFT_CHECK_GOTO(weft__refs_keep_raw(env, v), status, err_free_value);
     }
     *v_p = v;
     return WEFT_OK;

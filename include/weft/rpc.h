@@ -3,6 +3,7 @@
 #ifndef WEFT_RPC_H
 #define WEFT_RPC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -101,9 +102,10 @@ void weft_agent_free(weft_agent_t *a);
 
 /**
  * A registered function. It runs on a transport thread with the call's
- * arguments and must finish the call exactly once, now or later from any
- * thread, with weft_call_reply, weft_call_fail or weft_call_reply_future. To
- * wait on other calls, reply through a future (like torch's
+ * arguments (when objects of the arguments' references were not ready, on the
+ * thread that completed the last of their futures) and must finish the call exactly once, now or
+ * later from any thread, with weft_call_reply, weft_call_fail or weft_call_reply_future. To wait on
+ * other calls, reply through a future (like torch's
  * @rpc.functions.async_execution) instead of blocking: then chains of nested
  * calls never exhaust the threads.
  */
@@ -121,6 +123,8 @@ weft_status_t weft_rpc_register(weft_agent_t *a, const char *name, weft_rpc_hand
 const weft_value_t *weft_call_args(const weft_call_t *call);
 /** Moves the arguments out (they become empty). Caller frees with weft_value_free. */
 weft_value_t *weft_call_take_args(weft_call_t *call);
+/** Replaces the call's arguments with @p args (takes ownership; NULL leaves none). */
+void weft_call_set_args(weft_call_t *call, weft_value_t *args);
 int weft_call_caller_rank(const weft_call_t *call);
 const char *weft_call_function(const weft_call_t *call);
 weft_agent_t *weft_call_agent(const weft_call_t *call);
@@ -148,6 +152,17 @@ void weft_call_reply_future(weft_call_t *call, weft_future_t *f);
  * WEFT_ERR_TOO_LARGE. Caller releases it with weft_future_release.
  * @return an error (and no future) for bad arguments or a closed agent.
  */
+/**
+ * Runs the registered function @p fn of this agent in-process, on the calling thread, with
+ * @p args (takes ownership; NULL for none; the handler sees these tensors, not copies). The future
+ * completes when the handler replies, with the reply value itself (no copy, no serialisation: its
+ * tensors are the handler's) or its failure. No message is sent, so references in the values pass
+ * as they are. @p timeout_ms is the call's deadline as weft_call_time_left_ms reports it.
+ * @return WEFT_ERR_NO_SUCH_FUNCTION (@p args is then still the caller's), WEFT_ERR_INVALID_ARG,
+ *         WEFT_ERR_NO_MEMORY.
+ */
+weft_status_t weft_rpc_call_local(weft_agent_t *a, const char *fn, weft_value_t *args,
+                                  int64_t timeout_ms, weft_future_t **f_p);
 weft_status_t weft_rpc_async(weft_agent_t *a, int to_rank, const char *fn, const weft_value_t *args,
                              int64_t timeout_ms, weft_future_t **f_p);
 /** weft_rpc_async to a worker by name. */
@@ -202,6 +217,12 @@ weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
 /** The message may overtake, or be overtaken by, other messages to the same peer. */
 #define WEFT_SEND_UNORDERED 1u
 /**
+ * The calling thread may write the message itself when its connection is idle
+ * (saving a hand-off to the transport's thread): the call may then block until
+ * the bytes are in the socket. With WEFT_SEND_UNORDERED only.
+ */
+#define WEFT_SEND_INLINE 2u
+/**
  * weft_agent_send with @p flags. An unordered message of 1 MiB or more may travel
  * on the direct connection to the peer (received straight into its tensors); use
  * it for messages the receiver matches by their contents, not by arrival order.
@@ -209,8 +230,110 @@ weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
 weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t channel,
                                     const weft_value_t *msg, uint32_t flags,
                                     weft_future_t **sent_p);
+/**
+ * Where the data of an incoming one-way message lands (see weft_channel_land_cb_t).
+ * With @p sink NULL its bytes are received straight into @p dst; otherwise they are
+ * received into a small buffer of the transport's and handed to @p sink piece by
+ * piece (@p off: their offset in the data). @p done then runs once, with true when
+ * every byte landed (the message follows, to the channel's callback, without its
+ * tensor), false when the connection broke (no message follows).
+ */
+typedef struct {
+    void *dst;
+    void (*sink)(void *arg, size_t off, const void *bytes, size_t n);
+    void (*done)(void *arg, bool landed);
+    void *arg;
+} weft_landing_t;
+/**
+ * Asked, on a transport thread, where the one tensor of a one-way message on a
+ * direct connection should land, before its bytes are read: @p payload (borrowed,
+ * @p len bytes) is the message's payload, @p dtype and @p numel the tensor's. Fills
+ * @p landing_p and returns true to take the bytes, or returns false (the message
+ * then arrives as usual, with a fresh tensor). Must not block; gets the channel's arg.
+ */
+typedef bool (*weft_channel_land_cb_t)(weft_agent_t *a, int src_rank, const void *payload,
+                                       size_t len, weft_dtype_t dtype, int64_t numel,
+                                       weft_landing_t *landing_p, void *arg);
+/**
+ * Sets the landing callback of a registered channel (once; it stays while the agent
+ * lives). WEFT_ERR_INVALID_ARG for a channel without a receiver.
+ */
+weft_status_t weft_agent_set_channel_lander(weft_agent_t *a, uint32_t channel,
+                                            weft_channel_land_cb_t land);
 /** Adds a listener for lost peers. */
 weft_status_t weft_agent_on_peer_lost(weft_agent_t *a, weft_peer_lost_cb_t cb, void *arg);
+
+/*
+ * Reference codecs: how the objects of a kind (weft_value_add_ref) cross the wire inside the
+ * arguments and results of calls and inside one-way messages. The rref module registers the
+ * codec of WEFT_REF_KIND_RREF; the agent knows nothing about what it carries.
+ */
+typedef struct {
+    /**
+     * Encodes @p obj for a message to @p to_rank, while the message is built on the sending
+     * thread (the caller of weft_rpc_async/weft_agent_send, or of weft_call_reply for a result;
+     * it may record that the object is being sent, e.g. a fork). Never called for the calling
+     * rank itself. *bytes_p (at most 4096 bytes) is allocated with
+     * weft_alloc; the agent frees it. An error fails the send (the caller sees the status; a
+     * result is answered with it): then unsent runs for the objects encoded before.
+     */
+    weft_status_t (*encode)(void *state, weft_agent_t *a, int to_rank, void *obj, void **bytes_p,
+                            size_t *len_p);
+    /**
+     * The message that carried @p obj, encoded as @p bytes for @p to_rank, was not sent after
+     * all (the send failed before the message left this process: an error returned by the send,
+     * a message over the receiver's limit, a later reference that failed to encode, a peer lost
+     * or a connection that broke before the message was handed to it): undo what encode
+     * recorded. Called once per encoded object of such a message, on the sending thread or on a
+     * transport thread; must not block. May be NULL.
+     */
+    void (*unsent)(void *state, weft_agent_t *a, int to_rank, void *obj, const void *bytes,
+                   size_t len);
+    /**
+     * Decodes an object that came from @p src_rank (never the calling rank itself), on a
+     * transport thread; must not block. *obj_p gets one reference. *ready_p is NULL when the
+     * object is usable at once, or a future (the codec's reference, released by the agent) that
+     * completes when it is: a request's handler runs only once every object of its arguments is
+     * ready, and a failed future fails the request with its status and text (the objects of a
+     * response or a one-way message are delivered without waiting). An error fails the request
+     * (or the call whose response it was; a one-way message is dropped) with that status; the
+     * message's other references are still decoded, then released.
+     */
+    weft_status_t (*decode)(void *state, weft_agent_t *a, int src_rank, const void *bytes,
+                            size_t len, void **obj_p, weft_future_t **ready_p);
+    /** retain/release of the decoded objects. */
+    const weft_value_ref_type_t *type;
+} weft_ref_codec_t;
+
+/**
+ * Registers the codec of references of @p kind (1..15; codec->type->kind must be @p kind) with
+ * its @p state (borrowed; must outlive the agent's transport). @p codec is copied. Register
+ * before weft_agent_join. Values sent to the calling rank itself (they loop back through its own
+ * stream) keep their objects as they are (retained; no encode, decode or unsent; the codec must
+ * still be registered). A value that carries a reference of a kind without a codec fails to send
+ * with WEFT_ERR_UNSUPPORTED naming the kind; a message that carries one, or more than 4096
+ * references, or an encoding over 4096 bytes, is refused by the receiver with WEFT_ERR_PROTOCOL
+ * (the sender refuses the last two itself with WEFT_ERR_TOO_LARGE). Thread-safe.
+ * @return WEFT_ERR_ALREADY_EXISTS when the kind has a codec, WEFT_ERR_INVALID_ARG,
+ *         WEFT_ERR_NO_MEMORY.
+ */
+weft_status_t weft_agent_register_ref_codec(weft_agent_t *a, uint32_t kind,
+                                            const weft_ref_codec_t *codec, void *state);
+
+/**
+ * Called by weft_agent_shutdown on the calling thread before the ranks agree to stop (the RPC
+ * layer still works): lets a module settle its state (the rref module waits until every
+ * reference is confirmed and deleted). @p deadline_ms is the shutdown's deadline on the
+ * weft__now_ms clock (CLOCK_MONOTONIC milliseconds). A non-OK status is logged and shutdown goes
+ * on.
+ */
+typedef weft_status_t (*weft_shutdown_cb_t)(weft_agent_t *a, int64_t deadline_ms, void *arg);
+/**
+ * Adds a shutdown listener; listeners run in the order added, once, at the first
+ * weft_agent_shutdown. Thread-safe (a listener may add another: it runs too).
+ * @return WEFT_ERR_INVALID_ARG, WEFT_ERR_NO_MEMORY.
+ */
+weft_status_t weft_agent_on_shutdown(weft_agent_t *a, weft_shutdown_cb_t cb, void *arg);
 
 /** Makes a module's state for @p a (see weft_agent_module). */
 typedef weft_status_t (*weft_module_create_cb_t)(weft_agent_t *a, void **state_p);

@@ -3,6 +3,7 @@
 #define WEFT_VALUE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include <weft/tensor.h>
 
@@ -27,6 +28,33 @@ weft_status_t weft_value_set_payload(weft_value_t *v, const void *data, size_t l
 weft_status_t weft_value_set_string(weft_value_t *v, const char *s);
 /** Takes ownership of @p data (allocated with weft_alloc) on success. */
 weft_status_t weft_value_take_payload(weft_value_t *v, void *data, size_t len);
+
+/*
+ * References: objects of upper modules that travel inside a value (an RRef in the arguments or the
+ * result of a call). On the wire each is encoded by the codec its kind is registered with
+ * (weft_agent_register_ref_codec); in a value it is the module's object plus how to retain and
+ * release it.
+ */
+typedef struct {
+    uint32_t kind;              /**< the codec's kind (WEFT_REF_KIND_*) */
+    void (*retain)(void *obj);  /**< adds a reference to obj */
+    void (*release)(void *obj); /**< drops one */
+} weft_value_ref_type_t;
+
+/** Kinds of references (codecs). */
+#define WEFT_REF_KIND_RREF 1u
+
+/**
+ * Appends a reference to @p obj of @p type (borrowed; must outlive the value). The value takes
+ * its own reference to @p obj (type->retain) and drops it when freed. Sending the value sends the
+ * reference (see weft_agent_register_ref_codec).
+ * @return WEFT_ERR_INVALID_ARG (NULL value, type, callback or object), WEFT_ERR_NO_MEMORY.
+ */
+weft_status_t weft_value_add_ref(weft_value_t *v, const weft_value_ref_type_t *type, void *obj);
+/** Number of references in @p v (0 for NULL). */
+size_t weft_value_num_refs(const weft_value_t *v);
+/** Borrowed object of reference @p i (NULL when out of range); its kind goes to @p kind_p. */
+void *weft_value_ref(const weft_value_t *v, size_t i, uint32_t *kind_p);
 
 size_t weft_value_num_tensors(const weft_value_t *v);
 /** Borrowed; valid while @p v lives. NULL when @p i is out of range. */

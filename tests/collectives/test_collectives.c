@@ -424,6 +424,35 @@ Test(collectives, large_ring_all_reduce, .timeout = 240)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* Ring pieces on direct connections land in place: reduce-scatter pieces reduced as
+ * they arrive, all-gather pieces received straight into the tensor; the results are
+ * those of the fresh-tensor path (odd counts: chunks of unequal size). */
+static int body_ring_lands(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    weft_pg_world(a, &pg);
+    long before = coll__landed_pieces();
+    RANK_CHECK(check_all_reduce(pg, world, (4u << 20) / 4 + 5, WEFT_F32, WEFT_SUM) == 0, "f32");
+    RANK_CHECK(check_all_reduce(pg, world, (3u << 20) / 4 + 1, WEFT_F32, WEFT_MIN) == 0, "min");
+    RANK_CHECK(check_all_reduce(pg, world, (4u << 20) / 2 + 3, WEFT_BF16, WEFT_AVG) == 0, "bf16");
+    RANK_CHECK(coll__landed_pieces() > before, "no piece landed in place");
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, ring_pieces_land_in_place, .timeout = 120)
+{
+    for (int world = 2; world <= 3; world++) {
+        ranks_opts_t o;
+        int codes[3];
+        ranks_opts_init(&o, world, body_ring_lands);
+        o.deadline_ms = 110000 / 2;
+        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
+    }
+}
+
 /* The seeds' sub-group {1, 3}, two half-world groups at once, then MAX over the world. */
 static int body_groups(weft_agent_t *a, int rank, int world, void *arg)
 {

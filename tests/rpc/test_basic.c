@@ -126,3 +126,49 @@ Test(rpc_basic, remote_error_and_unknown_function, .timeout = 60)
     o.setup = setup;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
+
+/* weft_rpc_call_local: the handler runs in-process and its reply value comes back itself. */
+static int body_local(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    (void)world;
+    if (rank != 0) {
+        return 0;
+    }
+    weft_value_t *args = value_of_string("local");
+    weft_tensor_t *t = tensor_f32_range(10, 1.0f);
+    weft_value_add_tensor(args, t);
+    weft_future_t *f = NULL;
+    weft_status_t st = weft_rpc_call_local(a, "add_one", args, 5000, &f);
+    RANK_CHECK(st == WEFT_OK, "%s", weft_last_error());
+    RANK_CHECK(weft_future_wait(f, 5000) == WEFT_OK, "%s", weft_future_error(f));
+    weft_value_t *res = NULL;
+    RANK_CHECK(weft_future_take_value(f, &res) == WEFT_OK, "no value");
+    RANK_CHECK(weft_value_tensor(res, 0) == t, "the reply is the handler's value, not a copy");
+    RANK_CHECK(((float *)weft_tensor_data(t))[0] == 2.0f, "the handler saw the caller's tensor");
+    weft_value_free(res);
+    weft_future_release(f);
+
+    st = weft_rpc_call_local(a, "fail", value_of_string("x"), 5000, &f);
+    RANK_CHECK(st == WEFT_OK, "%s", weft_last_error());
+    RANK_CHECK(weft_future_wait(f, 5000) == WEFT_ERR_INVALID_ARG, "failure passes through");
+    RANK_CHECK(strstr(weft_future_error(f), "division by zero") != NULL, "%s",
+               weft_future_error(f));
+    weft_future_release(f);
+
+    args = value_of_string("y");
+    st = weft_rpc_call_local(a, "no_such_fn", args, 5000, &f);
+    RANK_CHECK(st == WEFT_ERR_NO_SUCH_FUNCTION, "unknown function: %d", st);
+    weft_value_free(args); /* still the caller's */
+    weft_tensor_release(t);
+    return 0;
+}
+
+Test(rpc_basic, local_calls_pass_values_through, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[1];
+    ranks_opts_init(&o, 1, body_local);
+    o.setup = setup;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
