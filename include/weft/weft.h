@@ -12,6 +12,7 @@
 #include <weft/pool.h>
 #include <weft/rpc.h>
 #include <weft/collectives.h>
+#include <weft/rref.h>
 #include <weft/random.h>
 #include <weft/optim.h>
 #include <weft/autograd.h>

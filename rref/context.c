@@ -1,0 +1,580 @@
+/* The rref module's per-agent context: creation (channel, functions, codec, listeners), the timer
+ * thread, object types, introspection, and the shutdown listener that settles every reference
+ * and reports leaks. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* ------------------------------------------------------------------ timer */
+
+static void *timer_main(void *arg)
+{
+    rref_ctx_t *ctx = arg;
+
+    pthread_mutex_lock(&ctx->tmu);
+    while (!ctx->timer_stop) {
+        rref_task_t *t = ctx->tasks;
+        int64_t now = weft__now_ns();
+        if (t == NULL) {
+            pthread_cond_wait(&ctx->tcv, &ctx->tmu);
+            continue;
+        }
+        if (t->due_ns > now) {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            int64_t at = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec + (t->due_ns - now);
+            ts.tv_sec = at / 1000000000;
+            ts.tv_nsec = at % 1000000000;
+            pthread_cond_timedwait(&ctx->tcv, &ctx->tmu, &ts);
+            continue;
+        }
+        ctx->tasks = t->next;
+        if (ctx->tasks == NULL) {
+            ctx->tasks_tail = NULL;
+        }
+        pthread_mutex_unlock(&ctx->tmu);
+        t->run(ctx, t->arg);
+        weft_free(t);
+        pthread_mutex_lock(&ctx->tmu);
+    }
+    pthread_mutex_unlock(&ctx->tmu);
+    return NULL;
+}
+
+void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
+                     void (*drop)(void *), void *arg)
+{
+    rref_task_t *t = weft_calloc(1, sizeof(*t));
+
+    if (t == NULL) {
+        WEFT_ERROR("rref: no memory for a timer task");
+        if (drop != NULL) {
+            drop(arg);
+        }
+        return;
+    }
+    t->due_ns = weft__now_ns() + delay_us * 1000;
+    t->run = run;
+    t->drop = drop;
+    t->arg = arg;
+    pthread_mutex_lock(&ctx->tmu);
+    if (ctx->timer_stop) {
+        pthread_mutex_unlock(&ctx->tmu);
+        if (drop != NULL) {
+            drop(arg);
+        }
+        weft_free(t);
+        return;
+    }
+    rref_task_t **pp = &ctx->tasks;
+    if (ctx->tasks_tail != NULL && ctx->tasks_tail->due_ns <= t->due_ns) {
+        pp = &ctx->tasks_tail->next; /* O(1): thousands of retries may be armed */
+    } else {
+        while (*pp != NULL && (*pp)->due_ns <= t->due_ns) {
+            pp = &(*pp)->next;
+        }
+    }
+    t->next = *pp;
+    *pp = t;
+    if (t->next == NULL) {
+        ctx->tasks_tail = t;
+    }
+    if (ctx->tasks == t) {
+        pthread_cond_signal(&ctx->tcv);
+    }
+    pthread_mutex_unlock(&ctx->tmu);
+}
+
+int64_t rref__fault_delay(rref_ctx_t *ctx)
+{
+    if (ctx->fault_delay_us <= 0) {
+        return 0;
+    }
+    pthread_mutex_lock(&ctx->tmu);
+    /* xorshift64* */
+    uint64_t x = ctx->rng;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    ctx->rng = x;
+    pthread_mutex_unlock(&ctx->tmu);
+    return (int64_t)((x * 0x2545F4914F6CDD1Dull) % (uint64_t)(ctx->fault_delay_us + 1));
+}
+
+/* ---------------------------------------------------------------- context */
+
+void rref__ctx_ref(rref_ctx_t *ctx)
+{
+    atomic_fetch_add(&ctx->nrefs, 1);
+}
+
+void rref__ctx_unref(rref_ctx_t *ctx)
+{
+    if (atomic_fetch_sub(&ctx->nrefs, 1) != 1) {
+        return;
+    }
+    while (ctx->types != NULL) {
+        rref_type_t *t = ctx->types;
+        ctx->types = t->next;
+        for (int i = 0; i < t->n_methods; i++) {
+            weft_free((char *)t->methods[i].name);
+        }
+        weft_free(t->methods);
+        weft_free(t->name);
+        weft_free(t);
+    }
+    while (ctx->orphans != NULL) {
+        rref_orphan_t *o = ctx->orphans;
+        ctx->orphans = o->next;
+        weft_free(o);
+    }
+    weft_free(ctx->lost);
+    pthread_mutex_destroy(&ctx->mu);
+    pthread_mutex_destroy(&ctx->tmu);
+    pthread_cond_destroy(&ctx->tcv);
+    weft_free(ctx);
+}
+
+weft_rref_id_t rref__new_id(rref_ctx_t *ctx)
+{
+    weft_rref_id_t id = {ctx->rank, atomic_fetch_add(&ctx->next_local, 1)};
+    return id;
+}
+
+const char *rref__worker_name(rref_ctx_t *ctx, int rank)
+{
+    const char *n = weft_agent_worker_name(ctx->a, rank);
+    return n != NULL ? n : "?";
+}
+
+static void ctx_destroy(void *state)
+{
+    rref_ctx_t *ctx = state;
+
+    pthread_mutex_lock(&ctx->mu);
+    ctx->dead = true;
+    pthread_mutex_unlock(&ctx->mu);
+
+    /* The timer: stop it, then drop what it would have run. */
+    if (ctx->timer_started) {
+        pthread_mutex_lock(&ctx->tmu);
+        ctx->timer_stop = true;
+        pthread_cond_signal(&ctx->tcv);
+        pthread_mutex_unlock(&ctx->tmu);
+        pthread_join(ctx->timer, NULL);
+    }
+    pthread_mutex_lock(&ctx->tmu);
+    ctx->timer_stop = true;
+    rref_task_t *tasks = ctx->tasks;
+    ctx->tasks = NULL;
+    ctx->tasks_tail = NULL;
+    pthread_mutex_unlock(&ctx->tmu);
+    while (tasks != NULL) {
+        rref_task_t *t = tasks;
+        tasks = t->next;
+        if (t->drop != NULL) {
+            t->drop(t->arg);
+        }
+        weft_free(t);
+    }
+
+    /* Control messages can no longer be answered. */
+    rref__ctl_fail_rank(ctx, -1, WEFT_ERR_SHUTDOWN, "the agent was closed");
+
+    /* Pending children: their parents are released (nothing is sent any more). */
+    pthread_mutex_lock(&ctx->mu);
+    rref_child_t *children = ctx->children;
+    ctx->children = NULL;
+    ctx->nchildren = 0;
+    pthread_mutex_unlock(&ctx->mu);
+    while (children != NULL) {
+        rref_child_t *c = children;
+        children = c->next;
+        weft_rref_release(c->parent);
+        weft_free(c);
+    }
+
+    /* Users still waiting: nothing will confirm them. */
+    weft_future_t **fail = NULL;
+    size_t nfail = 0;
+    pthread_mutex_lock(&ctx->mu);
+    fail = weft_calloc(ctx->nusers + 1, sizeof(*fail));
+    for (weft_rref_t *u = ctx->users; u != NULL && fail != NULL; u = u->next) {
+        if (!weft_future_done(u->ready)) {
+            fail[nfail++] = weft_future_retain(u->ready);
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    for (size_t i = 0; i < nfail; i++) {
+        weft_future_fail(fail[i], WEFT_ERR_SHUTDOWN, "the agent was closed");
+        weft_future_release(fail[i]);
+    }
+    weft_free(fail);
+
+    /* Owner entries: those only remote workers held are freed now; those the program still
+     * holds go with their last handle. */
+    weft_rref_t *free_list = NULL;
+    pthread_mutex_lock(&ctx->mu);
+    for (size_t b = 0; b < RREF_OWNER_BUCKETS; b++) {
+        while (ctx->owners[b] != NULL) {
+            weft_rref_t *e = ctx->owners[b];
+            ctx->owners[b] = e->next;
+            e->in_map = false;
+            ctx->nforks -= e->nforks;
+            e->nforks = 0;
+            ctx->nowners--;
+            if (e->refs == 0) {
+                ctx->deleted_owners++;
+                e->next = free_list;
+                free_list = e;
+            } else {
+                e->next = e->prev = NULL;
+            }
+        }
+    }
+    /* Users the program still holds stay valid; they are just out of the list. */
+    while (ctx->users != NULL) {
+        weft_rref_t *u = ctx->users;
+        ctx->users = u->next;
+        u->next = u->prev = NULL;
+        u->listed = false;
+    }
+    ctx->nusers = 0;
+    pthread_mutex_unlock(&ctx->mu);
+    while (free_list != NULL) {
+        weft_rref_t *e = free_list;
+        free_list = e->next;
+        rref__free(e);
+    }
+    rref__ctx_unref(ctx);
+}
+
+static weft_status_t on_shutdown(weft_agent_t *a, int64_t deadline_ms, void *arg);
+
+/* Reads a non-negative integer from the environment (0 when unset or malformed). */
+static int64_t env_int(const char *name)
+{
+    const char *s = getenv(name);
+    if (s == NULL || *s == '\0') {
+        return 0;
+    }
+    char *end;
+    long long v = strtoll(s, &end, 10);
+    return *end == '\0' && v > 0 ? (int64_t)v : 0;
+}
+
+static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
+{
+    weft_status_t st;
+    rref_ctx_t *ctx = weft_calloc(1, sizeof(*ctx));
+
+    if (ctx == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: no memory for the module");
+    }
+    ctx->a = a;
+    ctx->rank = weft_agent_rank(a);
+    ctx->world = weft_agent_world_size(a);
+    if (ctx->world < 1 || ctx->rank < 0 || ctx->rank >= ctx->world) {
+        weft_free(ctx);
+        return weft__set_error(WEFT_ERR_INVALID_STATE,
+                               "rref: the agent has no valid rank and world size");
+    }
+    atomic_init(&ctx->nrefs, 1);
+    atomic_init(&ctx->next_local, 1);
+    ctx->next_msg = 1;
+    pthread_mutex_init(&ctx->mu, NULL);
+    pthread_mutex_init(&ctx->tmu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&ctx->tcv, &ca);
+    pthread_condattr_destroy(&ca);
+    ctx->lost = weft_calloc((size_t)ctx->world, sizeof(bool));
+    if (ctx->lost == NULL) {
+        rref__ctx_unref(ctx);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: no memory for the module");
+    }
+    ctx->ctl_timeout_ms = env_int("WEFT_RPC_TIMEOUT_MS");
+    if (ctx->ctl_timeout_ms <= 0) {
+        ctx->ctl_timeout_ms = 60000;
+    }
+    ctx->fault_delay_us = env_int("WEFT_RREF_FAULT_DELAY_US");
+    ctx->fault_dup = env_int("WEFT_RREF_FAULT_DUP") > 0;
+    ctx->rng = 0x9E3779B97F4A7C15ull ^ ((uint64_t)getpid() << 20) ^ (uint64_t)weft__now_ns() ^
+               (uint64_t)ctx->rank;
+    if (ctx->fault_delay_us > 0 || ctx->fault_dup) {
+        WEFT_INFO("rref: fault injection: control messages delayed by up to %lld us%s",
+                  (long long)ctx->fault_delay_us, ctx->fault_dup ? ", each sent twice" : "");
+    }
+    if (pthread_create(&ctx->timer, NULL, timer_main, ctx) != 0) {
+        rref__ctx_unref(ctx);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: could not start the timer thread");
+    }
+    ctx->timer_started = true;
+
+    /* From here on the agent may call into ctx: on a failure it is kept (not freed), stopped. */
+    WEFT_CHECK_GOTO(weft_agent_register_channel(a, WEFT_CHANNEL_RREF, rref__on_message, ctx), st,
+                    err_keep);
+    WEFT_CHECK_GOTO(weft_agent_register_ref_codec(a, WEFT_REF_KIND_RREF, &rref__codec, ctx), st,
+                    err_keep);
+    WEFT_CHECK_GOTO(weft_rpc_register(a, RREF_FN_REMOTE, rref__handle_remote, ctx), st, err_keep);
+    WEFT_CHECK_GOTO(weft_rpc_register(a, RREF_FN_FETCH, rref__handle_fetch, ctx), st, err_keep);
+    WEFT_CHECK_GOTO(weft_rpc_register(a, RREF_FN_METHOD, rref__handle_method, ctx), st, err_keep);
+    WEFT_CHECK_GOTO(weft_agent_on_peer_lost(a, rref__on_peer_lost, ctx), st, err_keep);
+    WEFT_CHECK_GOTO(weft_agent_on_shutdown(a, on_shutdown, ctx), st, err_keep);
+    *state_p = ctx;
+    return WEFT_OK;
+
+err_keep:
+    WEFT_ERROR("rref: the module could not be set up: %s", weft_last_error());
+    pthread_mutex_lock(&ctx->mu);
+    ctx->dead = true;
+    pthread_mutex_unlock(&ctx->mu);
+    return st;
+}
+
+weft_status_t rref__ctx(weft_agent_t *a, rref_ctx_t **ctx_p)
+{
+    void *state;
+
+    if (a == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "rref: NULL agent");
+    }
+    WEFT_CHECK(weft_agent_module(a, WEFT_CHANNEL_RREF, ctx_create, ctx_destroy, &state));
+    *ctx_p = state;
+    return WEFT_OK;
+}
+
+weft_status_t weft_rref_init(weft_agent_t *a)
+{
+    rref_ctx_t *ctx;
+    return rref__ctx(a, &ctx);
+}
+
+/* ------------------------------------------------------------------ types */
+
+const rref_type_t *rref__type_find(rref_ctx_t *ctx, const char *name)
+{
+    const rref_type_t *found = NULL;
+
+    pthread_mutex_lock(&ctx->mu);
+    for (rref_type_t *t = ctx->types; t != NULL; t = t->next) {
+        if (strcmp(t->name, name) == 0) {
+            found = t;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    return found;
+}
+
+weft_status_t weft_rref_register_type(weft_agent_t *a, const char *type, weft_rref_ctor_cb_t ctor,
+                                      weft_rref_dtor_cb_t dtor, const weft_rref_method_t *methods,
+                                      int n_methods, void *type_arg)
+{
+    rref_ctx_t *ctx;
+
+    if (type == NULL || ctor == NULL || n_methods < 0 || (n_methods > 0 && methods == NULL) ||
+        type[0] == '\0' || strlen(type) > RREF_MAX_NAME) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "rref_register_type: a name of 1..%d bytes, a constructor and "
+                               "n_methods >= 0 methods are needed",
+                               RREF_MAX_NAME);
+    }
+    for (int i = 0; i < n_methods; i++) {
+        if (methods[i].name == NULL || methods[i].name[0] == '\0' ||
+            strlen(methods[i].name) > RREF_MAX_NAME || methods[i].fn == NULL) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG,
+                                   "rref_register_type: method %d of '%s' has no name or function",
+                                   i, type);
+        }
+    }
+    WEFT_CHECK(rref__ctx(a, &ctx));
+    rref_type_t *t = weft_calloc(1, sizeof(*t));
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref_register_type: no memory");
+    }
+    t->name = weft_strdup(type);
+    t->methods = weft_calloc((size_t)n_methods + 1, sizeof(*t->methods));
+    bool ok = t->name != NULL && t->methods != NULL;
+    for (int i = 0; ok && i < n_methods; i++) {
+        t->methods[i].name = weft_strdup(methods[i].name);
+        t->methods[i].fn = methods[i].fn;
+        ok = t->methods[i].name != NULL;
+        t->n_methods = i + 1;
+    }
+    t->ctor = ctor;
+    t->dtor = dtor;
+    t->arg = type_arg;
+    weft_status_t st = WEFT_OK;
+    if (!ok) {
+        st = weft__set_error(WEFT_ERR_NO_MEMORY, "rref_register_type: no memory");
+        goto err_free_type;
+    }
+    pthread_mutex_lock(&ctx->mu);
+    for (rref_type_t *u = ctx->types; u != NULL; u = u->next) {
+        if (strcmp(u->name, type) == 0) {
+            st = WEFT_ERR_ALREADY_EXISTS;
+            break;
+        }
+    }
+    if (st == WEFT_OK) {
+        t->next = ctx->types;
+        ctx->types = t;
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    if (st == WEFT_OK) {
+        return WEFT_OK;
+    }
+    weft__set_error(st, "rref_register_type: '%s' is already registered", type);
+
+err_free_type:
+    for (int i = 0; i < t->n_methods; i++) {
+        weft_free((char *)t->methods[i].name);
+    }
+    weft_free(t->methods);
+    weft_free(t->name);
+    weft_free(t);
+    return st;
+}
+
+/* ---------------------------------------------------------- introspection */
+
+typedef struct {
+    size_t owners, forks, users, pending_users, confirmed_users, pending_children, ctls;
+    uint64_t deleted_owners, leaks;
+} counts_t;
+
+static void counts_locked(rref_ctx_t *ctx, counts_t *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->owners = ctx->nowners;
+    c->forks = ctx->nforks;
+    c->deleted_owners = ctx->deleted_owners;
+    c->pending_children = ctx->nchildren;
+    c->ctls = ctx->nctls;
+    c->leaks = ctx->leaks;
+    for (weft_rref_t *u = ctx->users; u != NULL; u = u->next) {
+        c->users++;
+        c->pending_users += u->pending ? 1 : 0;
+        c->confirmed_users += u->confirmed ? 1 : 0;
+    }
+}
+
+weft_status_t weft_rref_debug_info(weft_agent_t *a, char **json_p)
+{
+    rref_ctx_t *ctx;
+    counts_t c;
+
+    if (json_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "rref_debug_info: NULL json_p");
+    }
+    WEFT_CHECK(rref__ctx(a, &ctx));
+    pthread_mutex_lock(&ctx->mu);
+    counts_locked(ctx, &c);
+    pthread_mutex_unlock(&ctx->mu);
+    char *s = weft__strfmt("{\"owners\":%zu,\"users\":%zu,\"pending_users\":%zu,"
+                           "\"pending_children\":%zu,\"forks\":%zu,\"confirmed_users\":%zu,"
+                           "\"deleted_owners\":%llu,\"leaks\":%llu,\"control_in_flight\":%zu}",
+                           c.owners, c.users, c.pending_users, c.pending_children, c.forks,
+                           c.confirmed_users, (unsigned long long)c.deleted_owners,
+                           (unsigned long long)c.leaks, c.ctls);
+    if (s == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref_debug_info: no memory");
+    }
+    *json_p = s;
+    return WEFT_OK;
+}
+
+/* --------------------------------------------------------------- shutdown */
+
+/* Waits until no confirmation, pending child or control message is in flight (@p ctl_only: no
+ * control message), or the deadline. */
+static bool wait_settled(rref_ctx_t *ctx, int64_t deadline_ms, bool ctl_only, counts_t *c)
+{
+    for (;;) {
+        pthread_mutex_lock(&ctx->mu);
+        counts_locked(ctx, c);
+        pthread_mutex_unlock(&ctx->mu);
+        if (c->ctls == 0 && (ctl_only || (c->pending_users == 0 && c->pending_children == 0))) {
+            return true;
+        }
+        if (weft__now_ms() >= deadline_ms) {
+            return false;
+        }
+        usleep(1000);
+    }
+}
+
+static weft_status_t on_shutdown(weft_agent_t *a, int64_t deadline_ms, void *arg)
+{
+    rref_ctx_t *ctx = arg;
+    weft_status_t st = WEFT_OK;
+    counts_t c;
+
+    (void)a;
+    if (!wait_settled(ctx, deadline_ms, false, &c)) {
+        st = weft__set_error(WEFT_ERR_TIMEOUT,
+                             "rref: at the shutdown deadline %zu user references were still "
+                             "unconfirmed, %zu forks unaccepted and %zu control messages unacked",
+                             c.pending_users, c.pending_children, c.ctls);
+    }
+    /* Leaks: user references the program still holds. Each is reported and released for it, so
+     * that its owner can free the value; the handle stays valid (and inert). */
+    weft_rref_t **leaked = NULL;
+    size_t n = 0;
+    pthread_mutex_lock(&ctx->mu);
+    leaked = weft_calloc(ctx->nusers + 1, sizeof(*leaked));
+    for (weft_rref_t *u = ctx->users; u != NULL && leaked != NULL;) {
+        weft_rref_t *next = u->next;
+        if (u->refs > 0 && !u->pending) {
+            u->detached = true;
+            u->refs++; /* held while reported */
+            leaked[n++] = u;
+            ctx->leaks++;
+        }
+        u = next;
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    for (size_t i = 0; i < n; i++) {
+        weft_rref_t *u = leaked[i];
+        pthread_mutex_lock(&ctx->mu);
+        bool send = (u->confirmed || u->maybe_known) && !u->owner_lost;
+        if (u->listed) {
+            if (u->prev != NULL) {
+                u->prev->next = u->next;
+            } else {
+                ctx->users = u->next;
+            }
+            if (u->next != NULL) {
+                u->next->prev = u->prev;
+            }
+            u->next = u->prev = NULL;
+            u->listed = false;
+            ctx->nusers--;
+        }
+        int64_t handles = u->refs - 1;
+        pthread_mutex_unlock(&ctx->mu);
+        WEFT_WARN("rref leak: user reference (%d,%llu) fork (%d,%llu) of %s (rank %d), created by "
+                  "'%s', still had %lld handle(s) at shutdown; released",
+                  u->id.worker, (unsigned long long)u->id.local, u->fork.worker,
+                  (unsigned long long)u->fork.local, rref__worker_name(ctx, u->owner), u->owner,
+                  u->created_by != NULL ? u->created_by : "?", (long long)handles);
+        if (send) {
+            rref__ctl_send(ctx, WEFT__V1__RREF_MSG_KIND__RREF_USER_DELETE, u->owner, u->id, u->fork,
+                           NULL, NULL);
+        }
+        weft_rref_release(u);
+    }
+    weft_free(leaked);
+    if (!wait_settled(ctx, deadline_ms, true, &c) && st == WEFT_OK) {
+        st = weft__set_error(WEFT_ERR_TIMEOUT,
+                             "rref: at the shutdown deadline %zu control messages were unacked",
+                             c.ctls);
+    }
+    return st;
+}

@@ -1,0 +1,524 @@
+/* The rref module's messages: ids and call headers, and the control messages (FORK_REQUEST,
+ * CHILD_ACCEPT, USER_DELETE and their ACKs) on channel WEFT_CHANNEL_RREF, retried until acked,
+ * delayed and duplicated on request for tests. */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+static void *pb_alloc(void *data, size_t size)
+{
+    (void)data;
+    return weft_alloc(size);
+}
+
+static void pb_free(void *data, void *p)
+{
+    (void)data;
+    weft_free(p);
+}
+
+ProtobufCAllocator rref__pb_allocator = {pb_alloc, pb_free, NULL};
+
+/* ------------------------------------------------------------------- ids */
+
+void rref__id_to_pb(weft_rref_id_t id, Weft__V1__RRefId *pb)
+{
+    weft__v1__rref_id__init(pb);
+    pb->worker = id.worker;
+    pb->local = id.local;
+}
+
+bool rref__id_from_pb(const rref_ctx_t *ctx, const Weft__V1__RRefId *pb, weft_rref_id_t *id_p)
+{
+    if (pb == NULL || pb->worker < 0 || pb->worker >= ctx->world || pb->local == 0) {
+        return false;
+    }
+    id_p->worker = pb->worker;
+    id_p->local = pb->local;
+    return true;
+}
+
+bool rref__id_eq(weft_rref_id_t x, weft_rref_id_t y)
+{
+    return x.worker == y.worker && x.local == y.local;
+}
+
+/* ----------------------------------------------------------- call values */
+
+weft_status_t rref__value_fill(weft_value_t *dst, const weft_value_t *src, size_t skip)
+{
+    size_t len = 0;
+    const uint8_t *p = src != NULL ? weft_value_payload(src, &len) : NULL;
+
+    if (src == NULL) {
+        return WEFT_OK;
+    }
+    if (skip > len) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: payload shorter than its header");
+    }
+    if (len > skip) {
+        WEFT_CHECK(weft_value_set_payload(dst, p + skip, len - skip));
+    }
+    for (size_t i = 0; i < weft_value_num_tensors(src); i++) {
+        WEFT_CHECK(weft_value_add_tensor(dst, weft_value_tensor(src, i)));
+    }
+    for (size_t i = 0; i < weft_value_num_refs(src); i++) {
+        uint32_t kind = 0;
+        void *obj = weft_value_ref(src, i, &kind);
+        if (kind != WEFT_REF_KIND_RREF) {
+            return weft__set_error(WEFT_ERR_UNSUPPORTED,
+                                   "rref: reference %zu of the arguments is of kind %u, which rref "
+                                   "calls cannot carry",
+                                   i, kind);
+        }
+        WEFT_CHECK(weft_value_add_ref(dst, &rref__ref_type, obj));
+    }
+    return WEFT_OK;
+}
+
+weft_status_t rref__call_pack(const Weft__V1__RRefCall *hdr, const weft_value_t *args,
+                              weft_value_t **v_p)
+{
+    weft_status_t st;
+    weft_value_t *v;
+    size_t hlen = weft__v1__rref_call__get_packed_size(hdr);
+    size_t alen = 0;
+
+    if (args != NULL) {
+        (void)weft_value_payload(args, &alen);
+    }
+    uint8_t *buf = weft_alloc(4 + hlen + alen);
+    if (buf == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: no memory for a call");
+    }
+    for (int i = 0; i < 4; i++) {
+        buf[i] = (uint8_t)(hlen >> (8 * i));
+    }
+    weft__v1__rref_call__pack(hdr, buf + 4);
+    if (alen > 0) {
+        memcpy(buf + 4 + hlen, weft_value_payload(args, &alen), alen);
+    }
+    WEFT_CHECK_GOTO(weft_value_create(&v), st, err_free_buf);
+    WEFT_CHECK_GOTO(weft_value_take_payload(v, buf, 4 + hlen + alen), st, err_free_value);
+    buf = NULL;
+    if (args != NULL) {
+        for (size_t i = 0; i < weft_value_num_tensors(args); i++) {
+            WEFT_CHECK_GOTO(weft_value_add_tensor(v, weft_value_tensor(args, i)), st,
+                            err_free_value);
+        }
+        for (size_t i = 0; i < weft_value_num_refs(args); i++) {
+            uint32_t kind = 0;
+            void *obj = weft_value_ref(args, i, &kind);
+            if (kind != WEFT_REF_KIND_RREF) {
+                st = weft__set_error(WEFT_ERR_UNSUPPORTED,
+                                     "rref: reference %zu of the arguments is of kind %u, which "
+                                     "rref calls cannot carry",
+                                     i, kind);
+                goto err_free_value;
+            }
+            WEFT_CHECK_GOTO(weft_value_add_ref(v, &rref__ref_type, obj), st, err_free_value);
+        }
+    }
+    *v_p = v;
+    return WEFT_OK;
+
+err_free_value:
+    weft_value_free(v);
+err_free_buf:
+    weft_free(buf);
+    return st;
+}
+
+weft_status_t rref__call_unpack(const weft_value_t *v, Weft__V1__RRefCall **hdr_p,
+                                weft_value_t **args_p)
+{
+    size_t len = 0;
+    const uint8_t *p = v != NULL ? weft_value_payload(v, &len) : NULL;
+    weft_status_t st;
+
+    if (p == NULL || len < 4) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: call without a header");
+    }
+    size_t hlen = (size_t)p[0] | (size_t)p[1] << 8 | (size_t)p[2] << 16 | (size_t)p[3] << 24;
+    if (hlen > len - 4) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: call header of %zu bytes in %zu", hlen,
+                               len - 4);
+    }
+    Weft__V1__RRefCall *hdr = weft__v1__rref_call__unpack(&rref__pb_allocator, hlen, p + 4);
+    if (hdr == NULL) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: unreadable call header");
+    }
+    if (strlen(hdr->name) > RREF_MAX_NAME || strlen(hdr->type) > RREF_MAX_NAME) {
+        weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: name in a call header over %d bytes",
+                               RREF_MAX_NAME);
+    }
+    if (args_p != NULL) {
+        weft_value_t *args;
+        WEFT_CHECK_GOTO(weft_value_create(&args), st, err_free_hdr);
+        st = rref__value_fill(args, v, 4 + hlen);
+        if (st != WEFT_OK) {
+            weft_value_free(args);
+            goto err_free_hdr;
+        }
+        *args_p = args;
+    }
+    *hdr_p = hdr;
+    return WEFT_OK;
+
+err_free_hdr:
+    weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+    return st;
+}
+
+/* ------------------------------------------------------ control messages */
+
+typedef struct {
+    int to;
+    weft_value_t *v;
+} delayed_send_t;
+
+static void delayed_drop(void *arg)
+{
+    delayed_send_t *d = arg;
+    weft_value_free(d->v);
+    weft_free(d);
+}
+
+static void delayed_run(rref_ctx_t *ctx, void *arg)
+{
+    delayed_send_t *d = arg;
+    pthread_mutex_lock(&ctx->mu);
+    bool dead = ctx->dead;
+    pthread_mutex_unlock(&ctx->mu);
+    if (!dead && weft_agent_send(ctx->a, d->to, WEFT_CHANNEL_RREF, d->v, NULL) != WEFT_OK) {
+        WEFT_DEBUG("rref: control message to rank %d not sent: %s", d->to, weft_last_error());
+    }
+    delayed_drop(d);
+}
+
+/* Sends one packed control message to @p to: now, or (fault injection) after a random delay, and
+ * twice when duplication is on. */
+static void transmit(rref_ctx_t *ctx, int to, const Weft__V1__RRefControl *m)
+{
+    size_t len = weft__v1__rref_control__get_packed_size(m);
+    uint8_t *buf = weft_alloc(len > 0 ? len : 1);
+    weft_value_t *v = NULL;
+
+    if (buf == NULL || weft_value_create(&v) != WEFT_OK) {
+        weft_free(buf);
+        WEFT_ERROR("rref: no memory for a control message to rank %d", to);
+        return;
+    }
+    weft__v1__rref_control__pack(m, buf);
+    if (weft_value_take_payload(v, buf, len) != WEFT_OK) {
+        weft_free(buf);
+        weft_value_free(v);
+        WEFT_ERROR("rref: no memory for a control message to rank %d", to);
+        return;
+    }
+    int copies = ctx->fault_dup ? 2 : 1;
+    for (int i = 0; i < copies; i++) {
+        if (ctx->fault_delay_us > 0) {
+            delayed_send_t *d = weft_alloc(sizeof(*d));
+            weft_value_t *c = NULL;
+            if (d == NULL || rref__value_copy(v, &c) != WEFT_OK) {
+                weft_free(d);
+                continue;
+            }
+            d->to = to;
+            d->v = c;
+            rref__timer_add(ctx, rref__fault_delay(ctx), delayed_run, delayed_drop, d);
+        } else if (weft_agent_send(ctx->a, to, WEFT_CHANNEL_RREF, v, NULL) != WEFT_OK) {
+            WEFT_DEBUG("rref: control message to rank %d not sent: %s", to, weft_last_error());
+        }
+    }
+    weft_value_free(v);
+}
+
+static void ctl_fill(const rref_ctl_t *c, Weft__V1__RRefControl *m, Weft__V1__RRefId *id,
+                     Weft__V1__RRefId *fork)
+{
+    weft__v1__rref_control__init(m);
+    m->kind = c->kind;
+    m->msg_id = c->msg_id;
+    rref__id_to_pb(c->id, id);
+    rref__id_to_pb(c->fork, fork);
+    m->rref_id = id;
+    m->fork_id = fork;
+}
+
+typedef struct {
+    uint64_t msg_id;
+    uint64_t gen;
+} retry_t;
+
+static void retry_run(rref_ctx_t *ctx, void *arg);
+
+/* Sends @p c (again) and arms its retry after @p delay_ms. ctx->mu held. */
+static void ctl_arm_locked(rref_ctx_t *ctx, rref_ctl_t *c, int64_t delay_ms)
+{
+    retry_t *r = weft_alloc(sizeof(*r));
+    c->gen++;
+    if (r == NULL) {
+        return; /* no retry: the deadline check is lost too, shutdown bounds the wait */
+    }
+    r->msg_id = c->msg_id;
+    r->gen = c->gen;
+    rref__timer_add(ctx, delay_ms * 1000, retry_run, weft_free, r);
+}
+
+static rref_ctl_t *ctl_take_locked(rref_ctx_t *ctx, uint64_t msg_id, int from)
+{
+    for (rref_ctl_t **pp = &ctx->ctls; *pp != NULL; pp = &(*pp)->next) {
+        rref_ctl_t *c = *pp;
+        if (c->msg_id == msg_id && (from < 0 || c->to == from)) {
+            *pp = c->next;
+            ctx->nctls--;
+            return c;
+        }
+    }
+    return NULL;
+}
+
+static rref_ctl_t *ctl_find_locked(rref_ctx_t *ctx, uint64_t msg_id)
+{
+    for (rref_ctl_t *c = ctx->ctls; c != NULL; c = c->next) {
+        if (c->msg_id == msg_id) {
+            return c;
+        }
+    }
+    return NULL;
+}
+
+static void ctl_finish(rref_ctx_t *ctx, rref_ctl_t *c, weft_status_t st, const char *why)
+{
+    if (c->done != NULL) {
+        c->done(ctx, st, why, c->arg);
+    }
+    weft_free(c);
+}
+
+static void retry_run(rref_ctx_t *ctx, void *arg)
+{
+    retry_t *r = arg;
+    Weft__V1__RRefControl m;
+    Weft__V1__RRefId id, fork;
+
+    pthread_mutex_lock(&ctx->mu);
+    rref_ctl_t *c = ctx->dead ? NULL : ctl_find_locked(ctx, r->msg_id);
+    if (c == NULL || c->gen != r->gen) {
+        pthread_mutex_unlock(&ctx->mu);
+        weft_free(r);
+        return;
+    }
+    weft_free(r);
+    if (weft__now_ms() >= c->deadline_ms) {
+        c = ctl_take_locked(ctx, c->msg_id, -1);
+        pthread_mutex_unlock(&ctx->mu);
+        char why[256];
+        snprintf(why, sizeof(why),
+                 "rref: control message %d to %s (rank %d) was not acknowledged "
+                 "within %lld ms",
+                 (int)c->kind, rref__worker_name(ctx, c->to), c->to,
+                 (long long)ctx->ctl_timeout_ms);
+        WEFT_WARN("%s", why);
+        ctl_finish(ctx, c, WEFT_ERR_TIMEOUT, why);
+        return;
+    }
+    ctl_fill(c, &m, &id, &fork);
+    int to = c->to;
+    c->retry_ms = c->retry_ms * 2 < RREF_RETRY_MAX_MS ? c->retry_ms * 2 : RREF_RETRY_MAX_MS;
+    ctl_arm_locked(ctx, c, c->retry_ms);
+    pthread_mutex_unlock(&ctx->mu);
+    transmit(ctx, to, &m);
+}
+
+void rref__ctl_send(rref_ctx_t *ctx, Weft__V1__RRefMsgKind kind, int to, weft_rref_id_t id,
+                    weft_rref_id_t fork, rref_ctl_done_cb_t done, void *arg)
+{
+    rref_ctl_t *c = weft_calloc(1, sizeof(*c));
+    Weft__V1__RRefControl m;
+    Weft__V1__RRefId pid, pfork;
+
+    if (c == NULL) {
+        WEFT_ERROR("rref: no memory for a control message to rank %d", to);
+        if (done != NULL) {
+            done(ctx, WEFT_ERR_NO_MEMORY, "rref: no memory for a control message", arg);
+        }
+        return;
+    }
+    c->kind = kind;
+    c->to = to;
+    c->id = id;
+    c->fork = fork;
+    c->done = done;
+    c->arg = arg;
+    c->deadline_ms = weft__now_ms() + ctx->ctl_timeout_ms;
+    c->retry_ms = RREF_RETRY_FIRST_MS;
+    c->backoff_ms = RREF_BACKOFF_MS;
+    pthread_mutex_lock(&ctx->mu);
+    if (ctx->dead || to < 0 || to >= ctx->world || ctx->lost[to]) {
+        bool dead = ctx->dead;
+        pthread_mutex_unlock(&ctx->mu);
+        ctl_finish(ctx, c, dead ? WEFT_ERR_SHUTDOWN : WEFT_ERR_PEER_LOST,
+                   dead ? "rref: the agent was closed" : "rref: the peer was lost");
+        return;
+    }
+    c->msg_id = ctx->next_msg++;
+    c->next = ctx->ctls;
+    ctx->ctls = c;
+    ctx->nctls++;
+    ctl_fill(c, &m, &pid, &pfork);
+    ctl_arm_locked(ctx, c, c->retry_ms);
+    pthread_mutex_unlock(&ctx->mu);
+    transmit(ctx, to, &m);
+}
+
+void rref__ctl_fail_rank(rref_ctx_t *ctx, int rank, weft_status_t st, const char *why)
+{
+    rref_ctl_t *list = NULL;
+
+    pthread_mutex_lock(&ctx->mu);
+    for (rref_ctl_t **pp = &ctx->ctls; *pp != NULL;) {
+        rref_ctl_t *c = *pp;
+        if (rank < 0 || c->to == rank) {
+            *pp = c->next;
+            ctx->nctls--;
+            c->next = list;
+            list = c;
+        } else {
+            pp = &c->next;
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    while (list != NULL) {
+        rref_ctl_t *c = list;
+        list = c->next;
+        ctl_finish(ctx, c, st, why);
+    }
+}
+
+/* An ACK from @p src for our message @p msg_id. */
+static void on_ack(rref_ctx_t *ctx, int src, uint64_t msg_id, weft_status_t st, const char *error)
+{
+    Weft__V1__RRefControl m;
+    Weft__V1__RRefId id, fork;
+
+    pthread_mutex_lock(&ctx->mu);
+    rref_ctl_t *c = ctl_find_locked(ctx, msg_id);
+    if (c == NULL || c->to != src) {
+        /* A duplicate, or the answer to a message already settled. */
+        pthread_mutex_unlock(&ctx->mu);
+        return;
+    }
+    if (st == WEFT_ERR_PENDING) {
+        /* The receiver does not know the reference yet (its creation is on the way): again,
+         * after a while, until the deadline. */
+        int64_t wait = c->backoff_ms;
+        c->backoff_ms = wait * 2 < RREF_BACKOFF_MAX_MS ? wait * 2 : RREF_BACKOFF_MAX_MS;
+        if (weft__now_ms() + wait >= c->deadline_ms) {
+            c = ctl_take_locked(ctx, msg_id, src);
+            pthread_mutex_unlock(&ctx->mu);
+            char why[256];
+            snprintf(why, sizeof(why),
+                     "rref: %s (rank %d) did not come to know reference (%d,%llu) within %lld ms",
+                     rref__worker_name(ctx, src), src, c->id.worker,
+                     (unsigned long long)c->id.local, (long long)ctx->ctl_timeout_ms);
+            ctl_finish(ctx, c, WEFT_ERR_TIMEOUT, why);
+            return;
+        }
+        ctl_fill(c, &m, &id, &fork);
+        c->gen++; /* the periodic retry restarts from this send */
+        retry_t *r = weft_alloc(sizeof(*r));
+        if (r != NULL) {
+            r->msg_id = c->msg_id;
+            r->gen = c->gen;
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        /* resend after the backoff: the retry task does it */
+        if (r != NULL) {
+            rref__timer_add(ctx, wait * 1000, retry_run, weft_free, r);
+        }
+        return;
+    }
+    c = ctl_take_locked(ctx, msg_id, src);
+    pthread_mutex_unlock(&ctx->mu);
+    ctl_finish(ctx, c, st, error);
+}
+
+static void send_ack(rref_ctx_t *ctx, int to, uint64_t msg_id, weft_status_t st, const char *why)
+{
+    Weft__V1__RRefControl m;
+
+    weft__v1__rref_control__init(&m);
+    m.kind = WEFT__V1__RREF_MSG_KIND__RREF_ACK;
+    m.msg_id = msg_id;
+    m.status = st;
+    m.error = (char *)(why != NULL ? why : "");
+    transmit(ctx, to, &m);
+}
+
+void rref__on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
+{
+    rref_ctx_t *ctx = arg;
+    size_t len = 0;
+    const uint8_t *p = weft_value_payload(msg, &len);
+    weft_rref_id_t id = {0, 0}, fork = {0, 0};
+    char why[512] = "";
+    weft_status_t st;
+
+    (void)a;
+    Weft__V1__RRefControl *m =
+        p != NULL ? weft__v1__rref_control__unpack(&rref__pb_allocator, len, p) : NULL;
+    weft_value_free(msg);
+    if (m == NULL) {
+        WEFT_WARN("rref: unreadable control message from rank %d dropped", src);
+        return;
+    }
+    if (src < 0 || src >= ctx->world) {
+        goto out;
+    }
+    if (m->kind == WEFT__V1__RREF_MSG_KIND__RREF_ACK) {
+        weft_status_t ast =
+            weft_status_valid(m->status) ? (weft_status_t)m->status : WEFT_ERR_PROTOCOL;
+        on_ack(ctx, src, m->msg_id, ast, m->error);
+        goto out;
+    }
+    if (m->msg_id == 0) {
+        WEFT_WARN("rref: control message of kind %d without an id from rank %d dropped",
+                  (int)m->kind, src);
+        goto out;
+    }
+    bool ids_ok =
+        rref__id_from_pb(ctx, m->rref_id, &id) && rref__id_from_pb(ctx, m->fork_id, &fork);
+    switch (m->kind) {
+    case WEFT__V1__RREF_MSG_KIND__RREF_FORK_REQUEST:
+        st = ids_ok ? rref__on_fork_request(ctx, src, id, fork, why, sizeof(why))
+                    : WEFT_ERR_PROTOCOL;
+        break;
+    case WEFT__V1__RREF_MSG_KIND__RREF_CHILD_ACCEPT:
+        st = ids_ok ? rref__on_child_accept(ctx, src, fork) : WEFT_ERR_PROTOCOL;
+        break;
+    case WEFT__V1__RREF_MSG_KIND__RREF_USER_DELETE:
+        st = ids_ok ? rref__on_user_delete(ctx, src, id, fork) : WEFT_ERR_PROTOCOL;
+        break;
+    default:
+        st = WEFT_ERR_PROTOCOL;
+        snprintf(why, sizeof(why), "rref: unknown control message kind %d", (int)m->kind);
+        break;
+    }
+    if (st == WEFT_ERR_PROTOCOL) {
+        if (why[0] == '\0') {
+            snprintf(why, sizeof(why), "rref: control message with missing or bad ids");
+        }
+        WEFT_WARN("%s (from rank %d)", why, src);
+    }
+    if (st == WEFT_ERR_PEER_LOST) {
+        goto out; /* from a rank declared lost: not answered */
+    }
+    send_ack(ctx, src, m->msg_id, st, why);
+out:
+    weft__v1__rref_control__free_unpacked(m, &rref__pb_allocator);
+}
