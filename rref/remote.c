@@ -508,11 +508,12 @@ static void op_start(op_t *op)
 {
     weft_rref_t *r = op->r;
 
-    if (op->out != NULL && r != NULL && r->role == RREF_USER && r->created_here &&
-        !weft_future_done(r->ready)) {
-        /* This worker sent the creation: the owner gets this call after it (or answers
-         * WEFT_ERR_PENDING and the call goes again once the creation's answer is here). No timer:
-         * the call carries the deadline. */
+    if (op->out != NULL && op->kind == OP_FETCH && r != NULL && r->role == RREF_USER &&
+        r->created_here && !weft_future_done(r->ready)) {
+        /* This worker sent the creation: the owner gets this fetch after it (or answers
+         * WEFT_ERR_PENDING and the fetch goes again once the creation's answer is here). No timer:
+         * the call carries the deadline. Only fetches are pipelined: they can be sent twice
+         * safely, while a method that answered WEFT_ERR_PENDING itself must not run again. */
         op->pipelined = true;
         op->holds = 2;
         if (weft_future_then(r->ready, op_creation_seen, op) != WEFT_OK) {

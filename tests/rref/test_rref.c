@@ -14,6 +14,7 @@
 /* Per rank process: objects destroyed, the reference a rank keeps. */
 static int64_t g_dtors;
 static weft_rref_t *g_kept;
+static weft_rref_t *g_kept2; /* remote_keep's, apart from keep_rref's */
 
 /* ------------------------------------------------------------ functions */
 
@@ -134,7 +135,7 @@ static void fn_remote_keep(weft_call_t *call, void *arg)
 {
     (void)arg;
     weft_status_t st = weft_rref_remote(weft_call_agent(call), weft_call_caller_rank(call), "make",
-                                        NULL, 5000, &g_kept);
+                                        NULL, 5000, &g_kept2);
     if (st != WEFT_OK) {
         weft_call_fail(call, st, "%s", weft_last_error());
         return;
@@ -576,6 +577,11 @@ static int body_objects(weft_agent_t *a, int rank, int world, void *arg)
                weft_last_error());
     weft_value_free(v);
     weft_rref_release(mine);
+    /* The last hold may be an operation's, let go on the thread that delivered its answer. */
+    for (int64_t until = now_ms() + WAIT_MS;
+         __atomic_load_n(&g_dtors, __ATOMIC_SEQ_CST) == 0 && now_ms() < until;) {
+        usleep(1000);
+    }
     RANK_CHECK(__atomic_load_n(&g_dtors, __ATOMIC_SEQ_CST) == 1, "own object destroyed once");
 
     RANK_CHECK(remote_dtors(a, 1) == 0, "alive while referenced");
