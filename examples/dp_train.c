@@ -88,30 +88,6 @@ static void usage(FILE *out)
             "                     " DEFAULT_DATA_DIR ")\n");
 }
 
-static int parse_int(const char *s, int64_t min, int64_t max, int64_t *v_p)
-{
-    char *end;
-    long long v = strtoll(s, &end, 10);
-
-    if (*s == '\0' || *end != '\0' || v < min || v > max) {
-        return -1;
-    }
-    *v_p = v;
-    return 0;
-}
-
-static int parse_double(const char *s, double min, double max, double *v_p)
-{
-    char *end;
-    double v = strtod(s, &end);
-
-    if (*s == '\0' || *end != '\0' || !(v >= min && v <= max)) {
-        return -1;
-    }
-    *v_p = v;
-    return 0;
-}
-
 static int parse_hidden(const char *s, config_t *cfg)
 {
     char buf[256];
@@ -123,7 +99,7 @@ static int parse_hidden(const char *s, config_t *cfg)
     }
     strcpy(buf, s);
     for (char *tok = strtok_r(buf, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
-        if (n == MAX_LAYERS - 1 || parse_int(tok, 1, 1 << 16, &cfg->hidden[n]) != 0) {
+        if (n == MAX_LAYERS - 1 || parse_int_arg(tok, 1, 1 << 16, &cfg->hidden[n]) != 0) {
             return -1;
         }
         n++;
@@ -178,47 +154,47 @@ static int parse_args(int argc, char **argv, config_t *cfg)
         int bad = 0;
         switch (c) {
         case 'e':
-            bad = parse_int(optarg, 1, 100000, &iv);
+            bad = parse_int_arg(optarg, 1, 100000, &iv);
             cfg->epochs = (int)iv;
             break;
         case 'b':
-            bad = parse_int(optarg, 1, 1 << 20, &iv);
+            bad = parse_int_arg(optarg, 1, 1 << 20, &iv);
             cfg->batch = (int)iv;
             break;
         case 'l':
-            bad = parse_double(optarg, 0.0, 1e6, &cfg->lr);
+            bad = parse_double_arg(optarg, 0.0, 1e6, &cfg->lr);
             break;
         case 'm':
-            bad = parse_double(optarg, 0.0, 0.999999, &cfg->momentum);
+            bad = parse_double_arg(optarg, 0.0, 0.999999, &cfg->momentum);
             break;
         case 'N':
             cfg->nesterov = 1;
             break;
         case 'w':
-            bad = parse_double(optarg, 0.0, 1e6, &cfg->weight_decay);
+            bad = parse_double_arg(optarg, 0.0, 1e6, &cfg->weight_decay);
             break;
         case 'H':
             bad = parse_hidden(optarg, cfg);
             break;
         case 's':
-            bad = parse_int(optarg, 0, INT64_MAX, &iv);
+            bad = parse_int_arg(optarg, 0, INT64_MAX, &iv);
             cfg->seed = (uint64_t)iv;
             break;
         case 'n':
-            bad = parse_int(optarg, 1, INT64_MAX, &cfg->limit);
+            bad = parse_int_arg(optarg, 1, INT64_MAX, &cfg->limit);
             break;
         case 'E':
-            bad = parse_int(optarg, 0, INT32_MAX, &iv);
+            bad = parse_int_arg(optarg, 0, INT32_MAX, &iv);
             cfg->eval_every = (int)iv;
             break;
         case 't':
-            bad = parse_double(optarg, 0.0, 1.0, &cfg->target);
+            bad = parse_double_arg(optarg, 0.0, 1.0, &cfg->target);
             break;
         case 'S':
             cfg->stop_at_target = 1;
             break;
         case 'T':
-            bad = parse_int(optarg, 1, 256, &iv);
+            bad = parse_int_arg(optarg, 1, 256, &iv);
             cfg->threads = (int)iv;
             break;
         case 'j':
@@ -771,36 +747,6 @@ out:
 
 /* ----------------------------------------------------------------- main */
 
-static int load_data(const config_t *cfg, mnist_set_t *train_p, mnist_set_t *test_p)
-{
-    char err[512];
-    weft_status_t st;
-
-    st = mnist_load(cfg->data_dir, "train", train_p, err, sizeof(err));
-    if (st == WEFT_OK) {
-        st = mnist_load(cfg->data_dir, "t10k", test_p, err, sizeof(err));
-        if (st != WEFT_OK) {
-            mnist_free(train_p);
-        }
-    }
-    if (st == WEFT_OK && (train_p->rows != test_p->rows || train_p->cols != test_p->cols)) {
-        snprintf(err, sizeof(err), "%s: training images are %dx%d, test images %dx%d",
-                 cfg->data_dir, train_p->rows, train_p->cols, test_p->rows, test_p->cols);
-        mnist_free(train_p);
-        mnist_free(test_p);
-        st = WEFT_ERR_IO;
-    }
-    if (st != WEFT_OK) {
-        fprintf(stderr,
-                "dp_train: cannot load Fashion-MNIST: %s\n"
-                "dp_train: install the Debian package dataset-fashion-mnist, or point "
-                "--data DIR or WEFT_DATA_DIR at the IDX files\n",
-                err);
-        return -1;
-    }
-    return 0;
-}
-
 int main(int argc, char **argv)
 {
     config_t cfg;
@@ -819,7 +765,7 @@ int main(int argc, char **argv)
     }
     weft_op_set_threads(cfg.threads);
     /* Data first: a missing or corrupt file ends the run before any rank waits for it. */
-    if (load_data(&cfg, &train_set, &test_set) != 0) {
+    if (mnist_load_splits("dp_train", cfg.data_dir, &train_set, &test_set) != 0) {
         return EXIT_USAGE;
     }
 

@@ -212,3 +212,57 @@ void mnist_free(mnist_set_t *set)
     free(set->labels);
     memset(set, 0, sizeof(*set));
 }
+
+int mnist_load_splits(const char *prog, const char *dir, mnist_set_t *train_p, mnist_set_t *test_p)
+{
+    char err[512];
+    weft_status_t st;
+
+    st = mnist_load(dir, "train", train_p, err, sizeof(err));
+    if (st == WEFT_OK) {
+        st = mnist_load(dir, "t10k", test_p, err, sizeof(err));
+        if (st != WEFT_OK) {
+            mnist_free(train_p);
+        }
+    }
+    if (st == WEFT_OK && (train_p->rows != test_p->rows || train_p->cols != test_p->cols)) {
+        snprintf(err, sizeof(err), "%s: training images are %dx%d, test images %dx%d", dir,
+                 train_p->rows, train_p->cols, test_p->rows, test_p->cols);
+        mnist_free(train_p);
+        mnist_free(test_p);
+        st = WEFT_ERR_IO;
+    }
+    if (st != WEFT_OK) {
+        fprintf(stderr,
+                "%s: cannot load Fashion-MNIST: %s\n"
+                "%s: install the Debian package dataset-fashion-mnist, or point "
+                "--data DIR or WEFT_DATA_DIR at the IDX files\n",
+                prog, err, prog);
+        return -1;
+    }
+    return 0;
+}
+
+int parse_int_arg(const char *s, int64_t min, int64_t max, int64_t *v_p)
+{
+    char *end;
+    long long v = strtoll(s, &end, 10);
+
+    if (*s == '\0' || *end != '\0' || v < min || v > max) {
+        return -1;
+    }
+    *v_p = v;
+    return 0;
+}
+
+int parse_double_arg(const char *s, double min, double max, double *v_p)
+{
+    char *end;
+    double v = strtod(s, &end);
+
+    if (*s == '\0' || *end != '\0' || !(v >= min && v <= max)) {
+        return -1;
+    }
+    *v_p = v;
+    return 0;
+}

@@ -31,6 +31,19 @@ typedef struct {
 weft_status_t mnist_load(const char *dir, const char *prefix, mnist_set_t *set_p, char *err,
                          size_t err_cap);
 
+/**
+ * Loads the training ("train") and test ("t10k") splits of @p dir and checks that their images
+ * have the same size. On failure prints "PROG: cannot load Fashion-MNIST: <reason>" and how to
+ * get the data on stderr, and leaves both sets empty.
+ * @return 0, or -1 after the message.
+ */
+int mnist_load_splits(const char *prog, const char *dir, mnist_set_t *train_p, mnist_set_t *test_p);
+
+/** Parses a whole decimal integer in [min, max] into *v_p; -1 (nothing set) otherwise. */
+int parse_int_arg(const char *s, int64_t min, int64_t max, int64_t *v_p);
+/** Parses a whole number in [min, max] into *v_p; -1 (nothing set) otherwise. */
+int parse_double_arg(const char *s, double min, double max, double *v_p);
+
 /** Frees what mnist_load filled in; leaves @p set empty. */
 void mnist_free(mnist_set_t *set);
 

@@ -78,30 +78,6 @@ static void usage(FILE *out)
             "                 " DEFAULT_DATA_DIR ")\n");
 }
 
-static int parse_int(const char *s, int64_t min, int64_t max, int64_t *v_p)
-{
-    char *end;
-    long long v = strtoll(s, &end, 10);
-
-    if (*s == '\0' || *end != '\0' || v < min || v > max) {
-        return -1;
-    }
-    *v_p = v;
-    return 0;
-}
-
-static int parse_double(const char *s, double min, double max, double *v_p)
-{
-    char *end;
-    double v = strtod(s, &end);
-
-    if (*s == '\0' || *end != '\0' || !(v >= min && v <= max)) {
-        return -1;
-    }
-    *v_p = v;
-    return 0;
-}
-
 /* Returns 0, 1 after --help, or EXIT_USAGE after a message. */
 static int parse_args(int argc, char **argv, config_t *cfg)
 {
@@ -133,24 +109,24 @@ static int parse_args(int argc, char **argv, config_t *cfg)
         int bad = 0;
         switch (c) {
         case 'e':
-            bad = parse_int(optarg, 1, 100000, &iv);
+            bad = parse_int_arg(optarg, 1, 100000, &iv);
             cfg->epochs = (int)iv;
             break;
         case 'b':
-            bad = parse_int(optarg, 1, 1 << 20, &iv);
+            bad = parse_int_arg(optarg, 1, 1 << 20, &iv);
             cfg->batch = (int)iv;
             break;
         case 'l':
-            bad = parse_double(optarg, 0.0, 1e6, &cfg->lr);
+            bad = parse_double_arg(optarg, 0.0, 1e6, &cfg->lr);
             break;
         case 'm':
-            bad = parse_double(optarg, 0.0, 0.999999, &cfg->momentum);
+            bad = parse_double_arg(optarg, 0.0, 0.999999, &cfg->momentum);
             break;
         case 'n':
-            bad = parse_int(optarg, 1, INT64_MAX, &cfg->limit);
+            bad = parse_int_arg(optarg, 1, INT64_MAX, &cfg->limit);
             break;
         case 's':
-            bad = parse_int(optarg, 0, INT64_MAX, &iv);
+            bad = parse_int_arg(optarg, 0, INT64_MAX, &iv);
             cfg->seed = (uint64_t)iv;
             break;
         case 'd':
@@ -891,36 +867,6 @@ out:
 
 /* ----------------------------------------------------------------- main */
 
-static int load_data(const config_t *cfg, mnist_set_t *train_p, mnist_set_t *test_p)
-{
-    char err[512];
-    weft_status_t st;
-
-    st = mnist_load(cfg->data_dir, "train", train_p, err, sizeof(err));
-    if (st == WEFT_OK) {
-        st = mnist_load(cfg->data_dir, "t10k", test_p, err, sizeof(err));
-        if (st != WEFT_OK) {
-            mnist_free(train_p);
-        }
-    }
-    if (st == WEFT_OK && (train_p->rows != test_p->rows || train_p->cols != test_p->cols)) {
-        snprintf(err, sizeof(err), "%s: training images are %dx%d, test images %dx%d",
-                 cfg->data_dir, train_p->rows, train_p->cols, test_p->rows, test_p->cols);
-        mnist_free(train_p);
-        mnist_free(test_p);
-        st = WEFT_ERR_IO;
-    }
-    if (st != WEFT_OK) {
-        fprintf(stderr,
-                "rpc_train: cannot load Fashion-MNIST: %s\n"
-                "rpc_train: install the Debian package dataset-fashion-mnist, or point "
-                "--data DIR or WEFT_DATA_DIR at the IDX files\n",
-                err);
-        return -1;
-    }
-    return 0;
-}
-
 int main(int argc, char **argv)
 {
     config_t cfg;
@@ -942,7 +888,7 @@ int main(int argc, char **argv)
         return rc == 1 ? 0 : rc;
     }
     /* Data first: a missing or corrupt file ends the run before any rank waits for it. */
-    if (load_data(&cfg, &train_set, &test_set) != 0) {
+    if (mnist_load_splits("rpc_train", cfg.data_dir, &train_set, &test_set) != 0) {
         return EXIT_USAGE;
     }
     d = train_set.rows * train_set.cols;
