@@ -59,6 +59,18 @@ static void run_batch(grpc_call *call, grpc_completion_queue *cq, grpc_op *ops, 
     }
 }
 
+/* Drains and destroys @p cq, then the channel, and drops this call's grpc_init. */
+static void teardown(grpc_completion_queue *cq, grpc_channel *ch)
+{
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(cq);
+    grpc_channel_destroy(ch);
+    grpc_shutdown();
+}
+
 int rawpeer_hello(const char *address, uint32_t version, int rank, int world, const char *token,
                   int garbage, char *why, size_t why_len)
 {
@@ -147,13 +159,7 @@ int rawpeer_hello(const char *address, uint32_t version, int rank, int world, co
     grpc_metadata_array_destroy(&md);
     grpc_metadata_array_destroy(&trailing);
     grpc_slice_unref(details);
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
-           GRPC_QUEUE_SHUTDOWN) {
-    }
-    grpc_completion_queue_destroy(cq);
-    grpc_channel_destroy(ch);
-    grpc_shutdown();
+    teardown(cq, ch);
     return result;
 }
 
@@ -222,13 +228,7 @@ int rawpeer_join(const char *address, uint32_t version, int rank, int world, con
     grpc_metadata_array_destroy(&md);
     grpc_metadata_array_destroy(&trailing);
     grpc_slice_unref(details);
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
-           GRPC_QUEUE_SHUTDOWN) {
-    }
-    grpc_completion_queue_destroy(cq);
-    grpc_channel_destroy(ch);
-    grpc_shutdown();
+    teardown(cq, ch);
     return result;
 }
 
@@ -420,12 +420,6 @@ int rawpeer_frames(const char *address, int rank, int world, const char *token,
     grpc_metadata_array_destroy(&md);
     grpc_metadata_array_destroy(&trailing);
     grpc_slice_unref(details);
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
-           GRPC_QUEUE_SHUTDOWN) {
-    }
-    grpc_completion_queue_destroy(cq);
-    grpc_channel_destroy(ch);
-    grpc_shutdown();
+    teardown(cq, ch);
     return result;
 }
