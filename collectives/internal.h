@@ -133,6 +133,10 @@ typedef struct coll_group {
     uint64_t *done_extra;
     size_t ndone_extra, done_cap;
     struct coll_group *gnext; /* ctx->groups */
+    /* cma.c: whether the members read each other's memory (0 not settled yet, 1 yes,
+     * -1 no: the ring), and the word others check while they read ours. */
+    int cma_state;
+    _Atomic uint64_t cma_epoch;
 } coll_group_t;
 
 struct weft_pg {
@@ -205,6 +209,20 @@ long coll__landed_pieces(void);
 void coll__op_free(coll_op_t *op, int size);
 
 /* ops.c */
+/* Waits until the transport has let go of the sent pieces @p rel (releasing them), past
+ * the deadline if need be (a late one makes it WEFT_ERR_TIMEOUT). */
+weft_status_t coll__wait_released(weft_future_t **rel, size_t n, int64_t deadline_ns);
+
+/* cma.c */
+/* all_reduce by reading the other members' buffers (one host): the raw reduction (before
+ * weft_reduce_finish) of @p count elements of @p wt in @p work, the same on every rank.
+ * *declined_p: the members agreed not to (a member cannot read another, or is told not
+ * to by WEFT_COLL_CMA=0); nothing happened, and the caller runs another algorithm. */
+weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
+                                   size_t count, weft_dtype_t wt, int64_t deadline,
+                                   bool *declined_p);
+/* The all_reduce operations of this process that ran by cross-memory reads (tests). */
+long coll__cma_ops(void);
 /* Runs @p op, completes its future and frees it. */
 void coll__run(coll_group_t *g, coll_op_t *op);
 const char *coll__kind_name(coll_kind_t k);

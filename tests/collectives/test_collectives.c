@@ -4,6 +4,7 @@
  * holds, blocking calls from callbacks, late pieces. */
 #include <criterion/criterion.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -419,6 +420,7 @@ Test(collectives, large_ring_all_reduce, .timeout = 240)
 {
     ranks_opts_t o;
     int codes[4];
+    setenv("WEFT_COLL_ALGO", "ring", 1); /* large sizes would read each other's memory */
     ranks_opts_init(&o, 4, body_ring_large);
     o.deadline_ms = 230000;
     cr_assert_eq(ranks_run(&o, codes), 0);
@@ -444,6 +446,7 @@ static int body_ring_lands(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(collectives, ring_pieces_land_in_place, .timeout = 120)
 {
+    setenv("WEFT_COLL_ALGO", "ring", 1);
     for (int world = 2; world <= 3; world++) {
         ranks_opts_t o;
         int codes[3];
@@ -451,6 +454,161 @@ Test(collectives, ring_pieces_land_in_place, .timeout = 120)
         o.deadline_ms = 110000 / 2;
         cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
     }
+}
+
+/* ------------------------------------------------ reading each other's memory (cma.c) */
+
+/* Forced for every size (WEFT_COLL_ALGO=cma): every dtype x reduce op, counts from 0 to
+ * 40003 (not divisible by the world size), in a sub-group too; every call took that path. */
+static int body_cma(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    long before = coll__cma_ops(), calls = 0;
+    const size_t counts[] = {0, 1, 13, 40003};
+    for (int d = 0; d < NDTYPES; d++) {
+        for (int op = 0; op < WEFT_REDUCE_OP_COUNT; op++) {
+            if (weft_reduce_check((weft_reduce_op_t)op, DTYPES[d]) != WEFT_OK) {
+                continue;
+            }
+            for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+                if (check_all_reduce(pg, world, counts[c], DTYPES[d], (weft_reduce_op_t)op) != 0) {
+                    return 1;
+                }
+                calls++;
+            }
+        }
+    }
+    RANK_CHECK(coll__cma_ops() - before == calls, "%ld of %ld calls read the others' memory",
+               coll__cma_ops() - before, calls);
+    /* The last world - 1 ranks as a group of their own (group ranks differ from world ranks). */
+    int members[8];
+    for (int r = 1; r < world; r++) {
+        members[r - 1] = r;
+    }
+    weft_pg_t *sub;
+    RANK_CHECK(weft_pg_new(a, members, world - 1, &sub) == WEFT_OK, "new_group");
+    if (rank > 0 && world > 2) {
+        int64_t n = 100003;
+        weft_tensor_t *t;
+        weft_tensor_empty(WEFT_I32, 1, &n, &t);
+        int32_t *v = weft_tensor_data(t);
+        for (int64_t i = 0; i < n; i++) {
+            v[i] = (int32_t)(i % 1000) * rank;
+        }
+        RANK_CHECK(weft_coll_all_reduce(sub, t, WEFT_SUM, NULL) == WEFT_OK, "sub-group: %s",
+                   weft_last_error());
+        int32_t ranks_sum = (int32_t)(world * (world - 1) / 2);
+        for (int64_t i = 0; i < n; i++) {
+            RANK_CHECK(v[i] == (int32_t)(i % 1000) * ranks_sum, "sub-group element %lld: %d",
+                       (long long)i, v[i]);
+        }
+        weft_tensor_release(t);
+    }
+    weft_pg_free(sub);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, cma_all_reduce, .timeout = 240)
+{
+    setenv("WEFT_COLL_ALGO", "cma", 1);
+    const int worlds[] = {2, 3, 5};
+    for (int i = 0; i < 3; i++) {
+        ranks_opts_t o;
+        int codes[5];
+        ranks_opts_init(&o, worlds[i], body_cma);
+        o.deadline_ms = 70000;
+        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", worlds[i]);
+    }
+}
+
+/* Chosen by size and world size: from 2 MiB with two ranks, from 256 KiB with more; large
+ * f32, f16 (through f32) and 64 MiB results are right. */
+static int body_cma_auto(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    size_t min = world == 2 ? (2u << 20) : (256u << 10);
+    long before = coll__cma_ops();
+    RANK_CHECK(check_all_reduce(pg, world, min / 4 - 1, WEFT_F32, WEFT_SUM) == 0, "below");
+    RANK_CHECK(coll__cma_ops() == before, "below the threshold it read the others' memory");
+    RANK_CHECK(check_all_reduce(pg, world, min / 4, WEFT_F32, WEFT_SUM) == 0, "at");
+    RANK_CHECK(coll__cma_ops() == before + 1, "at the threshold it did not");
+    RANK_CHECK(check_all_reduce(pg, world, (8u << 20) / 2 + 1, WEFT_F16, WEFT_AVG) == 0, "f16");
+    RANK_CHECK(check_all_reduce(pg, world, (64u << 20) / 4, WEFT_F32, WEFT_MAX) == 0, "64 MiB");
+    RANK_CHECK(coll__cma_ops() == before + 3, "large ones did not");
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, cma_chosen_by_size, .timeout = 240)
+{
+    for (int world = 2; world <= 4; world += 2) {
+        ranks_opts_t o;
+        int codes[4];
+        ranks_opts_init(&o, world, body_cma_auto);
+        o.deadline_ms = 110000;
+        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
+    }
+}
+
+/* One rank may not take part (WEFT_COLL_CMA=0): every rank runs the ring instead, with the
+ * right results, on the first operation and the later ones. */
+static int body_cma_declined(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    if (rank == 1) {
+        setenv("WEFT_COLL_CMA", "0", 1);
+    }
+    long before = coll__cma_ops();
+    for (int i = 0; i < 3; i++) {
+        RANK_CHECK(check_all_reduce(pg, world, (1u << 20) + 7, WEFT_F32, WEFT_SUM) == 0, "%d", i);
+    }
+    RANK_CHECK(coll__cma_ops() == before, "read the others' memory though rank 1 declined");
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, cma_declined_by_one_rank, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_cma_declined);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* Counts that differ at sizes that read each other's memory: a mismatch on every rank
+ * (caught from the announcements, before any read), then the group goes on. */
+static int body_cma_mismatch(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    int64_t n = (4 << 20) / 4 + rank;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    weft_status_t st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "count mismatch gave %s: %s", weft_strerror(st),
+               weft_last_error());
+    RANK_CHECK(strstr(weft_last_error(), "count") != NULL, "text: %s", weft_last_error());
+    weft_tensor_release(t);
+    RANK_CHECK(check_all_reduce(pg, world, (4u << 20) / 4, WEFT_F32, WEFT_SUM) == 0, "after");
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, cma_mismatch_fails_everywhere, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_cma_mismatch);
+    cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
 /* The seeds' sub-group {1, 3}, two half-world groups at once, then MAX over the world. */
@@ -766,16 +924,22 @@ static int body_dead(weft_agent_t *a, int rank, int world, void *arg)
     return 0;
 }
 
+/* 400 KB at world 4: the members read each other's memory (cma.c); then the ring. */
 Test(collectives, dead_rank_fails_pending_operations, .timeout = 120)
 {
-    ranks_opts_t o;
-    int codes[4];
-    ranks_opts_init(&o, 4, body_dead);
-    ranks_run(&o, codes);
-    cr_assert_eq(codes[0], 0);
-    cr_assert_eq(codes[1], 0);
-    cr_assert_eq(codes[2], 128 + SIGKILL);
-    cr_assert_eq(codes[3], 0);
+    for (int ring = 0; ring < 2; ring++) {
+        ranks_opts_t o;
+        int codes[4];
+        if (ring) {
+            setenv("WEFT_COLL_ALGO", "ring", 1);
+        }
+        ranks_opts_init(&o, 4, body_dead);
+        ranks_run(&o, codes);
+        cr_assert_eq(codes[0], 0, "ring %d", ring);
+        cr_assert_eq(codes[1], 0, "ring %d", ring);
+        cr_assert_eq(codes[2], 128 + SIGKILL, "ring %d", ring);
+        cr_assert_eq(codes[3], 0, "ring %d", ring);
+    }
 }
 
 /* ------------------------------------------------------------ deadlines and buffers */
@@ -866,6 +1030,7 @@ Test(collectives, completion_waits_for_the_transport, .timeout = 120)
 {
     ranks_opts_t o;
     int codes[2];
+    setenv("WEFT_COLL_ALGO", "ring", 1); /* the pieces the transport holds are the ring's */
     ranks_opts_init(&o, 2, body_held_past_deadline);
     o.peer_timeout_ms = 60000; /* rank 1 is stopped for a few seconds: not lost */
     o.deadline_ms = 110000;
