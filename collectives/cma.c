@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -34,7 +35,11 @@
 #define CMA_SEG_BYTES (256u << 10)
 
 /* The HELLO: what a rank tells every other about itself and its buffer. */
-enum { H_PID, H_ADDR, H_BYTES, H_EPOCH_ADDR, H_EPOCH, H_WILLING, H_NEED_VOTE, H_N };
+enum { H_PID, H_ADDR, H_BYTES, H_EPOCH_ADDR, H_EPOCH, H_WILLING, H_NEED_VOTE, H_HOST, H_N };
+
+/* Votes: every other rank can be read; one cannot; one has already left the operation (no
+ * verdict: the operation fails everywhere and the next one votes again). */
+enum { VOTE_NO = 0, VOTE_YES = 1, VOTE_LEFT = 2 };
 
 typedef struct {
     pid_t pid;
@@ -53,13 +58,16 @@ long coll__cma_ops(void)
  * ptrace to descendants (ptrace_scope 1), as MPI's CMA transports do. */
 static bool self_willing(void)
 {
-    static _Atomic int probed; /* 0 not yet, 1 works, -1 does not */
+    /* 0 not yet, 1 works, -1 does not; for the process that probed (a forked child probes
+     * again: the Yama exception is not inherited). */
+    static _Atomic int probed;
+    static _Atomic pid_t probed_by;
     const char *env = getenv("WEFT_COLL_CMA");
 
     if (env != NULL && strcmp(env, "0") == 0) {
         return false;
     }
-    int p = atomic_load(&probed);
+    int p = atomic_load(&probed_by) == getpid() ? atomic_load(&probed) : 0;
     if (p == 0) {
         uint64_t src = 0x5745465443u, dst = 0;
         struct iovec l = {&dst, sizeof(dst)}, r = {&src, sizeof(src)};
@@ -71,8 +79,37 @@ static bool self_willing(void)
 #endif
         }
         atomic_store(&probed, p);
+        atomic_store(&probed_by, getpid());
     }
     return p == 1;
+}
+
+/* This host and PID namespace: ranks that differ here never read each other. */
+static int64_t host_id(void)
+{
+    static _Atomic int64_t id;
+    int64_t v = atomic_load(&id);
+
+    if (v == 0) {
+        uint64_t h = 1469598103934665603ull;
+        char boot[64] = "";
+        FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+        if (f != NULL) {
+            if (fgets(boot, sizeof(boot), f) == NULL) {
+                boot[0] = '\0';
+            }
+            fclose(f);
+        }
+        struct stat ns;
+        uint64_t ino = stat("/proc/self/ns/pid", &ns) == 0 ? (uint64_t)ns.st_ino : 0;
+        for (const char *c = boot; *c != '\0'; c++) {
+            h = (h ^ (uint8_t)*c) * 1099511628211ull;
+        }
+        h = (h ^ ino) * 1099511628211ull;
+        v = (int64_t)(h >> 1) | 1;
+        atomic_store(&id, v);
+    }
+    return v;
 }
 
 /* Reads @p n bytes at @p off of group rank @p q's announced region @p base (@p limit bytes
@@ -122,12 +159,29 @@ static weft_status_t still_there(const cma_peer_t *p, int q)
     uint64_t e = 0;
     WEFT_CHECK(pull(p, q, p->epoch_addr, sizeof(e), 0, &e, sizeof(e)));
     if (e != p->epoch) {
+        /* Not PEER_LOST: the rank may be alive, having given up (a deadline, a failure). */
         return weft__set_error(WEFT_ERR_TRANSPORT,
                                "all_reduce: group rank %d left the operation while its buffer "
                                "was being read",
                                q);
     }
     return WEFT_OK;
+}
+
+/* pull() from @p q's buffer; a failed read of an owner that has left says so. */
+static weft_status_t pull_data(const cma_peer_t *p, int q, uint64_t off, void *dst, size_t n)
+{
+    weft_status_t st = pull(p, q, p->addr, p->bytes, off, dst, n);
+    if (st != WEFT_OK && st != WEFT_ERR_PEER_LOST) {
+        char why[WEFT__ERROR_MAX];
+        snprintf(why, sizeof(why), "%s", weft_last_error());
+        weft_status_t there = still_there(p, q);
+        if (there != WEFT_OK) {
+            return there;
+        }
+        return weft__set_error(st, "%s", why);
+    }
+    return st;
 }
 
 /* The value of the epoch word while operation @p seq runs: never 0, and differs between
@@ -150,7 +204,7 @@ static weft_status_t reduce_chunk(coll_group_t *g, const coll_desc_t *d, const c
         size_t m = len - s < seg ? len - s : seg;
         uint8_t *mine = work + (lo + s) * es;
         uint64_t off = (uint64_t)(lo + s) * es;
-#define PULL(q, dst) pull(&peers[(q)], (q), peers[(q)].addr, peers[(q)].bytes, off, (dst), m *es)
+#define PULL(q, dst) pull_data(&peers[(q)], (q), off, (dst), m *es)
         if (me > 0) {
             /* The ranks before us, folded in order, then combined with ours. */
             WEFT_CHECK(PULL(0, acc));
@@ -207,6 +261,7 @@ weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_
     hello[H_EPOCH] = (int64_t)epoch;
     hello[H_WILLING] = willing ? 1 : 0;
     hello[H_NEED_VOTE] = g->cma_state == 0 ? 1 : 0;
+    hello[H_HOST] = host_id();
     for (int r = 0; r < n && st == WEFT_OK; r++) {
         if (r != me) {
             st = coll__send(g, d, CMA_STEP_HELLO, r, hello, H_N, WEFT_I64, &rel[r]);
@@ -228,14 +283,22 @@ weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_
                                  "all_reduce: group rank %d sent a malformed announcement", r);
         } else {
             const int64_t *h = weft_tensor_data(t);
+            if (h[H_PID] <= 0 || h[H_PID] > INT32_MAX) {
+                st = weft__set_error(WEFT_ERR_PROTOCOL,
+                                     "all_reduce: group rank %d announced process id %lld", r,
+                                     (long long)h[H_PID]);
+                coll__msg_free(m);
+                break;
+            }
             peers[r].pid = (pid_t)h[H_PID];
             peers[r].addr = (uint64_t)h[H_ADDR];
             peers[r].bytes = (uint64_t)h[H_BYTES];
             peers[r].epoch_addr = (uint64_t)h[H_EPOCH_ADDR];
             peers[r].epoch = (uint64_t)h[H_EPOCH];
-            all_willing = all_willing && h[H_WILLING] == 1;
+            /* Another host (or PID namespace): nobody reads anybody, decided alike. */
+            all_willing = all_willing && h[H_WILLING] == 1 && h[H_HOST] == hello[H_HOST];
             need_vote = need_vote || h[H_NEED_VOTE] == 1;
-            if (peers[r].bytes != bytes || h[H_PID] <= 0) {
+            if (peers[r].bytes != bytes) {
                 st = weft__set_error(WEFT_ERR_PROTOCOL,
                                      "all_reduce: group rank %d announced %llu bytes where this "
                                      "rank has %llu",
@@ -247,11 +310,21 @@ weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_
     }
     if (st == WEFT_OK && all_willing && need_vote) {
         /* Can every rank read every other? Each says what it found; all decide alike. */
-        bool ok = true;
-        for (int r = 0; r < n && ok; r++) {
-            ok = r == me || still_there(&peers[r], r) == WEFT_OK;
+        int64_t mine = VOTE_YES;
+        for (int r = 0; r < n && mine == VOTE_YES; r++) {
+            uint64_t e = 0;
+            if (r == me) {
+                continue;
+            }
+            if (pull(&peers[r], r, peers[r].epoch_addr, sizeof(e), 0, &e, sizeof(e)) != WEFT_OK) {
+                mine = VOTE_NO;
+            } else if (e != peers[r].epoch) {
+                mine = VOTE_LEFT;
+            }
         }
-        vote[0] = ok ? 1 : 0;
+        vote[0] = mine;
+        int64_t verdict = mine;
+        int left = mine == VOTE_LEFT ? me : -1;
         for (int r = 0; r < n && st == WEFT_OK; r++) {
             if (r != me) {
                 st = coll__send(g, d, CMA_STEP_VOTE, r, vote, 1, WEFT_I64, &rel[n + r]);
@@ -265,12 +338,28 @@ weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_
             st = coll__recv(g, d, CMA_STEP_VOTE, r, deadline, &m);
             if (st == WEFT_OK) {
                 weft_tensor_t *t = coll__msg_tensor(m);
-                ok = ok && t != NULL && weft_tensor_dtype(t) == WEFT_I64 &&
-                     weft_tensor_numel(t) == 1 && *(const int64_t *)weft_tensor_data(t) == 1;
+                int64_t v =
+                    t != NULL && weft_tensor_dtype(t) == WEFT_I64 && weft_tensor_numel(t) == 1
+                        ? *(const int64_t *)weft_tensor_data(t)
+                        : VOTE_NO;
+                if (v == VOTE_LEFT) {
+                    verdict = VOTE_LEFT;
+                    left = left < 0 ? r : left;
+                } else if (v != VOTE_YES && verdict == VOTE_YES) {
+                    verdict = VOTE_NO;
+                }
                 coll__msg_free(m);
             }
         }
-        all_willing = ok;
+        if (st == WEFT_OK && verdict == VOTE_LEFT) {
+            /* Every rank sees the same votes: all fail, and nothing is settled. */
+            st = weft__set_error(WEFT_ERR_TRANSPORT,
+                                 "all_reduce: a member left the operation while group rank %d "
+                                 "checked whether the members can read each other",
+                                 left);
+            goto out;
+        }
+        all_willing = verdict == VOTE_YES;
     }
     if (st == WEFT_OK) {
         g->cma_state = all_willing ? 1 : -1;
@@ -308,8 +397,7 @@ weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_
         }
         coll__msg_free(m);
         size_t len = off[q + 1] - off[q];
-        st = pull(&peers[q], q, peers[q].addr, peers[q].bytes, (uint64_t)off[q] * es,
-                  work + off[q] * es, len * es);
+        st = pull_data(&peers[q], q, (uint64_t)off[q] * es, work + off[q] * es, len * es);
         if (st == WEFT_OK) {
             st = still_there(&peers[q], q);
         }
