@@ -216,6 +216,8 @@ static void block_hook(int entering, void *arg)
         atomic_fetch_sub(&a->blocked, 1);
         return;
     }
+    /* Answers held for the message being run must not wait for this wait. */
+    weft__stream_uncork_current();
     int blocked = atomic_fetch_add(&a->blocked, 1) + 1;
     pthread_mutex_lock(&a->threads_mu);
     /* Keep handler_threads transport threads free while others block in waits. */

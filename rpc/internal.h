@@ -276,6 +276,9 @@ weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m);
 void weft__stream_ref(weft__stream_t *s);
 void weft__stream_unref(weft__stream_t *s);
 void weft__stream_close(weft__stream_t *s); /* client: half-close; server: finish OK */
+/* Lets go of the answers this thread holds while it runs the requests of one received
+ * message (they leave together once all have run). No-op if it holds none. */
+void weft__stream_uncork_current(void);
 void weft__stream_cancel(weft__stream_t *s);
 int weft__stream_peer(const weft__stream_t *s);
 uint64_t weft__stream_peer_max(const weft__stream_t *s);

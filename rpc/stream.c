@@ -27,6 +27,7 @@ struct weft__stream {
     weft__outmsg_t *inflight; /* a chain: several frames may go out as one gRPC message */
     grpc_byte_buffer *merged; /* the coalesced buffer of the chain, if any */
     bool sending;
+    int corked; /* dispatch loops holding the sends: the answers they make leave together */
     bool md_sent;
     bool finishing;
     bool dead;
@@ -55,6 +56,9 @@ struct weft__stream {
 
 static void recv_done(weft__op_t *op, int ok);
 static void send_done(weft__op_t *op, int ok);
+
+/* The stream whose sends this thread holds while it runs the requests of one message. */
+static _Thread_local weft__stream_t *tl_corked;
 
 /* Coalescing: frames under this size queued behind a send are merged. */
 #define COALESCE_BYTES  (256u << 10)
@@ -294,7 +298,7 @@ weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m)
         s->qt = m;
     }
     weft__outmsg_t *failed = NULL;
-    if (!s->sending) {
+    if (!s->sending && s->corked == 0) {
         failed = start_next_locked(s);
     }
     pthread_mutex_unlock(&s->mu);
@@ -303,6 +307,35 @@ weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m)
         return weft__set_error(WEFT_ERR_TRANSPORT, "rpc: gRPC refused a send");
     }
     return WEFT_OK;
+}
+
+/* Holds the sends of @p s until weft__stream_uncork_current, on this thread. */
+static void cork(weft__stream_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->corked++;
+    pthread_mutex_unlock(&s->mu);
+    weft__stream_ref(s);
+    tl_corked = s;
+}
+
+void weft__stream_uncork_current(void)
+{
+    weft__stream_t *s = tl_corked;
+    weft__outmsg_t *failed = NULL;
+
+    if (s == NULL) {
+        return;
+    }
+    tl_corked = NULL;
+    pthread_mutex_lock(&s->mu);
+    s->corked--;
+    if (s->corked == 0 && !s->sending) {
+        failed = start_next_locked(s);
+    }
+    pthread_mutex_unlock(&s->mu);
+    fail_queue(failed, WEFT_ERR_TRANSPORT, "gRPC refused a send");
+    weft__stream_unref(s);
 }
 
 static void send_done(weft__op_t *op, int ok)
@@ -318,7 +351,7 @@ static void send_done(weft__op_t *op, int ok)
     s->sending = false;
     if (!ok) {
         q = mark_dead_locked(s, WEFT_ERR_PEER_LOST, "connection broke while sending");
-    } else {
+    } else if (s->corked == 0) {
         q = start_next_locked(s);
     }
     weft_status_t st = s->dead ? s->dead_status : WEFT_OK;
@@ -612,12 +645,21 @@ static void server_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq
     if (hello_first && !broken && !post_recv(s)) {
         stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
     }
+    /* The answers to the requests of one message leave together, as one message (a
+     * handler that blocks in a weft wait lets them go first: see the agent's block hook). */
+    bool held = nreq > 1 && tl_corked == NULL;
+    if (held) {
+        cork(s);
+    }
     for (size_t i = 0; i < nreq; i++) {
         if (reqs[i].env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
             weft__call_response(a, weft__stream_peer(s), reqs[i].env, reqs[i].args);
         } else {
             weft__call_dispatch(a, s, reqs[i].env, reqs[i].args);
         }
+    }
+    if (held) {
+        weft__stream_uncork_current();
     }
     if (reqs != local) {
         weft_free(reqs);

@@ -310,3 +310,83 @@ Test(rpc_async, eight_ranks_all_to_all, .timeout = 120)
     o.deadline_ms = 110000;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
+
+/* Answers to the requests of one received message leave together, after all of them have
+ * run; a handler among them that blocks in a weft wait lets the answers made before it go
+ * first. Rank 0 sends pad, mark and ask_back at once (mark and ask_back queue behind pad and
+ * leave as one message); rank 1's ask_back blocks in an rpc_sync to rank 0 whose handler
+ * waits for mark's answer. Held until ask_back returned, that answer would never come. */
+static weft_future_t *mark_answer; /* rank 0: the answer to its mark call */
+
+static void mark(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_call_reply(call, NULL);
+}
+
+static void wait_mark(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_status_t st = weft_future_wait(mark_answer, 5000);
+    if (st != WEFT_OK) {
+        weft_call_fail(call, st, "the answer to mark did not come: %s", weft_strerror(st));
+        return;
+    }
+    weft_call_reply(call, NULL);
+}
+
+static void ask_back(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_value_t *res = NULL;
+    weft_status_t st = weft_rpc_sync(weft_call_agent(call), weft_call_caller_rank(call),
+                                     "wait_mark", NULL, 20000, &res);
+    if (st != WEFT_OK) {
+        weft_call_fail(call, st, "%s", weft_last_error());
+        return;
+    }
+    weft_call_reply(call, res);
+}
+
+static void setup_held(weft_agent_t *a, int rank, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_rpc_register(a, "mark", mark, NULL);
+    weft_rpc_register(a, "wait_mark", wait_mark, NULL);
+    weft_rpc_register(a, "ask_back", ask_back, NULL);
+}
+
+static int body_held_answers(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    for (int round = 0; round < 20; round++) {
+        weft_future_t *pad, *back;
+        RANK_CHECK(weft_rpc_async(a, 1, "mark", NULL, 20000, &pad) == WEFT_OK, "pad");
+        RANK_CHECK(weft_rpc_async(a, 1, "mark", NULL, 20000, &mark_answer) == WEFT_OK, "mark");
+        RANK_CHECK(weft_rpc_async(a, 1, "ask_back", NULL, 20000, &back) == WEFT_OK, "ask_back");
+        weft_status_t st = weft_future_wait(back, 20000);
+        RANK_CHECK(st == WEFT_OK, "round %d: ask_back gave %s: %s", round, weft_strerror(st),
+                   weft_future_error(back));
+        RANK_CHECK(weft_future_wait(pad, 20000) == WEFT_OK, "pad");
+        weft_future_release(pad);
+        weft_future_release(back);
+        weft_future_release(mark_answer);
+        mark_answer = NULL;
+    }
+    return 0;
+}
+
+Test(rpc_async, held_answers_go_before_a_blocking_handler, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_held_answers);
+    o.setup = setup_held;
+    o.handler_threads = 1;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
