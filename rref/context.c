@@ -133,6 +133,7 @@ void rref__ctx_unref(rref_ctx_t *ctx)
         weft_free(o);
     }
     weft_free(ctx->lost);
+    weft_free(ctx->flush_armed);
     pthread_mutex_destroy(&ctx->mu);
     pthread_mutex_destroy(&ctx->tmu);
     pthread_cond_destroy(&ctx->tcv);
@@ -294,13 +295,20 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     pthread_cond_init(&ctx->tcv, &ca);
     pthread_condattr_destroy(&ca);
     ctx->lost = weft_calloc((size_t)ctx->world, sizeof(bool));
-    if (ctx->lost == NULL) {
+    ctx->flush_armed = weft_calloc((size_t)ctx->world, sizeof(bool));
+    if (ctx->lost == NULL || ctx->flush_armed == NULL) {
         rref__ctx_unref(ctx);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: no memory for the module");
     }
     ctx->ctl_timeout_ms = env_int("WEFT_RPC_TIMEOUT_MS");
     if (ctx->ctl_timeout_ms <= 0) {
         ctx->ctl_timeout_ms = 60000;
+    }
+    const char *eager = getenv("WEFT_RREF_EAGER_BYTES");
+    ctx->eager_max =
+        eager != NULL && eager[0] != '\0' ? env_int("WEFT_RREF_EAGER_BYTES") : RREF_EAGER_MAX;
+    if (ctx->eager_max < 0) {
+        ctx->eager_max = 0;
     }
     ctx->fault_delay_us = env_int("WEFT_RREF_FAULT_DELAY_US");
     ctx->fault_dup = env_int("WEFT_RREF_FAULT_DUP") > 0;
@@ -479,10 +487,13 @@ weft_status_t weft_rref_debug_info(weft_agent_t *a, char **json_p)
     pthread_mutex_unlock(&ctx->mu);
     char *s = weft__strfmt("{\"owners\":%zu,\"users\":%zu,\"pending_users\":%zu,"
                            "\"pending_children\":%zu,\"forks\":%zu,\"confirmed_users\":%zu,"
-                           "\"deleted_owners\":%llu,\"leaks\":%llu,\"control_in_flight\":%zu}",
+                           "\"deleted_owners\":%llu,\"leaks\":%llu,\"control_in_flight\":%zu,"
+                           "\"fetches_served\":%llu,\"values_sent_with_creation\":%llu}",
                            c.owners, c.users, c.pending_users, c.pending_children, c.forks,
                            c.confirmed_users, (unsigned long long)c.deleted_owners,
-                           (unsigned long long)c.leaks, c.ctls);
+                           (unsigned long long)c.leaks, c.ctls,
+                           (unsigned long long)atomic_load(&ctx->fetches_served),
+                           (unsigned long long)atomic_load(&ctx->values_sent_with_creation));
     if (s == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "rref_debug_info: no memory");
     }

@@ -43,6 +43,7 @@ void rref__free(weft_rref_t *r)
         r->rtype->dtor(r->obj, r->rtype->arg);
     }
     weft_value_free(r->value);
+    weft_value_free(r->eager);
     weft_future_release(r->ready);
     weft_free(r->forks);
     weft_free(r->tombs);
@@ -339,6 +340,13 @@ void rref__user_settle(weft_rref_t *u, bool confirmed, bool maybe_known, weft_st
     }
     pthread_mutex_unlock(&ctx->mu);
     weft_future_complete(u->ready, st, text, NULL);
+    /* The uses waiting for the answer took their copies of its value (their callbacks ran);
+     * later ones fetch. */
+    pthread_mutex_lock(&ctx->mu);
+    weft_value_t *eager = u->eager;
+    u->eager = NULL;
+    pthread_mutex_unlock(&ctx->mu);
+    weft_value_free(eager);
     weft_rref_release(u); /* the pending confirmation's hold */
 }
 
@@ -431,6 +439,7 @@ static weft_status_t codec_encode(void *state, weft_agent_t *a, int to, void *ob
                              r->id.worker, (unsigned long long)r->id.local);
     } else {
         /* G2: the parent stays alive until the child is accepted. */
+        r->forked = true;
         child->fork = fork;
         child->holder = to;
         child->parent = r;

@@ -28,6 +28,8 @@
 #define RREF_RETRY_MAX_MS   5000
 #define RREF_BACKOFF_MS     5 /* first wait after an ACK "not known yet" */
 #define RREF_BACKOFF_MAX_MS 200
+#define RREF_LAZY_US        1000  /* a release or its ACK waits at most this for company */
+#define RREF_EAGER_MAX      65536 /* default of WEFT_RREF_EAGER_BYTES (see ctx->eager_max) */
 
 typedef struct rref_ctx rref_ctx_t;
 
@@ -81,8 +83,12 @@ struct weft_rref {
     bool created_here; /* made by this worker's remote(): uses may overtake the creation's answer */
     bool pending;      /* a confirmation (fork request or creation) is in flight */
     bool owner_lost;
-    bool detached; /* reported as a leak and released at shutdown */
-    bool listed;   /* in ctx->users */
+    bool eager_asked;           /* remote() asked for a small value in the creation's answer */
+    bool forked;                /* a fork of it was sent: later uses fetch what the owner holds */
+    weft_value_t *eager;        /* the value of the creation's answer, while the answer settles */
+    int64_t create_deadline_ms; /* remote(): the creating call's deadline */
+    bool detached;              /* reported as a leak and released at shutdown */
+    bool listed;                /* in ctx->users */
 
     /* owner */
     weft_value_t *value;
@@ -161,6 +167,9 @@ struct rref_ctx {
     size_t norphans;
     uint64_t leaks;
     bool *lost;
+    bool *flush_armed; /* per rank: a flush of the lazy control messages to it is due */
+    int64_t eager_max; /* remote(): values up to this size come with the creation's answer */
+    _Atomic uint64_t fetches_served, values_sent_with_creation; /* as owner (debug info) */
 
     /* fault injection (tests): WEFT_RREF_FAULT_DELAY_US, WEFT_RREF_FAULT_DUP */
     int64_t fault_delay_us;
@@ -199,6 +208,12 @@ bool rref__id_eq(weft_rref_id_t x, weft_rref_id_t y);
 /* A value: [u32 LE header length][header][args payload] + the tensors and references of @p args. */
 weft_status_t rref__call_pack(const Weft__V1__RRefCall *hdr, const weft_value_t *args,
                               weft_value_t **v_p);
+/* The same framing for any header. */
+weft_status_t rref__frame_pack(const ProtobufCMessage *hdr, const weft_value_t *args,
+                               weft_value_t **v_p);
+/* The header of a framed value (WEFT_ERR_PROTOCOL if it has none); its body starts at
+ * 4 + *hlen_p in the payload. */
+weft_status_t rref__frame_header(const weft_value_t *v, const uint8_t **hdr_p, size_t *hlen_p);
 /* Splits a call's value: the header, and (if @p args_p) the user arguments as a new value. */
 weft_status_t rref__call_unpack(const weft_value_t *v, Weft__V1__RRefCall **hdr_p,
                                 weft_value_t **args_p);

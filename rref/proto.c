@@ -80,9 +80,15 @@ weft_status_t rref__value_fill(weft_value_t *dst, const weft_value_t *src, size_
 weft_status_t rref__call_pack(const Weft__V1__RRefCall *hdr, const weft_value_t *args,
                               weft_value_t **v_p)
 {
+    return rref__frame_pack(&hdr->base, args, v_p);
+}
+
+weft_status_t rref__frame_pack(const ProtobufCMessage *hdr, const weft_value_t *args,
+                               weft_value_t **v_p)
+{
     weft_status_t st;
     weft_value_t *v;
-    size_t hlen = weft__v1__rref_call__get_packed_size(hdr);
+    size_t hlen = protobuf_c_message_get_packed_size(hdr);
     size_t alen = 0;
 
     if (args != NULL) {
@@ -95,7 +101,7 @@ weft_status_t rref__call_pack(const Weft__V1__RRefCall *hdr, const weft_value_t 
     for (int i = 0; i < 4; i++) {
         buf[i] = (uint8_t)(hlen >> (8 * i));
     }
-    weft__v1__rref_call__pack(hdr, buf + 4);
+    protobuf_c_message_pack(hdr, buf + 4);
     if (alen > 0) {
         memcpy(buf + 4 + hlen, weft_value_payload(args, &alen), alen);
     }
@@ -130,22 +136,33 @@ err_free_buf:
     return st;
 }
 
-weft_status_t rref__call_unpack(const weft_value_t *v, Weft__V1__RRefCall **hdr_p,
-                                weft_value_t **args_p)
+weft_status_t rref__frame_header(const weft_value_t *v, const uint8_t **hdr_p, size_t *hlen_p)
 {
     size_t len = 0;
     const uint8_t *p = v != NULL ? weft_value_payload(v, &len) : NULL;
-    weft_status_t st;
 
     if (p == NULL || len < 4) {
-        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: call without a header");
+        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: message without a header");
     }
     size_t hlen = (size_t)p[0] | (size_t)p[1] << 8 | (size_t)p[2] << 16 | (size_t)p[3] << 24;
     if (hlen > len - 4) {
-        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: call header of %zu bytes in %zu", hlen,
+        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: header of %zu bytes in %zu", hlen,
                                len - 4);
     }
-    Weft__V1__RRefCall *hdr = weft__v1__rref_call__unpack(&rref__pb_allocator, hlen, p + 4);
+    *hdr_p = p + 4;
+    *hlen_p = hlen;
+    return WEFT_OK;
+}
+
+weft_status_t rref__call_unpack(const weft_value_t *v, Weft__V1__RRefCall **hdr_p,
+                                weft_value_t **args_p)
+{
+    const uint8_t *hp;
+    size_t hlen;
+    weft_status_t st;
+
+    WEFT_CHECK(rref__frame_header(v, &hp, &hlen));
+    Weft__V1__RRefCall *hdr = weft__v1__rref_call__unpack(&rref__pb_allocator, hlen, hp);
     if (hdr == NULL) {
         return weft__set_error(WEFT_ERR_PROTOCOL, "rref: unreadable call header");
     }
@@ -179,6 +196,8 @@ typedef struct {
     weft_value_t *v;
 } delayed_send_t;
 
+static void send_ctl(rref_ctx_t *ctx, int to, const weft_value_t *v, bool lazy);
+
 static void delayed_drop(void *arg)
 {
     delayed_send_t *d = arg;
@@ -192,15 +211,49 @@ static void delayed_run(rref_ctx_t *ctx, void *arg)
     pthread_mutex_lock(&ctx->mu);
     bool dead = ctx->dead;
     pthread_mutex_unlock(&ctx->mu);
-    if (!dead && weft_agent_send(ctx->a, d->to, WEFT_CHANNEL_RREF, d->v, NULL) != WEFT_OK) {
-        WEFT_DEBUG("rref: control message to rank %d not sent: %s", d->to, weft_last_error());
+    if (!dead) {
+        send_ctl(ctx, d->to, d->v, false);
     }
     delayed_drop(d);
 }
 
-/* Sends one packed control message to @p to: now, or (fault injection) after a random delay, and
- * twice when duplication is on. */
-static void transmit(rref_ctx_t *ctx, int to, const Weft__V1__RRefControl *m)
+static void flush_run(rref_ctx_t *ctx, void *arg)
+{
+    int to = (int)(intptr_t)arg;
+
+    pthread_mutex_lock(&ctx->mu);
+    ctx->flush_armed[to] = false;
+    bool dead = ctx->dead;
+    pthread_mutex_unlock(&ctx->mu);
+    if (!dead && weft_agent_flush(ctx->a, to) != WEFT_OK) {
+        WEFT_DEBUG("rref: control messages to rank %d not flushed: %s", to, weft_last_error());
+    }
+}
+
+/* Sends @p v on the control channel to @p to. A lazy message (a release or its ACK: nothing waits
+ * for it) leaves with the next message to @p to, or at the latest RREF_LAZY_US later, so that it
+ * does not take the connection from the call that usually follows a release. */
+static void send_ctl(rref_ctx_t *ctx, int to, const weft_value_t *v, bool lazy)
+{
+    if (weft_agent_send_flags(ctx->a, to, WEFT_CHANNEL_RREF, v, lazy ? WEFT_SEND_LAZY : 0, NULL) !=
+        WEFT_OK) {
+        WEFT_DEBUG("rref: control message to rank %d not sent: %s", to, weft_last_error());
+        return;
+    }
+    if (lazy) {
+        pthread_mutex_lock(&ctx->mu);
+        bool arm = !ctx->flush_armed[to];
+        ctx->flush_armed[to] = true;
+        pthread_mutex_unlock(&ctx->mu);
+        if (arm) {
+            rref__timer_add(ctx, RREF_LAZY_US, flush_run, NULL, (void *)(intptr_t)to);
+        }
+    }
+}
+
+/* Sends one packed control message to @p to: now (or lazily, see send_ctl), or (fault injection)
+ * after a random delay, and twice when duplication is on. */
+static void transmit(rref_ctx_t *ctx, int to, const Weft__V1__RRefControl *m, bool lazy)
 {
     size_t len = weft__v1__rref_control__get_packed_size(m);
     uint8_t *buf = weft_alloc(len > 0 ? len : 1);
@@ -230,8 +283,8 @@ static void transmit(rref_ctx_t *ctx, int to, const Weft__V1__RRefControl *m)
             d->to = to;
             d->v = c;
             rref__timer_add(ctx, rref__fault_delay(ctx), delayed_run, delayed_drop, d);
-        } else if (weft_agent_send(ctx->a, to, WEFT_CHANNEL_RREF, v, NULL) != WEFT_OK) {
-            WEFT_DEBUG("rref: control message to rank %d not sent: %s", to, weft_last_error());
+        } else {
+            send_ctl(ctx, to, v, lazy);
         }
     }
     weft_value_free(v);
@@ -332,7 +385,7 @@ static void retry_run(rref_ctx_t *ctx, void *arg)
     c->retry_ms = c->retry_ms * 2 < RREF_RETRY_MAX_MS ? c->retry_ms * 2 : RREF_RETRY_MAX_MS;
     ctl_arm_locked(ctx, c, c->retry_ms);
     pthread_mutex_unlock(&ctx->mu);
-    transmit(ctx, to, &m);
+    transmit(ctx, to, &m, false); /* overdue: at once */
 }
 
 void rref__ctl_send(rref_ctx_t *ctx, Weft__V1__RRefMsgKind kind, int to, weft_rref_id_t id,
@@ -373,7 +426,7 @@ void rref__ctl_send(rref_ctx_t *ctx, Weft__V1__RRefMsgKind kind, int to, weft_rr
     ctl_fill(c, &m, &pid, &pfork);
     ctl_arm_locked(ctx, c, c->retry_ms);
     pthread_mutex_unlock(&ctx->mu);
-    transmit(ctx, to, &m);
+    transmit(ctx, to, &m, kind == WEFT__V1__RREF_MSG_KIND__RREF_USER_DELETE);
 }
 
 void rref__ctl_fail_rank(rref_ctx_t *ctx, int rank, weft_status_t st, const char *why)
@@ -448,7 +501,8 @@ static void on_ack(rref_ctx_t *ctx, int src, uint64_t msg_id, weft_status_t st, 
     ctl_finish(ctx, c, st, error);
 }
 
-static void send_ack(rref_ctx_t *ctx, int to, uint64_t msg_id, weft_status_t st, const char *why)
+static void send_ack(rref_ctx_t *ctx, int to, uint64_t msg_id, weft_status_t st, const char *why,
+                     bool lazy)
 {
     Weft__V1__RRefControl m;
 
@@ -457,7 +511,7 @@ static void send_ack(rref_ctx_t *ctx, int to, uint64_t msg_id, weft_status_t st,
     m.msg_id = msg_id;
     m.status = st;
     m.error = (char *)(why != NULL ? why : "");
-    transmit(ctx, to, &m);
+    transmit(ctx, to, &m, lazy);
 }
 
 void rref__on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
@@ -518,7 +572,9 @@ void rref__on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
     if (st == WEFT_ERR_PEER_LOST) {
         goto out; /* from a rank declared lost: not answered */
     }
-    send_ack(ctx, src, m->msg_id, st, why);
+    /* The ACK of a done release is not waited on: lazy (a PENDING one is waited on). */
+    send_ack(ctx, src, m->msg_id, st, why,
+             m->kind == WEFT__V1__RREF_MSG_KIND__RREF_USER_DELETE && st == WEFT_OK);
 out:
     weft__v1__rref_control__free_unpacked(m, &rref__pb_allocator);
 }

@@ -372,6 +372,41 @@ static void op_creation_seen(weft_future_t *f, void *arg)
     op_done(op);
 }
 
+/*
+ * Reads the answer @p v of weft.rref.remote for @p op (NULL if unreadable). When the answer
+ * carries the value, a copy goes to the new reference for the uses waiting for the answer.
+ */
+static Weft__V1__RRefCreated *created_unpack(op_t *op, const weft_value_t *v)
+{
+    Weft__V1__RRefCreated *c;
+    const uint8_t *hp;
+    size_t hlen;
+
+    if (!op->u->eager_asked || rref__frame_header(v, &hp, &hlen) != WEFT_OK) {
+        /* Not asked, or an owner that does not know eager_max: the header alone. */
+        size_t len = 0;
+        const void *p = weft_value_payload(v, &len);
+        /* An empty payload is a valid (all default: success) answer. */
+        return weft__v1__rref_created__unpack(&rref__pb_allocator, p != NULL ? len : 0,
+                                              p != NULL ? p : (const void *)"");
+    }
+    c = weft__v1__rref_created__unpack(&rref__pb_allocator, hlen, hp);
+    if (c == NULL || !c->has_value || c->status != WEFT_OK || weft_value_num_refs(v) > 0) {
+        return c; /* a value with references is not taken: uses fetch it */
+    }
+    weft_value_t *val = NULL;
+    if (weft_value_create(&val) != WEFT_OK || rref__value_fill(val, v, 4 + hlen) != WEFT_OK) {
+        weft_value_free(val); /* uses fetch it */
+        return c;
+    }
+    pthread_mutex_lock(&op->ctx->mu);
+    weft_value_t *old = op->u->eager;
+    op->u->eager = val;
+    pthread_mutex_unlock(&op->ctx->mu);
+    weft_value_free(old);
+    return c;
+}
+
 /* The owner answered. */
 static void op_rpc_done(weft_future_t *f, void *arg)
 {
@@ -398,11 +433,7 @@ static void op_rpc_done(weft_future_t *f, void *arg)
         return;
     }
     if (op->kind == OP_REMOTE) {
-        size_t len = 0;
-        const void *p = weft_value_payload(weft_future_value(f), &len);
-        /* An empty payload is a valid (all default: success) answer. */
-        Weft__V1__RRefCreated *c = weft__v1__rref_created__unpack(
-            &rref__pb_allocator, p != NULL ? len : 0, p != NULL ? p : (const void *)"");
+        Weft__V1__RRefCreated *c = created_unpack(op, weft_future_value(f));
         weft_future_release(f);
         if (c == NULL) {
             /* The owner has it (it answered), but the answer is unreadable. */
@@ -504,9 +535,53 @@ static void op_target_ready(weft_future_t *f, void *arg)
 
 /* Starts @p op: at once, pipelined behind the creation of its target, or once the target is
  * usable. */
+/* A to_here issued before the creation's answer, which may carry the value: takes it, or
+ * fetches it once the answer came without it. */
+static void op_eager_ready(weft_future_t *f, void *arg)
+{
+    op_t *op = arg;
+    weft_value_t *v = NULL;
+
+    if (weft_future_status(f) == WEFT_OK) {
+        pthread_mutex_lock(&op->ctx->mu);
+        const weft_value_t *e = op->r->eager;
+        weft_status_t st = e != NULL ? rref__value_copy(e, &v) : WEFT_OK;
+        pthread_mutex_unlock(&op->ctx->mu);
+        if (st != WEFT_OK) {
+            op_fail(op, st, weft_last_error());
+            return;
+        }
+    }
+    if (v == NULL) {
+        op_target_ready(f, op);
+        return;
+    }
+    weft_future_complete(op->out, WEFT_OK, NULL, v);
+    op_done(op);
+}
+
 static void op_start(op_t *op)
 {
     weft_rref_t *r = op->r;
+
+    if (op->out != NULL && op->kind == OP_FETCH && r != NULL && r->role == RREF_USER &&
+        r->created_here && r->eager_asked && !weft_future_done(r->ready)) {
+        pthread_mutex_lock(&op->ctx->mu);
+        bool forked = r->forked;
+        pthread_mutex_unlock(&op->ctx->mu);
+        if (!forked) {
+            /* The creation's answer may carry the value: no fetch unless it does not. Nothing
+             * changed the value since its creation: no other worker has heard of it yet. The
+             * creating call's own deadline ends the wait unless this one's ends first. */
+            if (op->deadline_ms < r->create_deadline_ms) {
+                op_deadline_arm(op);
+            }
+            if (weft_future_then(r->ready, op_eager_ready, op) != WEFT_OK) {
+                op_fail(op, WEFT_ERR_NO_MEMORY, "rref: no memory");
+            }
+            return;
+        }
+    }
 
     if (op->out != NULL && op->kind == OP_FETCH && r != NULL && r->role == RREF_USER &&
         r->created_here && !weft_future_done(r->ready)) {
@@ -632,6 +707,10 @@ static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreate
         rref__id_to_pb(target_id, &ptarget);
         hdr.target = &ptarget;
     }
+    if (type == NULL && ctx->eager_max > 0) {
+        hdr.eager_max = (uint64_t)ctx->eager_max;
+        u->eager_asked = true;
+    }
     op_t *op;
     st = op_new(ctx, OP_REMOTE, target, to, RREF_FN_REMOTE, name, timeout_ms, &op);
     if (st != WEFT_OK) {
@@ -652,6 +731,7 @@ static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreate
     u->refs++; /* the pending creation's hold, dropped when it ends */
     rref__user_insert_locked(ctx, u);
     pthread_mutex_unlock(&ctx->mu);
+    u->create_deadline_ms = op->deadline_ms;
     op->u = u;
     *rref_p = u;
     op_start(op);
@@ -979,6 +1059,7 @@ typedef struct {
     weft_call_t *call;
     weft_rref_t *e;
     char *method;
+    uint64_t eager_max; /* weft.rref.remote: RRefCall.eager_max */
 } pending_call_t;
 
 static pending_call_t *pending_call(weft_call_t *call, weft_rref_t *e, const char *method)
@@ -1012,6 +1093,7 @@ static void fetch_ready(weft_future_t *f, void *arg)
         if (st != WEFT_OK) {
             weft_call_fail(p->call, st, "%s", weft_last_error());
         } else {
+            atomic_fetch_add(&e->ctx->fetches_served, 1);
             weft_call_reply(p->call, v);
         }
     }
@@ -1135,6 +1217,22 @@ void rref__handle_method(weft_call_t *call, void *arg)
     }
 }
 
+/* Whether value @p v goes in the creation's answer to a caller that takes up to @p max bytes. */
+static bool eager_fits(const weft_value_t *v, uint64_t max)
+{
+    size_t len = 0;
+
+    if (v == NULL || max == 0 || weft_value_num_refs(v) > 0) {
+        return false;
+    }
+    (void)weft_value_payload(v, &len);
+    uint64_t total = len;
+    for (size_t i = 0; i < weft_value_num_tensors(v) && total <= max; i++) {
+        total += weft_tensor_nbytes(weft_value_tensor(v, i));
+    }
+    return total <= max;
+}
+
 /* The creation of a reference a remote caller asked for ended: tell it. */
 static void created_ready(weft_future_t *f, void *arg)
 {
@@ -1144,6 +1242,23 @@ static void created_ready(weft_future_t *f, void *arg)
 
     c.status = weft_future_status(f);
     c.error = (char *)(c.status != WEFT_OK ? weft_future_error(f) : "");
+    if (p->eager_max > 0) {
+        /* A framed answer, with the value when it is small and plain. */
+        const weft_value_t *val = c.status == WEFT_OK ? p->e->value : NULL;
+        c.has_value = eager_fits(val, p->eager_max);
+        if (c.has_value) {
+            atomic_fetch_add(&p->e->ctx->values_sent_with_creation, 1);
+        }
+        weft_status_t st = rref__frame_pack(&c.base, c.has_value ? val : NULL, &v);
+        if (st != WEFT_OK) {
+            weft_call_fail(p->call, st, "%s", weft_last_error());
+        } else {
+            weft_call_reply(p->call, v);
+        }
+        weft_rref_release(p->e);
+        weft_free(p);
+        return;
+    }
     size_t len = weft__v1__rref_created__get_packed_size(&c);
     uint8_t *buf = weft_alloc(len > 0 ? len : 1);
     if (buf == NULL || weft_value_create(&v) != WEFT_OK) {
@@ -1232,8 +1347,12 @@ void rref__handle_remote(weft_call_t *call, void *arg)
         rref__free(fresh);
         weft_value_free(args);
     }
+    uint64_t eager_max = hdr->eager_max;
     weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
     pending_call_t *p = pending_call(call, e, NULL);
+    if (p != NULL) {
+        p->eager_max = eager_max;
+    }
     if (p == NULL || weft_future_then(e->ready, created_ready, p) != WEFT_OK) {
         weft_free(p);
         weft_call_fail(call, WEFT_ERR_NO_MEMORY, "rref: no memory");

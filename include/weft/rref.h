@@ -87,7 +87,9 @@ weft_status_t weft_rref_register_type(weft_agent_t *a, const char *type, weft_rr
  * Runs the registered function @p fn with @p args (borrowed until return) on rank @p to, which
  * owns the result; returns at once. A failure (the function's error, a timeout after
  * @p timeout_ms, a lost owner) is reported by the first use of the reference (to_here, a method
- * call, local_value) with its status and text. @p to may be the caller's own rank.
+ * call, local_value) with its status and text. @p to may be the caller's own rank. A value of at
+ * most WEFT_RREF_EAGER_BYTES (default 65536; 0: never) comes back with the creation's answer,
+ * so that a to_here issued before that answer needs no message of its own (docs/rref.md §4).
  * @param[out] rref_p a handle; caller releases with weft_rref_release.
  */
 weft_status_t weft_rref_remote(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
@@ -158,7 +160,8 @@ weft_rref_t *weft_value_rref(const weft_value_t *v, size_t i);
 
 /**
  * Counts as JSON: {"owners":N,"users":N,"pending_users":N,"pending_children":N,"forks":N,
- * "confirmed_users":N,"deleted_owners":N} (torch's _get_debug_info, plus weft's).
+ * "confirmed_users":N,"deleted_owners":N,"leaks":N,"control_in_flight":N,"fetches_served":N,
+ * "values_sent_with_creation":N} (torch's _get_debug_info, plus weft's; docs/rref.md §7).
  * @param[out] json_p caller frees with weft_free.
  */
 weft_status_t weft_rref_debug_info(weft_agent_t *a, char **json_p);

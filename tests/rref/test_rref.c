@@ -143,6 +143,39 @@ static void fn_remote_keep(weft_call_t *call, void *arg)
     weft_call_reply(call, NULL);
 }
 
+/* "gated_echo" answers with its arguments once "open_gate" is called. */
+static pthread_mutex_t g_gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static weft_call_t *g_gated;
+
+static void fn_gated_echo(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&g_gate_mu);
+    g_gated = call;
+    pthread_mutex_unlock(&g_gate_mu);
+}
+
+static void fn_open_gate(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_call_t *gated = NULL;
+    for (int64_t until = now_ms() + 5000; gated == NULL && now_ms() < until;) {
+        pthread_mutex_lock(&g_gate_mu);
+        gated = g_gated;
+        g_gated = NULL;
+        pthread_mutex_unlock(&g_gate_mu);
+        if (gated == NULL) {
+            usleep(1000);
+        }
+    }
+    if (gated == NULL) {
+        weft_call_fail(call, WEFT_ERR_TIMEOUT, "no gated call came");
+        return;
+    }
+    weft_call_reply(gated, weft_call_take_args(gated));
+    weft_call_reply(call, NULL);
+}
+
 static void fn_debug(weft_call_t *call, void *arg)
 {
     (void)arg;
@@ -261,6 +294,8 @@ static void setup(weft_agent_t *a, int rank, void *arg)
     weft_rpc_register(a, "drop_rref", fn_drop_rref, NULL);
     weft_rpc_register(a, "remote_keep", fn_remote_keep, NULL);
     weft_rpc_register(a, "debug", fn_debug, NULL);
+    weft_rpc_register(a, "gated_echo", fn_gated_echo, NULL);
+    weft_rpc_register(a, "open_gate", fn_open_gate, NULL);
     weft_rpc_register(a, "dtors", fn_dtors, NULL);
     weft_rpc_register(a, "die", fn_die, NULL);
 }
@@ -772,6 +807,183 @@ Test(rref, pipelined_uses, .timeout = 120)
     int codes[2];
     ranks_opts_init(&o, 2, body_pipelined);
     o.setup = setup;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* ---------------------------------------------- values with the creation's answer */
+
+/* @p n payload bytes and a tensor of @p numel floats (none if 0), from @p seed. */
+static weft_value_t *pattern_value(size_t n, int64_t numel, int seed)
+{
+    weft_value_t *v;
+    weft_value_create(&v);
+    if (n > 0) {
+        uint8_t *b = malloc(n);
+        for (size_t i = 0; i < n; i++) {
+            b[i] = (uint8_t)(seed + 7 * i);
+        }
+        weft_value_set_payload(v, b, n);
+        free(b);
+    }
+    if (numel > 0) {
+        weft_value_push_tensor(v, tensor_f32_range(numel, (float)seed));
+    }
+    return v;
+}
+
+static int is_pattern(const weft_value_t *v, size_t n, int64_t numel, int seed)
+{
+    size_t len = 0;
+    const uint8_t *b = weft_value_payload(v, &len);
+    if (len != n || weft_value_num_tensors(v) != (numel > 0 ? 1u : 0u)) {
+        return 0;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (b[i] != (uint8_t)(seed + 7 * i)) {
+            return 0;
+        }
+    }
+    if (numel > 0) {
+        weft_tensor_t *t = weft_value_tensor(v, 0);
+        const float *f = weft_tensor_data(t);
+        if (weft_tensor_numel(t) != numel || f[0] != (float)seed ||
+            f[numel - 1] != (float)seed + (float)(numel - 1)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static int64_t counter_of(weft_agent_t *a, int rank, const char *key)
+{
+    char *json = debug_of(a, rank);
+    int64_t n = json != NULL ? json_int(json, key) : -1;
+    weft_free(json);
+    return n;
+}
+
+/*
+ * With WEFT_RREF_EAGER_BYTES=256 (arg: 1) a plain value of at most 256 bytes (payload and tensors)
+ * comes with the creation's answer: a to_here issued before that answer sends no fetch; larger
+ * values, values with references and references already shared are fetched; later uses fetch.
+ * Each creation waits for a gate, so that the use is issued before the creation's answer.
+ * With WEFT_RREF_EAGER_BYTES=0 (arg: 0) every to_here fetches.
+ */
+static int body_eager(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    int on = *(const int *)arg;
+    weft_value_t *v = NULL;
+    weft_status_t st;
+
+    if (rank != 0) {
+        return 0;
+    }
+    static const struct {
+        size_t n;
+        int64_t numel;
+        int fits;
+    } cases[] = {{0, 0, 1},  {200, 0, 1}, {256, 0, 1},     {257, 0, 0},
+                 {8, 62, 1}, {8, 63, 0},  {4096, 1024, 0}, {0, 64, 1}};
+    for (int k = 0; k < (int)(sizeof(cases) / sizeof(cases[0])); k++) {
+        int64_t fetched = counter_of(a, 1, "fetches_served");
+        int64_t sent = counter_of(a, 1, "values_sent_with_creation");
+        weft_value_t *args = pattern_value(cases[k].n, cases[k].numel, k);
+        weft_rref_t *r;
+        RANK_CHECK(weft_rref_remote(a, 1, "gated_echo", args, 5000, &r) == WEFT_OK, "remote %d", k);
+        weft_value_free(args);
+        /* Issued before the creation's answer: the creation waits for the gate. */
+        weft_future_t *f;
+        RANK_CHECK(weft_rref_to_here_async(r, 5000, &f) == WEFT_OK, "to_here %d", k);
+        RANK_CHECK(weft_rpc_sync(a, 1, "open_gate", NULL, 10000, NULL) == WEFT_OK, "gate: %s",
+                   weft_last_error());
+        RANK_CHECK(weft_future_wait(f, 5000) == WEFT_OK, "to_here %d: %s", k, weft_future_error(f));
+        RANK_CHECK(is_pattern(weft_future_value(f), cases[k].n, cases[k].numel, k), "value %d", k);
+        weft_future_release(f);
+        int eager = on && cases[k].fits;
+        RANK_CHECK(counter_of(a, 1, "values_sent_with_creation") == sent + eager,
+                   "case %d: value with the creation", k);
+        RANK_CHECK(counter_of(a, 1, "fetches_served") == fetched + !eager, "case %d: fetches", k);
+        /* A use after the answer fetches what the owner holds. */
+        st = weft_rref_to_here(r, 5000, &v);
+        RANK_CHECK(st == WEFT_OK && is_pattern(v, cases[k].n, cases[k].numel, k), "again %d: %s", k,
+                   weft_last_error());
+        weft_value_free(v);
+        RANK_CHECK(counter_of(a, 1, "fetches_served") == fetched + !eager + 1, "case %d: fetch", k);
+        weft_rref_release(r);
+    }
+
+    /* A value holding a reference is fetched (its fork is made for this worker). */
+    int64_t fetched = counter_of(a, 1, "fetches_served");
+    weft_rref_t *r;
+    RANK_CHECK(weft_rref_remote(a, 1, "return_rref", NULL, 5000, &r) == WEFT_OK, "return_rref");
+    st = weft_rref_to_here(r, 5000, &v);
+    RANK_CHECK(st == WEFT_OK, "to_here of a value with a reference: %s", weft_last_error());
+    RANK_CHECK(counter_of(a, 1, "fetches_served") == fetched + 1, "fetched");
+    weft_value_t *inner = NULL;
+    st = weft_rref_to_here(weft_value_rref(v, 0), 5000, &inner);
+    RANK_CHECK(st == WEFT_OK && payload_is(inner, "owned"), "the reference inside: %s",
+               weft_last_error());
+    weft_value_free(inner);
+    weft_value_free(v);
+    weft_rref_release(r);
+
+    /* A reference shared before its use is fetched, whenever the creation's answer comes. */
+    fetched = counter_of(a, 1, "fetches_served");
+    weft_value_t *args = pattern_value(16, 0, 3);
+    RANK_CHECK(weft_rref_remote(a, 1, "echo", args, 5000, &r) == WEFT_OK, "remote");
+    weft_value_free(args);
+    weft_value_t *share = value_with_rref(r, 0);
+    weft_future_t *kept;
+    RANK_CHECK(weft_rpc_async(a, 2, "keep_rref", share, 5000, &kept) == WEFT_OK, "share");
+    weft_value_free(share);
+    st = weft_rref_to_here(r, 5000, &v);
+    RANK_CHECK(st == WEFT_OK && is_pattern(v, 16, 0, 3), "to_here of a shared one: %s",
+               weft_last_error());
+    weft_value_free(v);
+    RANK_CHECK(counter_of(a, 1, "fetches_served") == fetched + 1, "shared: fetched");
+    RANK_CHECK(weft_future_wait(kept, 5000) == WEFT_OK, "kept: %s", weft_future_error(kept));
+    weft_future_release(kept);
+    RANK_CHECK(weft_rpc_sync(a, 2, "drop_rref", NULL, 5000, NULL) == WEFT_OK, "drop");
+    weft_rref_release(r);
+
+    /* A to_here with a shorter deadline than a slow creation ends at its own deadline. */
+    RANK_CHECK(weft_rref_remote(a, 1, "slow", NULL, 5000, &r) == WEFT_OK, "remote slow");
+    st = weft_rref_to_here(r, 100, &v);
+    RANK_CHECK(st == WEFT_ERR_TIMEOUT, "short to_here: %s", weft_strerror(st));
+    st = weft_rref_to_here(r, 5000, &v);
+    RANK_CHECK(st == WEFT_OK && payload_is(v, "late"), "to_here after: %s", weft_last_error());
+    weft_value_free(v);
+    weft_rref_release(r);
+
+    int64_t n = (int64_t)(sizeof(cases) / sizeof(cases[0])) + 3 + 1;
+    RANK_CHECK(wait_settled(a, 1, n), "rank 1");
+    RANK_CHECK(wait_settled(a, 2, 0), "rank 2");
+    RANK_CHECK(wait_settled(a, 0, 0), "rank 0");
+    return 0;
+}
+
+Test(rref, small_values_come_with_the_creation, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[3];
+    static int on = 1;
+    setenv("WEFT_RREF_EAGER_BYTES", "256", 1);
+    ranks_opts_init(&o, 3, body_eager);
+    o.setup = setup;
+    o.arg = &on;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+Test(rref, small_values_fetched_when_turned_off, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[3];
+    static int off = 0;
+    setenv("WEFT_RREF_EAGER_BYTES", "0", 1);
+    ranks_opts_init(&o, 3, body_eager);
+    o.setup = setup;
+    o.arg = &off;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
