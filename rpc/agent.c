@@ -622,6 +622,14 @@ const char *weft_agent_worker_name(const weft_agent_t *a, int rank)
     return a->peers[rank].name;
 }
 
+uint64_t weft_agent_max_message_bytes(const weft_agent_t *a, int rank)
+{
+    if (a == NULL || rank < 0 || rank >= a->world_size) {
+        return 0;
+    }
+    return rank == a->rank ? a->max_message_bytes : a->peers[rank].max_message_bytes;
+}
+
 const char *weft_agent_worker_address(const weft_agent_t *a, int rank)
 {
     if (a == NULL || rank < 0 || rank >= a->world_size) {

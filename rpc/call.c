@@ -981,3 +981,15 @@ weft_status_t weft_agent_flush(weft_agent_t *a, int to_rank)
     weft__stream_unref(s);
     return WEFT_OK;
 }
+
+int weft_agent_lazy_waiting(weft_agent_t *a, int to_rank)
+{
+    weft__stream_t *s;
+
+    if (check_target(a, to_rank, true) != WEFT_OK || weft__peer_stream(a, to_rank, &s) != WEFT_OK) {
+        return 0;
+    }
+    int waiting = weft__stream_waiting(s) ? 1 : 0;
+    weft__stream_unref(s);
+    return waiting;
+}

@@ -283,6 +283,8 @@ void weft__stream_close(weft__stream_t *s); /* client: half-close; server: finis
 void weft__stream_uncork_current(void);
 /* Starts the sends held on an idle stream (lazy messages). */
 void weft__stream_flush(weft__stream_t *s);
+/* Whether messages wait on an idle stream (true until a send or a flush takes them). */
+bool weft__stream_waiting(weft__stream_t *s);
 void weft__stream_cancel(weft__stream_t *s);
 int weft__stream_peer(const weft__stream_t *s);
 uint64_t weft__stream_peer_max(const weft__stream_t *s);

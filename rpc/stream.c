@@ -321,6 +321,14 @@ void weft__stream_flush(weft__stream_t *s)
     fail_queue(failed, WEFT_ERR_TRANSPORT, "gRPC refused a send");
 }
 
+bool weft__stream_waiting(weft__stream_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    bool waiting = !s->sending && s->corked == 0 && s->qh != NULL && !s->dead;
+    pthread_mutex_unlock(&s->mu);
+    return waiting;
+}
+
 /* Holds the sends of @p s until weft__stream_uncork_current, on this thread. */
 static void cork(weft__stream_t *s)
 {

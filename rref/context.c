@@ -45,7 +45,7 @@ static void *timer_main(void *arg)
     return NULL;
 }
 
-void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
+bool rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
                      void (*drop)(void *), void *arg)
 {
     rref_task_t *t = weft_calloc(1, sizeof(*t));
@@ -55,7 +55,7 @@ void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *
         if (drop != NULL) {
             drop(arg);
         }
-        return;
+        return false;
     }
     t->due_ns = weft__now_ns() + delay_us * 1000;
     t->run = run;
@@ -68,7 +68,7 @@ void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *
             drop(arg);
         }
         weft_free(t);
-        return;
+        return false;
     }
     rref_task_t **pp = &ctx->tasks;
     if (ctx->tasks_tail != NULL && ctx->tasks_tail->due_ns <= t->due_ns) {
@@ -87,6 +87,7 @@ void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *
         pthread_cond_signal(&ctx->tcv);
     }
     pthread_mutex_unlock(&ctx->tmu);
+    return true;
 }
 
 int64_t rref__fault_delay(rref_ctx_t *ctx)

@@ -340,8 +340,8 @@ void rref__user_settle(weft_rref_t *u, bool confirmed, bool maybe_known, weft_st
     }
     pthread_mutex_unlock(&ctx->mu);
     weft_future_complete(u->ready, st, text, NULL);
-    /* The uses waiting for the answer took their copies of its value (their callbacks ran);
-     * later ones fetch. */
+    /* The first use waiting for the answer took its value (the callbacks ran); later ones
+     * fetch. */
     pthread_mutex_lock(&ctx->mu);
     weft_value_t *eager = u->eager;
     u->eager = NULL;

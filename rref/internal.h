@@ -30,6 +30,7 @@
 #define RREF_BACKOFF_MAX_MS 200
 #define RREF_LAZY_US        1000  /* a release or its ACK waits at most this for company */
 #define RREF_EAGER_MAX      65536 /* default of WEFT_RREF_EAGER_BYTES (see ctx->eager_max) */
+#define RREF_EAGER_MARGIN   4096  /* room left in a message for the frame around such a value */
 
 typedef struct rref_ctx rref_ctx_t;
 
@@ -191,8 +192,8 @@ void rref__ctx_ref(rref_ctx_t *ctx);
 void rref__ctx_unref(rref_ctx_t *ctx);
 weft_rref_id_t rref__new_id(rref_ctx_t *ctx);
 /* Runs @p run on the timer thread after @p delay_us. Takes @p arg (dropped with @p drop if the
- * task cannot be queued or never runs). */
-void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
+ * task cannot be queued or never runs). False when it could not be queued. */
+bool rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
                      void (*drop)(void *), void *arg);
 /* A random delay in 0..fault_delay_us (0 without fault injection). */
 int64_t rref__fault_delay(rref_ctx_t *ctx);

@@ -240,13 +240,17 @@ static void send_ctl(rref_ctx_t *ctx, int to, const weft_value_t *v, bool lazy)
         WEFT_DEBUG("rref: control message to rank %d not sent: %s", to, weft_last_error());
         return;
     }
-    if (lazy) {
+    /* Usually it goes with traffic already under way; a flush is due only when it waits. */
+    if (lazy && weft_agent_lazy_waiting(ctx->a, to)) {
         pthread_mutex_lock(&ctx->mu);
         bool arm = !ctx->flush_armed[to];
         ctx->flush_armed[to] = true;
         pthread_mutex_unlock(&ctx->mu);
-        if (arm) {
-            rref__timer_add(ctx, RREF_LAZY_US, flush_run, NULL, (void *)(intptr_t)to);
+        if (arm && !rref__timer_add(ctx, RREF_LAZY_US, flush_run, NULL, (void *)(intptr_t)to)) {
+            pthread_mutex_lock(&ctx->mu);
+            ctx->flush_armed[to] = false;
+            pthread_mutex_unlock(&ctx->mu);
+            (void)weft_agent_flush(ctx->a, to); /* no timer: at once */
         }
     }
 }

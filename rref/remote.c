@@ -264,7 +264,8 @@ static void op_fail(op_t *op, weft_status_t st, const char *text)
         snprintf(why, sizeof(why), "rref (%d,%llu): creation by '%s' on %s failed: %s",
                  op->u->id.worker, (unsigned long long)op->u->id.local, op->what,
                  rref__worker_name(op->ctx, op->to), text);
-        bool maybe = st == WEFT_ERR_TIMEOUT;
+        /* The owner may hold the fork: after a timeout, or when its answer could not be sent. */
+        bool maybe = st == WEFT_ERR_TIMEOUT || st == WEFT_ERR_TOO_LARGE;
         if (st == WEFT_ERR_PEER_LOST) {
             st = WEFT_ERR_OWNER_LOST;
         }
@@ -536,21 +537,18 @@ static void op_target_ready(weft_future_t *f, void *arg)
 /* Starts @p op: at once, pipelined behind the creation of its target, or once the target is
  * usable. */
 /* A to_here issued before the creation's answer, which may carry the value: takes it, or
- * fetches it once the answer came without it. */
+ * fetches once the answer came without it (or another use took it). */
 static void op_eager_ready(weft_future_t *f, void *arg)
 {
     op_t *op = arg;
     weft_value_t *v = NULL;
 
     if (weft_future_status(f) == WEFT_OK) {
+        /* The first use takes it; others fetch (each result has tensors of its own). */
         pthread_mutex_lock(&op->ctx->mu);
-        const weft_value_t *e = op->r->eager;
-        weft_status_t st = e != NULL ? rref__value_copy(e, &v) : WEFT_OK;
+        v = op->r->eager;
+        op->r->eager = NULL;
         pthread_mutex_unlock(&op->ctx->mu);
-        if (st != WEFT_OK) {
-            op_fail(op, st, weft_last_error());
-            return;
-        }
     }
     if (v == NULL) {
         op_target_ready(f, op);
@@ -640,6 +638,20 @@ static weft_status_t op_new(rref_ctx_t *ctx, op_kind_t kind, weft_rref_t *target
 
 /* ------------------------------------------------------------- creation */
 
+/* @p want capped so that an answer with a value of that size fits @p rank's message limit. */
+static uint64_t eager_limit(rref_ctx_t *ctx, int rank, uint64_t want)
+{
+    uint64_t limit = weft_agent_max_message_bytes(ctx->a, rank);
+
+    if (limit == 0) {
+        return want;
+    }
+    if (limit <= RREF_EAGER_MARGIN) {
+        return 0;
+    }
+    return want < limit - RREF_EAGER_MARGIN ? want : limit - RREF_EAGER_MARGIN;
+}
+
 /* remote, remote_object, remote_method: @p target is the object for a method, else NULL. */
 static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreateKind kind,
                                    const char *name, weft_rref_t *target, const weft_value_t *args,
@@ -707,8 +719,9 @@ static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreate
         rref__id_to_pb(target_id, &ptarget);
         hdr.target = &ptarget;
     }
-    if (type == NULL && ctx->eager_max > 0) {
-        hdr.eager_max = (uint64_t)ctx->eager_max;
+    uint64_t eager_max = eager_limit(ctx, ctx->rank, (uint64_t)ctx->eager_max);
+    if (type == NULL && eager_max > 0) {
+        hdr.eager_max = eager_max;
         u->eager_asked = true;
     }
     op_t *op;
@@ -731,7 +744,8 @@ static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreate
     u->refs++; /* the pending creation's hold, dropped when it ends */
     rref__user_insert_locked(ctx, u);
     pthread_mutex_unlock(&ctx->mu);
-    u->create_deadline_ms = op->deadline_ms;
+    /* A creation by a method may first wait for its target, unbounded by this deadline. */
+    u->create_deadline_ms = target == NULL ? op->deadline_ms : INT64_MAX;
     op->u = u;
     *rref_p = u;
     op_start(op);
@@ -1245,7 +1259,8 @@ static void created_ready(weft_future_t *f, void *arg)
     if (p->eager_max > 0) {
         /* A framed answer, with the value when it is small and plain. */
         const weft_value_t *val = c.status == WEFT_OK ? p->e->value : NULL;
-        c.has_value = eager_fits(val, p->eager_max);
+        c.has_value =
+            eager_fits(val, eager_limit(p->e->ctx, weft_call_caller_rank(p->call), p->eager_max));
         if (c.has_value) {
             atomic_fetch_add(&p->e->ctx->values_sent_with_creation, 1);
         }

@@ -78,6 +78,9 @@ const char *weft_agent_name(const weft_agent_t *a);
 const char *weft_agent_worker_name(const weft_agent_t *a, int rank);
 /** Rank of the worker named @p name. WEFT_ERR_NOT_FOUND if none. */
 weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name, int *rank_p);
+/** The largest message @p rank accepts (this one's from its options, a peer's after join); 0 if
+ * out of range. */
+uint64_t weft_agent_max_message_bytes(const weft_agent_t *a, int rank);
 /** Borrowed "host:port" of @p rank (after join). */
 const char *weft_agent_worker_address(const weft_agent_t *a, int rank);
 /**
@@ -239,6 +242,11 @@ weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t chann
                                     weft_future_t **sent_p);
 /** Sends the messages to @p to_rank that wait (WEFT_SEND_LAZY). */
 weft_status_t weft_agent_flush(weft_agent_t *a, int to_rank);
+/**
+ * 1 when lazy messages to @p to_rank wait for company on an idle connection (only another send
+ * or weft_agent_flush makes them leave), else 0 (they are on their way, or none wait).
+ */
+int weft_agent_lazy_waiting(weft_agent_t *a, int to_rank);
 /**
  * Where the data of an incoming one-way message lands (see weft_channel_land_cb_t).
  * With @p sink NULL its bytes are received straight into @p dst; otherwise they are

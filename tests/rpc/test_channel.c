@@ -171,10 +171,12 @@ static int lazy_body(weft_agent_t *a, int rank, int world, void *arg)
         /* Nothing else goes to rank 1 in this test: they are still there much later. */
         RANK_CHECK(weft_future_wait(f[2], 300) == WEFT_ERR_TIMEOUT && !weft_future_done(f[1]),
                    "lazy messages left alone");
+        RANK_CHECK(weft_agent_lazy_waiting(a, 1) == 1, "they wait");
         /* ... for the next message that is not lazy, which takes them along, in order. */
         RANK_CHECK(send_seq(a, 3, 0, &f[3]) == WEFT_OK, "send 3");
         RANK_CHECK(weft_future_wait(f[3], 20000) == WEFT_OK, "3 sent");
         RANK_CHECK(weft_future_done(f[1]) && weft_future_done(f[2]), "lazy messages went with 3");
+        RANK_CHECK(weft_agent_lazy_waiting(a, 1) == 0, "none waits");
         /* Or for a flush. */
         RANK_CHECK(send_seq(a, 4, WEFT_SEND_LAZY, &f[4]) == WEFT_OK, "send 4");
         RANK_CHECK(send_seq(a, 5, WEFT_SEND_LAZY, &f[5]) == WEFT_OK, "send 5");
@@ -184,6 +186,7 @@ static int lazy_body(weft_agent_t *a, int rank, int world, void *arg)
         RANK_CHECK(weft_future_wait(f[5], 20000) == WEFT_OK, "5 sent after the flush");
         RANK_CHECK(weft_agent_flush(a, 1) == WEFT_OK, "a flush with nothing waiting");
         RANK_CHECK(weft_agent_flush(a, 7) == WEFT_ERR_INVALID_ARG, "flush to a rank not there");
+        RANK_CHECK(weft_agent_lazy_waiting(a, 7) == 0, "none waits for a rank not there");
         for (int i = 0; i < LAZY_COUNT; i++) {
             RANK_CHECK(weft_future_status(f[i]) == WEFT_OK, "sent %d", i);
             weft_future_release(f[i]);

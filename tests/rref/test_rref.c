@@ -975,6 +975,57 @@ Test(rref, small_values_come_with_the_creation, .timeout = 60)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/*
+ * Under a message limit of 8 KiB the values that come with the creation's answer are capped at
+ * the limit less 4 KiB of room (WEFT_RREF_EAGER_BYTES left at its default, 64 KiB): 3000 bytes
+ * come along, 5000 bytes are fetched.
+ */
+static int body_eager_limit(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    static const struct {
+        size_t n;
+        int eager;
+    } cases[] = {{3000, 1}, {5000, 0}};
+    for (int k = 0; k < 2; k++) {
+        int64_t fetched = counter_of(a, 1, "fetches_served");
+        int64_t sent = counter_of(a, 1, "values_sent_with_creation");
+        weft_value_t *args = pattern_value(cases[k].n, 0, k);
+        weft_rref_t *r;
+        RANK_CHECK(weft_rref_remote(a, 1, "gated_echo", args, 5000, &r) == WEFT_OK, "remote %d", k);
+        weft_value_free(args);
+        weft_future_t *f;
+        RANK_CHECK(weft_rref_to_here_async(r, 5000, &f) == WEFT_OK, "to_here %d", k);
+        RANK_CHECK(weft_rpc_sync(a, 1, "open_gate", NULL, 10000, NULL) == WEFT_OK, "gate: %s",
+                   weft_last_error());
+        RANK_CHECK(weft_future_wait(f, 5000) == WEFT_OK, "to_here %d: %s", k, weft_future_error(f));
+        RANK_CHECK(is_pattern(weft_future_value(f), cases[k].n, 0, k), "value %d", k);
+        weft_future_release(f);
+        RANK_CHECK(counter_of(a, 1, "values_sent_with_creation") == sent + cases[k].eager,
+                   "case %d: value with the creation", k);
+        RANK_CHECK(counter_of(a, 1, "fetches_served") == fetched + !cases[k].eager,
+                   "case %d: fetches", k);
+        weft_rref_release(r);
+    }
+    RANK_CHECK(wait_settled(a, 1, 2), "rank 1");
+    return 0;
+}
+
+Test(rref, small_values_within_the_message_limit, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    unsetenv("WEFT_RREF_EAGER_BYTES");
+    ranks_opts_init(&o, 2, body_eager_limit);
+    o.setup = setup;
+    o.max_message_bytes = 8192;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 Test(rref, small_values_fetched_when_turned_off, .timeout = 60)
 {
     ranks_opts_t o;
@@ -1049,6 +1100,13 @@ static int body_user_lost(weft_agent_t *a, int rank, int world, void *arg)
     (void)world;
     (void)arg;
 
+    if (rank == 1) {
+        /* Stays out of shutdown (which would release what it holds) until "die" kills it. */
+        for (int64_t until = now_ms() + 40000; now_ms() < until;) {
+            usleep(10000);
+        }
+        return 1;
+    }
     if (rank != 0) {
         return 0;
     }
