@@ -947,7 +947,6 @@ weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t chann
         }
         return WEFT_OK;
     }
-    m->lazy = (flags & WEFT_SEND_LAZY) != 0;
     WEFT_CHECK_GOTO(weft__peer_stream(a, to_rank, &s), st, err_free_future);
     st = weft__stream_send(s, m); /* takes the message either way */
     weft__stream_unref(s);
@@ -969,27 +968,4 @@ err_free_future:
 err_free_msg:
     weft__outmsg_free(m, st, NULL); /* not sent (its sent future is gone) */
     return st;
-}
-
-weft_status_t weft_agent_flush(weft_agent_t *a, int to_rank)
-{
-    weft__stream_t *s;
-
-    WEFT_CHECK(check_target(a, to_rank, true));
-    WEFT_CHECK(weft__peer_stream(a, to_rank, &s));
-    weft__stream_flush(s);
-    weft__stream_unref(s);
-    return WEFT_OK;
-}
-
-int weft_agent_lazy_waiting(weft_agent_t *a, int to_rank)
-{
-    weft__stream_t *s;
-
-    if (check_target(a, to_rank, true) != WEFT_OK || weft__peer_stream(a, to_rank, &s) != WEFT_OK) {
-        return 0;
-    }
-    int waiting = weft__stream_waiting(s) ? 1 : 0;
-    weft__stream_unref(s);
-    return waiting;
 }

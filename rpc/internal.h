@@ -45,10 +45,8 @@ typedef struct weft__outmsg {
     struct weft__outmsg *next;
     grpc_byte_buffer *bb; /* NULL: "finish the stream" marker */
     size_t nbytes;
-    weft_future_t *sent; /* optional: completes when handed to the transport */
-    bool user_request;   /* a user REQUEST (counted in requests_sent) */
-    bool lazy; /* does not start a send on an idle stream: leaves with the next message that
-                  does, or at weft__stream_flush (WEFT_SEND_LAZY) */
+    weft_future_t *sent;       /* optional: completes when handed to the transport */
+    bool user_request;         /* a user REQUEST (counted in requests_sent) */
     grpc_status_code fin_code; /* finish marker on a server stream: the status to send */
     char *fin_text;
     struct weft__refs_out *refs; /* its encoded references (refs.c): freed with it, "unsent"
@@ -281,10 +279,6 @@ void weft__stream_close(weft__stream_t *s); /* client: half-close; server: finis
 /* Lets go of the answers this thread holds while it runs the requests of one received
  * message (they leave together once all have run). No-op if it holds none. */
 void weft__stream_uncork_current(void);
-/* Starts the sends held on an idle stream (lazy messages). */
-void weft__stream_flush(weft__stream_t *s);
-/* Whether messages wait on an idle stream (true until a send or a flush takes them). */
-bool weft__stream_waiting(weft__stream_t *s);
 void weft__stream_cancel(weft__stream_t *s);
 int weft__stream_peer(const weft__stream_t *s);
 uint64_t weft__stream_peer_max(const weft__stream_t *s);

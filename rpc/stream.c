@@ -298,7 +298,7 @@ weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m)
         s->qt = m;
     }
     weft__outmsg_t *failed = NULL;
-    if (!s->sending && s->corked == 0 && !m->lazy) {
+    if (!s->sending && s->corked == 0) {
         failed = start_next_locked(s);
     }
     pthread_mutex_unlock(&s->mu);
@@ -307,26 +307,6 @@ weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m)
         return weft__set_error(WEFT_ERR_TRANSPORT, "rpc: gRPC refused a send");
     }
     return WEFT_OK;
-}
-
-void weft__stream_flush(weft__stream_t *s)
-{
-    weft__outmsg_t *failed = NULL;
-
-    pthread_mutex_lock(&s->mu);
-    if (!s->sending && s->corked == 0 && s->qh != NULL) {
-        failed = start_next_locked(s);
-    }
-    pthread_mutex_unlock(&s->mu);
-    fail_queue(failed, WEFT_ERR_TRANSPORT, "gRPC refused a send");
-}
-
-bool weft__stream_waiting(weft__stream_t *s)
-{
-    pthread_mutex_lock(&s->mu);
-    bool waiting = !s->sending && s->corked == 0 && s->qh != NULL && !s->dead;
-    pthread_mutex_unlock(&s->mu);
-    return waiting;
 }
 
 /* Holds the sends of @p s until weft__stream_uncork_current, on this thread. */

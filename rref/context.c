@@ -45,7 +45,7 @@ static void *timer_main(void *arg)
     return NULL;
 }
 
-bool rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
+void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
                      void (*drop)(void *), void *arg)
 {
     rref_task_t *t = weft_calloc(1, sizeof(*t));
@@ -55,7 +55,7 @@ bool rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *
         if (drop != NULL) {
             drop(arg);
         }
-        return false;
+        return;
     }
     t->due_ns = weft__now_ns() + delay_us * 1000;
     t->run = run;
@@ -68,7 +68,7 @@ bool rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *
             drop(arg);
         }
         weft_free(t);
-        return false;
+        return;
     }
     rref_task_t **pp = &ctx->tasks;
     if (ctx->tasks_tail != NULL && ctx->tasks_tail->due_ns <= t->due_ns) {
@@ -87,7 +87,6 @@ bool rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *
         pthread_cond_signal(&ctx->tcv);
     }
     pthread_mutex_unlock(&ctx->tmu);
-    return true;
 }
 
 int64_t rref__fault_delay(rref_ctx_t *ctx)
@@ -134,7 +133,6 @@ void rref__ctx_unref(rref_ctx_t *ctx)
         weft_free(o);
     }
     weft_free(ctx->lost);
-    weft_free(ctx->flush_armed);
     pthread_mutex_destroy(&ctx->mu);
     pthread_mutex_destroy(&ctx->tmu);
     pthread_cond_destroy(&ctx->tcv);
@@ -296,8 +294,7 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     pthread_cond_init(&ctx->tcv, &ca);
     pthread_condattr_destroy(&ca);
     ctx->lost = weft_calloc((size_t)ctx->world, sizeof(bool));
-    ctx->flush_armed = weft_calloc((size_t)ctx->world, sizeof(bool));
-    if (ctx->lost == NULL || ctx->flush_armed == NULL) {
+    if (ctx->lost == NULL) {
         rref__ctx_unref(ctx);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: no memory for the module");
     }

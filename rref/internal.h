@@ -28,7 +28,6 @@
 #define RREF_RETRY_MAX_MS   5000
 #define RREF_BACKOFF_MS     5 /* first wait after an ACK "not known yet" */
 #define RREF_BACKOFF_MAX_MS 200
-#define RREF_LAZY_US        1000  /* a release or its ACK waits at most this for company */
 #define RREF_EAGER_MAX      65536 /* default of WEFT_RREF_EAGER_BYTES (see ctx->eager_max) */
 #define RREF_EAGER_MARGIN   4096  /* room left in a message for the frame around such a value */
 
@@ -168,7 +167,6 @@ struct rref_ctx {
     size_t norphans;
     uint64_t leaks;
     bool *lost;
-    bool *flush_armed; /* per rank: a flush of the lazy control messages to it is due */
     int64_t eager_max; /* remote(): values up to this size come with the creation's answer */
     _Atomic uint64_t fetches_served, values_sent_with_creation; /* as owner (debug info) */
 
@@ -192,8 +190,8 @@ void rref__ctx_ref(rref_ctx_t *ctx);
 void rref__ctx_unref(rref_ctx_t *ctx);
 weft_rref_id_t rref__new_id(rref_ctx_t *ctx);
 /* Runs @p run on the timer thread after @p delay_us. Takes @p arg (dropped with @p drop if the
- * task cannot be queued or never runs). False when it could not be queued. */
-bool rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
+ * task cannot be queued or never runs). */
+void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
                      void (*drop)(void *), void *arg);
 /* A random delay in 0..fault_delay_us (0 without fault injection). */
 int64_t rref__fault_delay(rref_ctx_t *ctx);

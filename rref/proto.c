@@ -196,8 +196,6 @@ typedef struct {
     weft_value_t *v;
 } delayed_send_t;
 
-static void send_ctl(rref_ctx_t *ctx, int to, const weft_value_t *v, bool lazy);
-
 static void delayed_drop(void *arg)
 {
     delayed_send_t *d = arg;
@@ -211,53 +209,15 @@ static void delayed_run(rref_ctx_t *ctx, void *arg)
     pthread_mutex_lock(&ctx->mu);
     bool dead = ctx->dead;
     pthread_mutex_unlock(&ctx->mu);
-    if (!dead) {
-        send_ctl(ctx, d->to, d->v, false);
+    if (!dead && weft_agent_send(ctx->a, d->to, WEFT_CHANNEL_RREF, d->v, NULL) != WEFT_OK) {
+        WEFT_DEBUG("rref: control message to rank %d not sent: %s", d->to, weft_last_error());
     }
     delayed_drop(d);
 }
 
-static void flush_run(rref_ctx_t *ctx, void *arg)
-{
-    int to = (int)(intptr_t)arg;
-
-    pthread_mutex_lock(&ctx->mu);
-    ctx->flush_armed[to] = false;
-    bool dead = ctx->dead;
-    pthread_mutex_unlock(&ctx->mu);
-    if (!dead && weft_agent_flush(ctx->a, to) != WEFT_OK) {
-        WEFT_DEBUG("rref: control messages to rank %d not flushed: %s", to, weft_last_error());
-    }
-}
-
-/* Sends @p v on the control channel to @p to. A lazy message (a release or its ACK: nothing waits
- * for it) leaves with the next message to @p to, or at the latest RREF_LAZY_US later, so that it
- * does not take the connection from the call that usually follows a release. */
-static void send_ctl(rref_ctx_t *ctx, int to, const weft_value_t *v, bool lazy)
-{
-    if (weft_agent_send_flags(ctx->a, to, WEFT_CHANNEL_RREF, v, lazy ? WEFT_SEND_LAZY : 0, NULL) !=
-        WEFT_OK) {
-        WEFT_DEBUG("rref: control message to rank %d not sent: %s", to, weft_last_error());
-        return;
-    }
-    /* Usually it goes with traffic already under way; a flush is due only when it waits. */
-    if (lazy && weft_agent_lazy_waiting(ctx->a, to)) {
-        pthread_mutex_lock(&ctx->mu);
-        bool arm = !ctx->flush_armed[to];
-        ctx->flush_armed[to] = true;
-        pthread_mutex_unlock(&ctx->mu);
-        if (arm && !rref__timer_add(ctx, RREF_LAZY_US, flush_run, NULL, (void *)(intptr_t)to)) {
-            pthread_mutex_lock(&ctx->mu);
-            ctx->flush_armed[to] = false;
-            pthread_mutex_unlock(&ctx->mu);
-            (void)weft_agent_flush(ctx->a, to); /* no timer: at once */
-        }
-    }
-}
-
-/* Sends one packed control message to @p to: now (or lazily, see send_ctl), or (fault injection)
- * after a random delay, and twice when duplication is on. */
-static void transmit(rref_ctx_t *ctx, int to, const Weft__V1__RRefControl *m, bool lazy)
+/* Sends one packed control message to @p to: now, or (fault injection) after a random delay, and
+ * twice when duplication is on. */
+static void transmit(rref_ctx_t *ctx, int to, const Weft__V1__RRefControl *m)
 {
     size_t len = weft__v1__rref_control__get_packed_size(m);
     uint8_t *buf = weft_alloc(len > 0 ? len : 1);
@@ -287,8 +247,8 @@ static void transmit(rref_ctx_t *ctx, int to, const Weft__V1__RRefControl *m, bo
             d->to = to;
             d->v = c;
             rref__timer_add(ctx, rref__fault_delay(ctx), delayed_run, delayed_drop, d);
-        } else {
-            send_ctl(ctx, to, v, lazy);
+        } else if (weft_agent_send(ctx->a, to, WEFT_CHANNEL_RREF, v, NULL) != WEFT_OK) {
+            WEFT_DEBUG("rref: control message to rank %d not sent: %s", to, weft_last_error());
         }
     }
     weft_value_free(v);
@@ -389,7 +349,7 @@ static void retry_run(rref_ctx_t *ctx, void *arg)
     c->retry_ms = c->retry_ms * 2 < RREF_RETRY_MAX_MS ? c->retry_ms * 2 : RREF_RETRY_MAX_MS;
     ctl_arm_locked(ctx, c, c->retry_ms);
     pthread_mutex_unlock(&ctx->mu);
-    transmit(ctx, to, &m, false); /* overdue: at once */
+    transmit(ctx, to, &m);
 }
 
 void rref__ctl_send(rref_ctx_t *ctx, Weft__V1__RRefMsgKind kind, int to, weft_rref_id_t id,
@@ -430,7 +390,7 @@ void rref__ctl_send(rref_ctx_t *ctx, Weft__V1__RRefMsgKind kind, int to, weft_rr
     ctl_fill(c, &m, &pid, &pfork);
     ctl_arm_locked(ctx, c, c->retry_ms);
     pthread_mutex_unlock(&ctx->mu);
-    transmit(ctx, to, &m, kind == WEFT__V1__RREF_MSG_KIND__RREF_USER_DELETE);
+    transmit(ctx, to, &m);
 }
 
 void rref__ctl_fail_rank(rref_ctx_t *ctx, int rank, weft_status_t st, const char *why)
@@ -505,8 +465,7 @@ static void on_ack(rref_ctx_t *ctx, int src, uint64_t msg_id, weft_status_t st, 
     ctl_finish(ctx, c, st, error);
 }
 
-static void send_ack(rref_ctx_t *ctx, int to, uint64_t msg_id, weft_status_t st, const char *why,
-                     bool lazy)
+static void send_ack(rref_ctx_t *ctx, int to, uint64_t msg_id, weft_status_t st, const char *why)
 {
     Weft__V1__RRefControl m;
 
@@ -515,7 +474,7 @@ static void send_ack(rref_ctx_t *ctx, int to, uint64_t msg_id, weft_status_t st,
     m.msg_id = msg_id;
     m.status = st;
     m.error = (char *)(why != NULL ? why : "");
-    transmit(ctx, to, &m, lazy);
+    transmit(ctx, to, &m);
 }
 
 void rref__on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
@@ -576,9 +535,7 @@ void rref__on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
     if (st == WEFT_ERR_PEER_LOST) {
         goto out; /* from a rank declared lost: not answered */
     }
-    /* The ACK of a done release is not waited on: lazy (a PENDING one is waited on). */
-    send_ack(ctx, src, m->msg_id, st, why,
-             m->kind == WEFT__V1__RREF_MSG_KIND__RREF_USER_DELETE && st == WEFT_OK);
+    send_ack(ctx, src, m->msg_id, st, why);
 out:
     weft__v1__rref_control__free_unpacked(m, &rref__pb_allocator);
 }

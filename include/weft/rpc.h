@@ -226,13 +226,6 @@ weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
  */
 #define WEFT_SEND_INLINE 2u
 /**
- * The message need not leave at once: it waits until another message to the same peer leaves
- * (and goes with it, in order) or until weft_agent_flush for the peer. For messages that are
- * not waited on (acknowledgements, releases), so that they do not take the connection from the
- * next call. The sender must call weft_agent_flush later if nothing else may follow.
- */
-#define WEFT_SEND_LAZY 4u
-/**
  * weft_agent_send with @p flags. An unordered message of 1 MiB or more may travel
  * on the direct connection to the peer (received straight into its tensors); use
  * it for messages the receiver matches by their contents, not by arrival order.
@@ -240,13 +233,6 @@ weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
 weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t channel,
                                     const weft_value_t *msg, uint32_t flags,
                                     weft_future_t **sent_p);
-/** Sends the messages to @p to_rank that wait (WEFT_SEND_LAZY). */
-weft_status_t weft_agent_flush(weft_agent_t *a, int to_rank);
-/**
- * 1 when lazy messages to @p to_rank wait for company on an idle connection (only another send
- * or weft_agent_flush makes them leave), else 0 (they are on their way, or none wait).
- */
-int weft_agent_lazy_waiting(weft_agent_t *a, int to_rank);
 /**
  * Where the data of an incoming one-way message lands (see weft_channel_land_cb_t).
  * With @p sink NULL its bytes are received straight into @p dst; otherwise they are
