@@ -863,6 +863,38 @@ static int64_t counter_of(weft_agent_t *a, int rank, const char *key)
 }
 
 /*
+ * remote("gated_echo") of a pattern value on rank 1, then to_here issued before the creation's
+ * answer (the creation waits for the gate); checks the value and that it came with the answer
+ * (@p eager) or by a fetch. The reference goes to @p r_p, or is released if NULL. 0 when so.
+ */
+static int gated_remote_to_here(weft_agent_t *a, size_t n, int64_t numel, int seed, int eager,
+                                weft_rref_t **r_p)
+{
+    int64_t fetched = counter_of(a, 1, "fetches_served");
+    int64_t sent = counter_of(a, 1, "values_sent_with_creation");
+    weft_value_t *args = pattern_value(n, numel, seed);
+    weft_rref_t *r;
+    RANK_CHECK(weft_rref_remote(a, 1, "gated_echo", args, 5000, &r) == WEFT_OK, "remote %d", seed);
+    weft_value_free(args);
+    weft_future_t *f;
+    RANK_CHECK(weft_rref_to_here_async(r, 5000, &f) == WEFT_OK, "to_here %d", seed);
+    RANK_CHECK(weft_rpc_sync(a, 1, "open_gate", NULL, 10000, NULL) == WEFT_OK, "gate: %s",
+               weft_last_error());
+    RANK_CHECK(weft_future_wait(f, 5000) == WEFT_OK, "to_here %d: %s", seed, weft_future_error(f));
+    RANK_CHECK(is_pattern(weft_future_value(f), n, numel, seed), "value %d", seed);
+    weft_future_release(f);
+    RANK_CHECK(counter_of(a, 1, "values_sent_with_creation") == sent + eager,
+               "case %d: value with the creation", seed);
+    RANK_CHECK(counter_of(a, 1, "fetches_served") == fetched + !eager, "case %d: fetches", seed);
+    if (r_p != NULL) {
+        *r_p = r;
+    } else {
+        weft_rref_release(r);
+    }
+    return 0;
+}
+
+/*
  * With WEFT_RREF_EAGER_BYTES=256 (arg: 1) a plain value of at most 256 bytes (payload and tensors)
  * comes with the creation's answer: a to_here issued before that answer sends no fetch; larger
  * values, values with references and references already shared are fetched; later uses fetch.
@@ -886,30 +918,18 @@ static int body_eager(weft_agent_t *a, int rank, int world, void *arg)
     } cases[] = {{0, 0, 1},  {200, 0, 1}, {256, 0, 1},     {257, 0, 0},
                  {8, 62, 1}, {8, 63, 0},  {4096, 1024, 0}, {0, 64, 1}};
     for (int k = 0; k < (int)(sizeof(cases) / sizeof(cases[0])); k++) {
-        int64_t fetched = counter_of(a, 1, "fetches_served");
-        int64_t sent = counter_of(a, 1, "values_sent_with_creation");
-        weft_value_t *args = pattern_value(cases[k].n, cases[k].numel, k);
-        weft_rref_t *r;
-        RANK_CHECK(weft_rref_remote(a, 1, "gated_echo", args, 5000, &r) == WEFT_OK, "remote %d", k);
-        weft_value_free(args);
-        /* Issued before the creation's answer: the creation waits for the gate. */
-        weft_future_t *f;
-        RANK_CHECK(weft_rref_to_here_async(r, 5000, &f) == WEFT_OK, "to_here %d", k);
-        RANK_CHECK(weft_rpc_sync(a, 1, "open_gate", NULL, 10000, NULL) == WEFT_OK, "gate: %s",
-                   weft_last_error());
-        RANK_CHECK(weft_future_wait(f, 5000) == WEFT_OK, "to_here %d: %s", k, weft_future_error(f));
-        RANK_CHECK(is_pattern(weft_future_value(f), cases[k].n, cases[k].numel, k), "value %d", k);
-        weft_future_release(f);
         int eager = on && cases[k].fits;
-        RANK_CHECK(counter_of(a, 1, "values_sent_with_creation") == sent + eager,
-                   "case %d: value with the creation", k);
-        RANK_CHECK(counter_of(a, 1, "fetches_served") == fetched + !eager, "case %d: fetches", k);
+        weft_rref_t *r;
+        if (gated_remote_to_here(a, cases[k].n, cases[k].numel, k, eager, &r) != 0) {
+            return 1;
+        }
+        int64_t fetched = counter_of(a, 1, "fetches_served");
         /* A use after the answer fetches what the owner holds. */
         st = weft_rref_to_here(r, 5000, &v);
         RANK_CHECK(st == WEFT_OK && is_pattern(v, cases[k].n, cases[k].numel, k), "again %d: %s", k,
                    weft_last_error());
         weft_value_free(v);
-        RANK_CHECK(counter_of(a, 1, "fetches_served") == fetched + !eager + 1, "case %d: fetch", k);
+        RANK_CHECK(counter_of(a, 1, "fetches_served") == fetched + 1, "case %d: fetch", k);
         weft_rref_release(r);
     }
 
@@ -992,24 +1012,9 @@ static int body_eager_limit(weft_agent_t *a, int rank, int world, void *arg)
         int eager;
     } cases[] = {{3000, 1}, {5000, 0}};
     for (int k = 0; k < 2; k++) {
-        int64_t fetched = counter_of(a, 1, "fetches_served");
-        int64_t sent = counter_of(a, 1, "values_sent_with_creation");
-        weft_value_t *args = pattern_value(cases[k].n, 0, k);
-        weft_rref_t *r;
-        RANK_CHECK(weft_rref_remote(a, 1, "gated_echo", args, 5000, &r) == WEFT_OK, "remote %d", k);
-        weft_value_free(args);
-        weft_future_t *f;
-        RANK_CHECK(weft_rref_to_here_async(r, 5000, &f) == WEFT_OK, "to_here %d", k);
-        RANK_CHECK(weft_rpc_sync(a, 1, "open_gate", NULL, 10000, NULL) == WEFT_OK, "gate: %s",
-                   weft_last_error());
-        RANK_CHECK(weft_future_wait(f, 5000) == WEFT_OK, "to_here %d: %s", k, weft_future_error(f));
-        RANK_CHECK(is_pattern(weft_future_value(f), cases[k].n, 0, k), "value %d", k);
-        weft_future_release(f);
-        RANK_CHECK(counter_of(a, 1, "values_sent_with_creation") == sent + cases[k].eager,
-                   "case %d: value with the creation", k);
-        RANK_CHECK(counter_of(a, 1, "fetches_served") == fetched + !cases[k].eager,
-                   "case %d: fetches", k);
-        weft_rref_release(r);
+        if (gated_remote_to_here(a, cases[k].n, 0, k, cases[k].eager, NULL) != 0) {
+            return 1;
+        }
     }
     RANK_CHECK(wait_settled(a, 1, 2), "rank 1");
     return 0;
