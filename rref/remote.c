@@ -534,8 +534,6 @@ static void op_target_ready(weft_future_t *f, void *arg)
     }
 }
 
-/* Starts @p op: at once, pipelined behind the creation of its target, or once the target is
- * usable. */
 /* A to_here issued before the creation's answer, which may carry the value: takes it, or
  * fetches once the answer came without it (or another use took it). */
 static void op_eager_ready(weft_future_t *f, void *arg)
@@ -558,16 +556,18 @@ static void op_eager_ready(weft_future_t *f, void *arg)
     op_done(op);
 }
 
+/* Starts @p op: at once, pipelined behind the creation of its target, or once the target is
+ * usable. */
 static void op_start(op_t *op)
 {
     weft_rref_t *r = op->r;
 
     if (op->out != NULL && op->kind == OP_FETCH && r != NULL && r->role == RREF_USER &&
-        r->created_here && r->eager_asked && !weft_future_done(r->ready)) {
+        r->created_here && !weft_future_done(r->ready)) {
         pthread_mutex_lock(&op->ctx->mu);
         bool forked = r->forked;
         pthread_mutex_unlock(&op->ctx->mu);
-        if (!forked) {
+        if (r->eager_asked && !forked) {
             /* The creation's answer may carry the value: no fetch unless it does not. Nothing
              * changed the value since its creation: no other worker has heard of it yet. The
              * creating call's own deadline ends the wait unless this one's ends first. */
@@ -579,10 +579,6 @@ static void op_start(op_t *op)
             }
             return;
         }
-    }
-
-    if (op->out != NULL && op->kind == OP_FETCH && r != NULL && r->role == RREF_USER &&
-        r->created_here && !weft_future_done(r->ready)) {
         /* This worker sent the creation: the owner gets this fetch after it (or answers
          * WEFT_ERR_PENDING and the fetch goes again once the creation's answer is here). No timer:
          * the call carries the deadline. Only fetches are pipelined: they can be sent twice
@@ -1247,12 +1243,32 @@ static bool eager_fits(const weft_value_t *v, uint64_t max)
     return total <= max;
 }
 
+/* An answer of weft.rref.remote for a caller that did not send eager_max: @p c alone. */
+static weft_status_t created_alone(const Weft__V1__RRefCreated *c, weft_value_t **v_p)
+{
+    size_t len = weft__v1__rref_created__get_packed_size(c);
+    uint8_t *buf = weft_alloc(len > 0 ? len : 1);
+    weft_value_t *v = NULL;
+
+    if (buf == NULL || weft_value_create(&v) != WEFT_OK) {
+        weft_free(buf);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: no memory");
+    }
+    weft__v1__rref_created__pack(c, buf);
+    if (weft_value_take_payload(v, buf, len) != WEFT_OK) {
+        weft_free(buf);
+    }
+    *v_p = v;
+    return WEFT_OK;
+}
+
 /* The creation of a reference a remote caller asked for ended: tell it. */
 static void created_ready(weft_future_t *f, void *arg)
 {
     pending_call_t *p = arg;
     Weft__V1__RRefCreated c = WEFT__V1__RREF_CREATED__INIT;
     weft_value_t *v = NULL;
+    weft_status_t st;
 
     c.status = weft_future_status(f);
     c.error = (char *)(c.status != WEFT_OK ? weft_future_error(f) : "");
@@ -1264,26 +1280,13 @@ static void created_ready(weft_future_t *f, void *arg)
         if (c.has_value) {
             atomic_fetch_add(&p->e->ctx->values_sent_with_creation, 1);
         }
-        weft_status_t st = rref__frame_pack(&c.base, c.has_value ? val : NULL, &v);
-        if (st != WEFT_OK) {
-            weft_call_fail(p->call, st, "%s", weft_last_error());
-        } else {
-            weft_call_reply(p->call, v);
-        }
-        weft_rref_release(p->e);
-        weft_free(p);
-        return;
-    }
-    size_t len = weft__v1__rref_created__get_packed_size(&c);
-    uint8_t *buf = weft_alloc(len > 0 ? len : 1);
-    if (buf == NULL || weft_value_create(&v) != WEFT_OK) {
-        weft_free(buf);
-        weft_call_fail(p->call, WEFT_ERR_NO_MEMORY, "rref: no memory");
+        st = rref__frame_pack(&c.base, c.has_value ? val : NULL, &v);
     } else {
-        weft__v1__rref_created__pack(&c, buf);
-        if (weft_value_take_payload(v, buf, len) != WEFT_OK) {
-            weft_free(buf);
-        }
+        st = created_alone(&c, &v);
+    }
+    if (st != WEFT_OK) {
+        weft_call_fail(p->call, st, "%s", weft_last_error());
+    } else {
         weft_call_reply(p->call, v);
     }
     weft_rref_release(p->e);
