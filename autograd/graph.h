@@ -23,9 +23,13 @@
 #ifndef WEFT_AUTOGRAD_GRAPH_H
 #define WEFT_AUTOGRAD_GRAPH_H
 
+#if defined(WEFT_BUILDING) && !defined(WEFT_IN_AUTOGRAD)
+#error "autograd/graph.h is internal to autograd: other modules use its public or module API"
+#endif
+
 #include <stdint.h>
 
-#include "internal.h"
+#include "../core/internal.h"
 
 #include <weft/autograd.h>
 

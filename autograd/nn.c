@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "../core/internal.h"
 
 #include <weft/autograd.h>
 #include <weft/nn.h>

@@ -7,6 +7,8 @@
 
 #include "graph.h"
 
+#include <weft/ops.h>
+
 void weft_op_set_threads(int n)
 {
     if (n <= 0) {

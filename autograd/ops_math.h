@@ -11,6 +11,10 @@
 #ifndef WEFT_AUTOGRAD_OPS_MATH_H
 #define WEFT_AUTOGRAD_OPS_MATH_H
 
+#if defined(WEFT_BUILDING) && !defined(WEFT_IN_AUTOGRAD)
+#error "autograd/ops_math.h is internal to autograd: other modules use its public or module API"
+#endif
+
 #include <stdint.h>
 #include <string.h>
 

@@ -3,7 +3,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "internal.h"
+#include "../core/internal.h"
 
 #include <weft/autograd.h>
 #include <weft/nn.h>

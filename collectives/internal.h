@@ -2,6 +2,10 @@
 #ifndef WEFT_COLLECTIVES_INTERNAL_H
 #define WEFT_COLLECTIVES_INTERNAL_H
 
+#if defined(WEFT_BUILDING) && !defined(WEFT_IN_COLLECTIVES)
+#error "collectives/internal.h is internal to collectives: other modules use its public or module API"
+#endif
+
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>

@@ -6,7 +6,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include <weft/weft.h>
+#include <weft/alloc.h>
+#include <weft/future.h>
+#include <weft/log.h>
+#include <weft/optim.h>
+#include <weft/pool.h>
+#include <weft/random.h>
+#include <weft/reduce.h>
+#include <weft/status.h>
+#include <weft/tensor.h>
+#include <weft/value.h>
 
 /* ---- errors ---------------------------------------------------------------------------------- */
 

@@ -2,6 +2,10 @@
 #ifndef WEFT_RPC_INTERNAL_H
 #define WEFT_RPC_INTERNAL_H
 
+#if defined(WEFT_BUILDING) && !defined(WEFT_IN_RPC)
+#error "rpc/internal.h is internal to rpc: other modules use its public or module API"
+#endif
+
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>

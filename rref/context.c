@@ -357,7 +357,7 @@ weft_status_t rref__ctx(weft_agent_t *a, rref_ctx_t **ctx_p)
 
 weft_status_t weft_rref_init(weft_agent_t *a)
 {
-    rref_ctx_t *ctx;
+    rref_ctx_t *ctx = NULL;
     return rref__ctx(a, &ctx);
 }
 
@@ -382,7 +382,7 @@ weft_status_t weft_rref_register_type(weft_agent_t *a, const char *type, weft_rr
                                       weft_rref_dtor_cb_t dtor, const weft_rref_method_t *methods,
                                       int n_methods, void *type_arg)
 {
-    rref_ctx_t *ctx;
+    rref_ctx_t *ctx = NULL;
 
     if (type == NULL || ctor == NULL || n_methods < 0 || (n_methods > 0 && methods == NULL) ||
         type[0] == '\0' || strlen(type) > RREF_MAX_NAME) {
@@ -473,7 +473,7 @@ static void counts_locked(rref_ctx_t *ctx, counts_t *c)
 
 weft_status_t weft_rref_debug_info(weft_agent_t *a, char **json_p)
 {
-    rref_ctx_t *ctx;
+    rref_ctx_t *ctx = NULL;
     counts_t c;
 
     if (json_p == NULL) {

@@ -3,13 +3,17 @@
 #ifndef WEFT_RREF_INTERNAL_H
 #define WEFT_RREF_INTERNAL_H
 
+#if defined(WEFT_BUILDING) && !defined(WEFT_IN_RREF)
+#error "rref/internal.h is internal to rref: other modules use its public or module API"
+#endif
+
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
 #include <weft/rref.h>
-#include <weft/weft.h>
+#include <weft/rpc.h>
 
 #include "../core/internal.h"
 #include "rref.pb-c.h"

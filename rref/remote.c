@@ -178,7 +178,7 @@ static weft_status_t owner_new(rref_ctx_t *ctx, weft_rref_id_t id, const char *t
 
 weft_status_t weft_rref_create(weft_agent_t *a, weft_value_t *value, weft_rref_t **rref_p)
 {
-    rref_ctx_t *ctx;
+    rref_ctx_t *ctx = NULL;
     weft_rref_t *e;
 
     if (value == NULL || rref_p == NULL) {
@@ -653,7 +653,7 @@ static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreate
                                    const char *name, weft_rref_t *target, const weft_value_t *args,
                                    int64_t timeout_ms, weft_rref_t **rref_p)
 {
-    rref_ctx_t *ctx;
+    rref_ctx_t *ctx = NULL;
     weft_status_t st;
     const char *type = NULL;
 

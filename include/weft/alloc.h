@@ -2,6 +2,8 @@
 #ifndef WEFT_ALLOC_H
 #define WEFT_ALLOC_H
 
+#include <weft/api.h>
+
 #include <stddef.h>
 
 #ifdef __cplusplus
@@ -21,15 +23,15 @@ typedef struct {
  * the previous allocator must not be alive. NULL restores the C library's.
  * Not thread-safe.
  */
-void weft_set_allocator(const weft_allocator_t *allocator);
+WEFT_API void weft_set_allocator(const weft_allocator_t *allocator);
 
 /** malloc/calloc/realloc/free through the current allocator. Thread-safe. */
-void *weft_alloc(size_t size);
-void *weft_calloc(size_t count, size_t size);
-void *weft_realloc(void *ptr, size_t size);
-void weft_free(void *ptr);
+WEFT_API void *weft_alloc(size_t size);
+WEFT_API void *weft_calloc(size_t count, size_t size);
+WEFT_API void *weft_realloc(void *ptr, size_t size);
+WEFT_API void weft_free(void *ptr);
 /** Duplicates a NUL-terminated string (NULL for NULL). Caller frees with weft_free. */
-char *weft_strdup(const char *s);
+WEFT_API char *weft_strdup(const char *s);
 
 #ifdef __cplusplus
 }

@@ -15,6 +15,13 @@
 #ifndef WEFT_AUTOGRAD_H
 #define WEFT_AUTOGRAD_H
 
+#include <weft/api.h>
+
+/* Layering (docs/architecture.md): only autograd and the modules above it may include this. */
+#if defined(WEFT_BUILDING) && !defined(WEFT_SEES_AUTOGRAD)
+#error "weft/autograd.h is above the module being built: dependencies point downward only"
+#endif
+
 #include <weft/status.h>
 #include <weft/tensor.h>
 
@@ -23,12 +30,12 @@ extern "C" {
 #endif
 
 /** True when operations on this thread record graphs (the default). */
-int weft_grad_enabled(void);
+WEFT_API int weft_grad_enabled(void);
 /**
  * Turns recording on or off for the calling thread (torch.no_grad is weft_grad_set_enabled(0)).
  * @return the previous setting, to restore.
  */
-int weft_grad_set_enabled(int enabled);
+WEFT_API int weft_grad_set_enabled(int enabled);
 
 /**
  * Marks a leaf tensor as requiring gradients (or not).
@@ -36,20 +43,20 @@ int weft_grad_set_enabled(int enabled);
  *         WEFT_ERR_INVALID_STATE (the tensor is not a leaf: it was made by a recorded operation),
  *         WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_tensor_set_requires_grad(weft_tensor_t *t, int requires_grad);
+WEFT_API weft_status_t weft_tensor_set_requires_grad(weft_tensor_t *t, int requires_grad);
 /** True when @p t requires gradients (a leaf marked so, or the output of a recorded op). */
-int weft_tensor_requires_grad(const weft_tensor_t *t);
+WEFT_API int weft_tensor_requires_grad(const weft_tensor_t *t);
 /** True when @p t has no grad_fn (every tensor not made by a recorded operation). */
-int weft_tensor_is_leaf(const weft_tensor_t *t);
+WEFT_API int weft_tensor_is_leaf(const weft_tensor_t *t);
 /** Name of the node that made @p t ("MatmulBackward"), or NULL for a leaf. Borrowed. */
-const char *weft_tensor_grad_fn_name(const weft_tensor_t *t);
+WEFT_API const char *weft_tensor_grad_fn_name(const weft_tensor_t *t);
 
 /**
  * The dense gradient accumulated into leaf @p t, or NULL if none. Borrowed: valid until the next
  * backward, weft_tensor_grad_clear or weft_tensor_set_grad on @p t. It may be written in place
  * (optimizers and the DDP reducer do).
  */
-weft_tensor_t *weft_tensor_grad(const weft_tensor_t *t);
+WEFT_API weft_tensor_t *weft_tensor_grad(const weft_tensor_t *t);
 /**
  * The sparse gradient of leaf @p t (from embedding lookups made with sparse gradients): row
  * indices (i64 [nnz]) and rows ([nnz, row...], same dtype as @p t). Rows of repeated indices are
@@ -57,25 +64,25 @@ weft_tensor_t *weft_tensor_grad(const weft_tensor_t *t);
  * Borrowed, like weft_tensor_grad.
  * @return WEFT_ERR_NOT_FOUND when @p t has no sparse gradient.
  */
-weft_status_t weft_tensor_sparse_grad(const weft_tensor_t *t, weft_tensor_t **indices_p,
+WEFT_API weft_status_t weft_tensor_sparse_grad(const weft_tensor_t *t, weft_tensor_t **indices_p,
                                       weft_tensor_t **rows_p);
 /** True when leaf @p t has a sparse gradient (records no error text when it has none). */
-int weft_tensor_has_sparse_grad(const weft_tensor_t *t);
+WEFT_API int weft_tensor_has_sparse_grad(const weft_tensor_t *t);
 /** Drops the gradient of @p t, dense and sparse (zero_grad with set_to_none). */
-void weft_tensor_grad_clear(weft_tensor_t *t);
+WEFT_API void weft_tensor_grad_clear(weft_tensor_t *t);
 /**
  * Replaces the dense gradient of leaf @p t with @p grad (retained; NULL clears it). Backward then
  * adds into @p grad in place: a trainer can place every gradient in one flat buffer.
  * @return WEFT_ERR_SHAPE / WEFT_ERR_DTYPE when @p grad does not match @p t,
  *         WEFT_ERR_INVALID_STATE when @p t is not a leaf.
  */
-weft_status_t weft_tensor_set_grad(weft_tensor_t *t, weft_tensor_t *grad);
+WEFT_API weft_status_t weft_tensor_set_grad(weft_tensor_t *t, weft_tensor_t *grad);
 
 /**
  * A tensor sharing @p t's storage that is a leaf and does not require gradients.
  * @param[out] out_p caller releases with weft_tensor_release.
  */
-weft_status_t weft_tensor_detach(weft_tensor_t *t, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_tensor_detach(weft_tensor_t *t, weft_tensor_t **out_p);
 
 /**
  * Runs backward from @p root. @p grad is the gradient of the root (same shape and dtype); NULL
@@ -87,9 +94,9 @@ weft_status_t weft_tensor_detach(weft_tensor_t *t, weft_tensor_t **out_p);
  *         non-scalar root), WEFT_ERR_SHAPE (grad's shape differs), WEFT_ERR_INVALID_STATE (the
  *         graph was freed by an earlier backward), or the status of a failing node or hook.
  */
-weft_status_t weft_backward(weft_tensor_t *root, weft_tensor_t *grad, int retain_graph);
+WEFT_API weft_status_t weft_backward(weft_tensor_t *root, weft_tensor_t *grad, int retain_graph);
 /** Backward from several roots at once (each with its gradient, NULL for 1). */
-weft_status_t weft_backward_many(int n, weft_tensor_t *const *roots, weft_tensor_t *const *grads,
+WEFT_API weft_status_t weft_backward_many(int n, weft_tensor_t *const *roots, weft_tensor_t *const *grads,
                                  int retain_graph);
 
 /**
@@ -106,10 +113,10 @@ typedef weft_status_t (*weft_grad_hook_cb_t)(weft_tensor_t *param, weft_tensor_t
  * order they were added.
  * @param[out] id_p identifies the hook for weft_tensor_remove_grad_hook (may be NULL).
  */
-weft_status_t weft_tensor_add_grad_hook(weft_tensor_t *param, weft_grad_hook_cb_t cb, void *arg,
+WEFT_API weft_status_t weft_tensor_add_grad_hook(weft_tensor_t *param, weft_grad_hook_cb_t cb, void *arg,
                                         int *id_p);
 /** Removes a hook. @return WEFT_ERR_NOT_FOUND for an unknown id. */
-weft_status_t weft_tensor_remove_grad_hook(weft_tensor_t *param, int id);
+WEFT_API weft_status_t weft_tensor_remove_grad_hook(weft_tensor_t *param, int id);
 
 #ifdef __cplusplus
 }

@@ -2,6 +2,13 @@
 #ifndef WEFT_COLLECTIVES_H
 #define WEFT_COLLECTIVES_H
 
+#include <weft/api.h>
+
+/* Layering (docs/architecture.md): only collectives and the modules above it may include this. */
+#if defined(WEFT_BUILDING) && !defined(WEFT_SEES_COLLECTIVES)
+#error "weft/collectives.h is above the module being built: dependencies point downward only"
+#endif
+
 #include <stdint.h>
 
 #include <weft/future.h>
@@ -23,7 +30,7 @@ typedef struct weft_pg weft_pg_t;
  * returns a new handle to the same group (id 0). Caller frees with weft_pg_free,
  * before the agent. Thread-safe.
  */
-weft_status_t weft_pg_world(weft_agent_t *a, weft_pg_t **pg_p);
+WEFT_API weft_status_t weft_pg_world(weft_agent_t *a, weft_pg_t **pg_p);
 
 /**
  * Creates a sub-group of the world from @p n distinct world @p ranks, like
@@ -33,27 +40,27 @@ weft_status_t weft_pg_world(weft_agent_t *a, weft_pg_t **pg_p);
  * operation fails with WEFT_ERR_INVALID_STATE. Group rank i is @p ranks[i].
  * @return WEFT_ERR_INVALID_ARG for a bad or repeated rank.
  */
-weft_status_t weft_pg_new(weft_agent_t *a, const int *ranks, int n, weft_pg_t **pg_p);
+WEFT_API weft_status_t weft_pg_new(weft_agent_t *a, const int *ranks, int n, weft_pg_t **pg_p);
 
 /** This rank's rank in the group, -1 if not a member. */
-int weft_pg_rank(const weft_pg_t *pg);
+WEFT_API int weft_pg_rank(const weft_pg_t *pg);
 /** Number of ranks in the group. */
-int weft_pg_size(const weft_pg_t *pg);
+WEFT_API int weft_pg_size(const weft_pg_t *pg);
 /** World rank of group rank @p r (-1 if out of range). */
-int weft_pg_world_rank(const weft_pg_t *pg, int r);
+WEFT_API int weft_pg_world_rank(const weft_pg_t *pg, int r);
 /**
  * Timeout of each operation of the group (default WEFT_COLL_TIMEOUT_MS or 60000), counted from
  * the call that issues it, as torch's: time queued behind the group's earlier operations counts.
  * Applies to operations (and receives) issued after it; @p timeout_ms <= 0 is ignored.
  * Thread-safe.
  */
-void weft_pg_set_timeout(weft_pg_t *pg, int64_t timeout_ms);
+WEFT_API void weft_pg_set_timeout(weft_pg_t *pg, int64_t timeout_ms);
 /**
  * Waits for the group's operations to end (each by its deadline, and once the transport has let
  * go of its buffers), fails its posted receives, then frees it. Not from a callback of the
  * group's futures (it would wait for itself). NULL: no-op.
  */
-void weft_pg_free(weft_pg_t *pg);
+WEFT_API void weft_pg_free(weft_pg_t *pg);
 
 /*
  * Operations. Each one is asynchronous when @p work_p is not NULL: it returns at
@@ -96,7 +103,7 @@ void weft_pg_free(weft_pg_t *pg);
  * when the transport no longer reads it (no copy is made). Blocking: returns then, with
  * WEFT_ERR_TIMEOUT if that was past the group's timeout.
  */
-weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int dst, int tag,
+WEFT_API weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int dst, int tag,
                              weft_future_t **work_p);
 /**
  * Receives into @p t (same dtype and element count as sent) from group rank
@@ -106,7 +113,7 @@ weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int dst, int
  * matching send by the group's timeout from this call, the receive fails with
  * WEFT_ERR_TIMEOUT (asynchronous ones too) and @p t is left unwritten.
  */
-weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
+WEFT_API weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
                              weft_future_t **work_p, int *src_p);
 
 /** One operation of a batch of point-to-point operations. */
@@ -122,14 +129,14 @@ typedef struct {
  * @p works[i] gets the future of @p ops[i]. All are checked before any starts; on
  * an error none was started.
  */
-weft_status_t weft_coll_batch_p2p(weft_pg_t *pg, const weft_p2p_op_t *ops, size_t n,
+WEFT_API weft_status_t weft_coll_batch_p2p(weft_pg_t *pg, const weft_p2p_op_t *ops, size_t n,
                                   weft_future_t **works);
 
 /** Every member waits until all members have called it. */
-weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p);
+WEFT_API weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p);
 
 /** Copies @p t of group rank @p root into @p t on every member. */
-weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
+WEFT_API weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
                                   weft_future_t **work_p);
 
 /**
@@ -139,14 +146,14 @@ weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
  * rounded once). Algorithm by size (WEFT_COLL_ALGO=direct|ring overrides): direct
  * exchange for small tensors, ring reduce-scatter + all-gather for large ones.
  */
-weft_status_t weft_coll_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
+WEFT_API weft_status_t weft_coll_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
                                    weft_future_t **work_p);
 
 /**
  * Reduces @p t over the members with @p op into @p t on @p root (in place);
  * other members' @p t is left unchanged.
  */
-weft_status_t weft_coll_reduce(weft_pg_t *pg, weft_tensor_t *t, int root, weft_reduce_op_t op,
+WEFT_API weft_status_t weft_coll_reduce(weft_pg_t *pg, weft_tensor_t *t, int root, weft_reduce_op_t op,
                                weft_future_t **work_p);
 
 /**
@@ -154,28 +161,28 @@ weft_status_t weft_coll_reduce(weft_pg_t *pg, weft_tensor_t *t, int root, weft_r
  * offset r * numel(in). @p out: size * numel(in) elements of in's dtype on the
  * root; ignored (may be NULL) elsewhere.
  */
-weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out, int root,
+WEFT_API weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out, int root,
                                weft_future_t **work_p);
 
 /**
  * Splits @p in (size * numel(out) elements, on @p root only; may be NULL
  * elsewhere) and sends part r to member r's @p out.
  */
-weft_status_t weft_coll_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+WEFT_API weft_status_t weft_coll_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
                                 int root, weft_future_t **work_p);
 
 /** Every member gets every member's @p in in @p out (flat: size * numel(in) elements). */
-weft_status_t weft_coll_all_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+WEFT_API weft_status_t weft_coll_all_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
                                    weft_future_t **work_p);
 /** As weft_coll_all_gather into a list: @p outs[r] (numel(in) elements each) gets member r's. */
-weft_status_t weft_coll_all_gather_list(weft_pg_t *pg, const weft_tensor_t *in,
+WEFT_API weft_status_t weft_coll_all_gather_list(weft_pg_t *pg, const weft_tensor_t *in,
                                         weft_tensor_t *const *outs, weft_future_t **work_p);
 
 /**
  * Reduces @p in (size * numel(out) elements) over the members with @p op and
  * gives member r the reduced part r in @p out.
  */
-weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+WEFT_API weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
                                        weft_reduce_op_t op, weft_future_t **work_p);
 
 /**
@@ -186,7 +193,7 @@ weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor_t *in, w
  * pair: when s sends r another size than r expects from s, every member fails
  * with WEFT_ERR_MISMATCH naming s, r and both sizes.
  */
-weft_status_t weft_coll_all_to_all(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+WEFT_API weft_status_t weft_coll_all_to_all(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
                                    const int64_t *in_splits, const int64_t *out_splits,
                                    weft_future_t **work_p);
 

@@ -2,6 +2,8 @@
 #ifndef WEFT_LOG_H
 #define WEFT_LOG_H
 
+#include <weft/api.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -15,14 +17,14 @@ typedef enum {
 } weft_log_level_t;
 
 /** Sets the threshold; by default read once from WEFT_LOG (warn if unset). Thread-safe. */
-void weft_log_set_level(weft_log_level_t level);
-weft_log_level_t weft_log_level(void);
+WEFT_API void weft_log_set_level(weft_log_level_t level);
+WEFT_API weft_log_level_t weft_log_level(void);
 
 /** Sets the rank and name printed in each line ("[weft rank 2 worker2] ..."). Thread-safe. */
-void weft_log_set_rank(int rank, const char *name);
+WEFT_API void weft_log_set_rank(int rank, const char *name);
 
 /** Writes one line to stderr if @p level passes the threshold. Thread-safe. */
-void weft_log(weft_log_level_t level, const char *file, int line, const char *fmt, ...)
+WEFT_API void weft_log(weft_log_level_t level, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
 #define WEFT_LOG_AT(lvl, ...)                                                                      \

@@ -15,6 +15,13 @@
 #ifndef WEFT_NN_H
 #define WEFT_NN_H
 
+#include <weft/api.h>
+
+/* Layering (docs/architecture.md): only autograd and the modules above it may include this. */
+#if defined(WEFT_BUILDING) && !defined(WEFT_SEES_AUTOGRAD)
+#error "weft/nn.h is above the module being built: dependencies point downward only"
+#endif
+
 #include <stdint.h>
 
 #include <weft/ops.h>
@@ -33,34 +40,34 @@ extern "C" {
 typedef struct weft_param_list weft_param_list_t;
 
 /** Creates an empty list. @param[out] list_p caller frees with weft_param_list_free. */
-weft_status_t weft_param_list_create(weft_param_list_t **list_p);
+WEFT_API weft_status_t weft_param_list_create(weft_param_list_t **list_p);
 /** Releases the list's references to its parameters and frees it. NULL is a no-op. */
-void weft_param_list_free(weft_param_list_t *list);
+WEFT_API void weft_param_list_free(weft_param_list_t *list);
 /**
  * Appends @p param under @p name (copied). The list retains @p param; the caller keeps its own
  * reference.
  * @return WEFT_ERR_INVALID_ARG (NULL), WEFT_ERR_ALREADY_EXISTS (the name is taken),
  *         WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_param_list_add(weft_param_list_t *list, const char *name, weft_tensor_t *param);
+WEFT_API weft_status_t weft_param_list_add(weft_param_list_t *list, const char *name, weft_tensor_t *param);
 /**
  * Appends every parameter of @p other, named "<prefix>.<its name>" (its own name when @p prefix
  * is NULL or empty). On failure @p list is unchanged.
  */
-weft_status_t weft_param_list_extend(weft_param_list_t *list, const char *prefix,
+WEFT_API weft_status_t weft_param_list_extend(weft_param_list_t *list, const char *prefix,
                                      const weft_param_list_t *other);
 /** Number of parameters. */
-int weft_param_list_size(const weft_param_list_t *list);
+WEFT_API int weft_param_list_size(const weft_param_list_t *list);
 /** Parameter @p i (0 <= i < size), borrowed from the list; NULL when out of range. */
-weft_tensor_t *weft_param_list_get(const weft_param_list_t *list, int i);
+WEFT_API weft_tensor_t *weft_param_list_get(const weft_param_list_t *list, int i);
 /** Name of parameter @p i, borrowed from the list; NULL when out of range. */
-const char *weft_param_list_name(const weft_param_list_t *list, int i);
+WEFT_API const char *weft_param_list_name(const weft_param_list_t *list, int i);
 /** The parameter named @p name, borrowed; NULL when there is none. */
-weft_tensor_t *weft_param_list_find(const weft_param_list_t *list, const char *name);
+WEFT_API weft_tensor_t *weft_param_list_find(const weft_param_list_t *list, const char *name);
 /** Total number of elements of the parameters. */
-int64_t weft_param_list_numel(const weft_param_list_t *list);
+WEFT_API int64_t weft_param_list_numel(const weft_param_list_t *list);
 /** Drops every parameter's gradient, dense and sparse (weft_tensor_grad_clear). */
-void weft_param_list_zero_grad(const weft_param_list_t *list);
+WEFT_API void weft_param_list_zero_grad(const weft_param_list_t *list);
 
 /**
  * Copies the parameters, in list order, into the 1-D tensor @p flat of weft_param_list_numel
@@ -69,21 +76,21 @@ void weft_param_list_zero_grad(const weft_param_list_t *list);
  * @return WEFT_ERR_DTYPE (the parameters' dtypes differ, or @p flat's differs),
  *         WEFT_ERR_SHAPE (@p flat is not 1-D of that size), WEFT_ERR_INVALID_ARG (NULL).
  */
-weft_status_t weft_param_list_pack(const weft_param_list_t *list, weft_tensor_t *flat);
+WEFT_API weft_status_t weft_param_list_pack(const weft_param_list_t *list, weft_tensor_t *flat);
 /** The inverse of weft_param_list_pack: writes @p flat's slices into the parameters. */
-weft_status_t weft_param_list_unpack(const weft_param_list_t *list, const weft_tensor_t *flat);
+WEFT_API weft_status_t weft_param_list_unpack(const weft_param_list_t *list, const weft_tensor_t *flat);
 /**
  * Copies the gradients into @p flat as weft_param_list_pack copies the parameters: a parameter
  * without a gradient gives zeros, and a sparse gradient is written densely (rows of repeated
  * indices summed). For all-reducing gradients as one buffer.
  */
-weft_status_t weft_param_list_pack_grads(const weft_param_list_t *list, weft_tensor_t *flat);
+WEFT_API weft_status_t weft_param_list_pack_grads(const weft_param_list_t *list, weft_tensor_t *flat);
 /**
  * Writes @p flat's slices into the parameters' dense gradients: in place where a parameter has
  * a dense gradient, as a new one (replacing a sparse one) where it does not.
  * @return as weft_param_list_pack, and WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_param_list_unpack_grads(const weft_param_list_t *list,
+WEFT_API weft_status_t weft_param_list_unpack_grads(const weft_param_list_t *list,
                                            const weft_tensor_t *flat);
 
 /* ---- activations ----------------------------------------------------------------------------- */
@@ -101,7 +108,7 @@ typedef enum {
  * @param[out] y_p caller releases with weft_tensor_release.
  * @return the op's status; WEFT_ERR_INVALID_ARG for an unknown activation.
  */
-weft_status_t weft_nn_activation(weft_nn_activation_t act, weft_tensor_t *x, weft_tensor_t **y_p);
+WEFT_API weft_status_t weft_nn_activation(weft_nn_activation_t act, weft_tensor_t *x, weft_tensor_t **y_p);
 
 /* ---- Linear ---------------------------------------------------------------------------------- */
 
@@ -116,21 +123,21 @@ typedef struct weft_nn_linear weft_nn_linear_t;
  * @param[out] lin_p caller frees with weft_nn_linear_free.
  * @return WEFT_ERR_INVALID_ARG (negative size, NULL rng), WEFT_ERR_DTYPE, WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_nn_linear_create(int64_t in_features, int64_t out_features, int bias,
+WEFT_API weft_status_t weft_nn_linear_create(int64_t in_features, int64_t out_features, int bias,
                                     weft_dtype_t dtype, weft_rng_t *rng, weft_nn_linear_t **lin_p);
 /** Releases the layer's parameters (lists and optimizers keep theirs) and frees it. */
-void weft_nn_linear_free(weft_nn_linear_t *lin);
+WEFT_API void weft_nn_linear_free(weft_nn_linear_t *lin);
 /**
  * y = linear(x, W, b) for x [..., in] (weft_op_linear; records the graph when grad mode is on).
  * @param[out] y_p [..., out]; caller releases.
  */
-weft_status_t weft_nn_linear_forward(weft_nn_linear_t *lin, weft_tensor_t *x, weft_tensor_t **y_p);
+WEFT_API weft_status_t weft_nn_linear_forward(weft_nn_linear_t *lin, weft_tensor_t *x, weft_tensor_t **y_p);
 /** The weight [out, in], borrowed from the layer. */
-weft_tensor_t *weft_nn_linear_weight(const weft_nn_linear_t *lin);
+WEFT_API weft_tensor_t *weft_nn_linear_weight(const weft_nn_linear_t *lin);
 /** The bias [out], borrowed; NULL for a layer without bias. */
-weft_tensor_t *weft_nn_linear_bias(const weft_nn_linear_t *lin);
+WEFT_API weft_tensor_t *weft_nn_linear_bias(const weft_nn_linear_t *lin);
 /** Its parameters, "weight" and "bias"; borrowed from the layer. */
-const weft_param_list_t *weft_nn_linear_params(const weft_nn_linear_t *lin);
+WEFT_API const weft_param_list_t *weft_nn_linear_params(const weft_nn_linear_t *lin);
 
 /* ---- MLP ------------------------------------------------------------------------------------- */
 
@@ -160,17 +167,17 @@ typedef struct {
  * @return WEFT_ERR_INVALID_ARG (fewer than 2 sizes, a negative size, a bad activation), and as
  *         weft_nn_linear_create.
  */
-weft_status_t weft_nn_mlp_create(int n_sizes, const int64_t *sizes, const weft_nn_mlp_config_t *cfg,
+WEFT_API weft_status_t weft_nn_mlp_create(int n_sizes, const int64_t *sizes, const weft_nn_mlp_config_t *cfg,
                                  weft_rng_t *rng, weft_nn_mlp_t **mlp_p);
-void weft_nn_mlp_free(weft_nn_mlp_t *mlp);
+WEFT_API void weft_nn_mlp_free(weft_nn_mlp_t *mlp);
 /** y = the layers applied in turn to x [..., sizes[0]]; @param[out] y_p caller releases. */
-weft_status_t weft_nn_mlp_forward(weft_nn_mlp_t *mlp, weft_tensor_t *x, weft_tensor_t **y_p);
+WEFT_API weft_status_t weft_nn_mlp_forward(weft_nn_mlp_t *mlp, weft_tensor_t *x, weft_tensor_t **y_p);
 /** Number of Linear layers. */
-int weft_nn_mlp_num_layers(const weft_nn_mlp_t *mlp);
+WEFT_API int weft_nn_mlp_num_layers(const weft_nn_mlp_t *mlp);
 /** Layer @p i (0-based), borrowed; NULL when out of range. */
-weft_nn_linear_t *weft_nn_mlp_layer(const weft_nn_mlp_t *mlp, int i);
+WEFT_API weft_nn_linear_t *weft_nn_mlp_layer(const weft_nn_mlp_t *mlp, int i);
 /** All parameters in layer order; borrowed from the MLP. */
-const weft_param_list_t *weft_nn_mlp_params(const weft_nn_mlp_t *mlp);
+WEFT_API const weft_param_list_t *weft_nn_mlp_params(const weft_nn_mlp_t *mlp);
 
 /* ---- Embedding and EmbeddingBag -------------------------------------------------------------- */
 
@@ -183,34 +190,34 @@ typedef struct weft_nn_embedding weft_nn_embedding_t;
  * @param[out] emb_p caller frees with weft_nn_embedding_free.
  * @return WEFT_ERR_INVALID_ARG (negative size, NULL rng), WEFT_ERR_DTYPE, WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_nn_embedding_create(int64_t num_embeddings, int64_t dim, int sparse,
+WEFT_API weft_status_t weft_nn_embedding_create(int64_t num_embeddings, int64_t dim, int sparse,
                                        weft_dtype_t dtype, weft_rng_t *rng,
                                        weft_nn_embedding_t **emb_p);
-void weft_nn_embedding_free(weft_nn_embedding_t *emb);
+WEFT_API void weft_nn_embedding_free(weft_nn_embedding_t *emb);
 /** Rows at @p indices (i64, any shape S): [S..., dim] (weft_op_embedding). */
-weft_status_t weft_nn_embedding_forward(weft_nn_embedding_t *emb, weft_tensor_t *indices,
+WEFT_API weft_status_t weft_nn_embedding_forward(weft_nn_embedding_t *emb, weft_tensor_t *indices,
                                         weft_tensor_t **y_p);
 /** The table, borrowed. */
-weft_tensor_t *weft_nn_embedding_weight(const weft_nn_embedding_t *emb);
+WEFT_API weft_tensor_t *weft_nn_embedding_weight(const weft_nn_embedding_t *emb);
 /** Its parameter, "weight"; borrowed. */
-const weft_param_list_t *weft_nn_embedding_params(const weft_nn_embedding_t *emb);
+WEFT_API const weft_param_list_t *weft_nn_embedding_params(const weft_nn_embedding_t *emb);
 
 /** torch.nn.EmbeddingBag: sums or means of bags of rows. */
 typedef struct weft_nn_embedding_bag weft_nn_embedding_bag_t;
 
 /** As weft_nn_embedding_create, with the bag reduction @p mode. */
-weft_status_t weft_nn_embedding_bag_create(int64_t num_embeddings, int64_t dim,
+WEFT_API weft_status_t weft_nn_embedding_bag_create(int64_t num_embeddings, int64_t dim,
                                            weft_bag_mode_t mode, int sparse, weft_dtype_t dtype,
                                            weft_rng_t *rng, weft_nn_embedding_bag_t **bag_p);
-void weft_nn_embedding_bag_free(weft_nn_embedding_bag_t *bag);
+WEFT_API void weft_nn_embedding_bag_free(weft_nn_embedding_bag_t *bag);
 /**
  * Bag b reduces the rows at indices [offsets[b], offsets[b + 1]) (weft_op_embedding_bag):
  * output [numel(offsets), dim].
  */
-weft_status_t weft_nn_embedding_bag_forward(weft_nn_embedding_bag_t *bag, weft_tensor_t *indices,
+WEFT_API weft_status_t weft_nn_embedding_bag_forward(weft_nn_embedding_bag_t *bag, weft_tensor_t *indices,
                                             weft_tensor_t *offsets, weft_tensor_t **y_p);
-weft_tensor_t *weft_nn_embedding_bag_weight(const weft_nn_embedding_bag_t *bag);
-const weft_param_list_t *weft_nn_embedding_bag_params(const weft_nn_embedding_bag_t *bag);
+WEFT_API weft_tensor_t *weft_nn_embedding_bag_weight(const weft_nn_embedding_bag_t *bag);
+WEFT_API const weft_param_list_t *weft_nn_embedding_bag_params(const weft_nn_embedding_bag_t *bag);
 
 /* ---- optimizers (autograd/optim.c) ----------------------------------------------------------- */
 
@@ -229,21 +236,21 @@ typedef struct weft_optimizer weft_optimizer_t;
  * @return WEFT_ERR_INVALID_ARG (NULL, bad hyperparameters), WEFT_ERR_DTYPE (a parameter that is
  *         not f32/f64), WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_optimizer_sgd_create(const weft_param_list_t *params,
+WEFT_API weft_status_t weft_optimizer_sgd_create(const weft_param_list_t *params,
                                         const weft_optim_sgd_config_t *cfg,
                                         weft_optimizer_t **opt_p);
-weft_status_t weft_optimizer_adagrad_create(const weft_param_list_t *params,
+WEFT_API weft_status_t weft_optimizer_adagrad_create(const weft_param_list_t *params,
                                             const weft_optim_adagrad_config_t *cfg,
                                             weft_optimizer_t **opt_p);
-weft_status_t weft_optimizer_adam_create(const weft_param_list_t *params,
+WEFT_API weft_status_t weft_optimizer_adam_create(const weft_param_list_t *params,
                                          const weft_optim_adam_config_t *cfg,
                                          weft_optimizer_t **opt_p);
 /** AdamW: Adam's hyperparameters with decoupled weight decay (WEFT_OPTIM_ADAMW_DEFAULTS). */
-weft_status_t weft_optimizer_adamw_create(const weft_param_list_t *params,
+WEFT_API weft_status_t weft_optimizer_adamw_create(const weft_param_list_t *params,
                                           const weft_optim_adam_config_t *cfg,
                                           weft_optimizer_t **opt_p);
 /** Releases the parameters and frees the state. NULL is a no-op. */
-void weft_optimizer_free(weft_optimizer_t *opt);
+WEFT_API void weft_optimizer_free(weft_optimizer_t *opt);
 /**
  * One update of every parameter that has a gradient: a dense one (weft_tensor_grad) or, for
  * SGD (without momentum and weight decay) and Adagrad (without weight decay), a sparse one
@@ -254,24 +261,24 @@ void weft_optimizer_free(weft_optimizer_t *opt);
  *         weight decay, or for Adagrad with weight decay; a parameter with both a dense and a
  *         sparse gradient), WEFT_ERR_NO_MEMORY (coalescing sparse rows), or a kernel's status.
  */
-weft_status_t weft_optimizer_step(weft_optimizer_t *opt);
+WEFT_API weft_status_t weft_optimizer_step(weft_optimizer_t *opt);
 /** Drops the gradients of the optimizer's parameters (weft_tensor_grad_clear). */
-void weft_optimizer_zero_grad(weft_optimizer_t *opt);
+WEFT_API void weft_optimizer_zero_grad(weft_optimizer_t *opt);
 /** The current learning rate. */
-double weft_optimizer_lr(const weft_optimizer_t *opt);
+WEFT_API double weft_optimizer_lr(const weft_optimizer_t *opt);
 /** Sets the learning rate for later steps (schedules). @return WEFT_ERR_INVALID_ARG for lr < 0. */
-weft_status_t weft_optimizer_set_lr(weft_optimizer_t *opt, double lr);
+WEFT_API weft_status_t weft_optimizer_set_lr(weft_optimizer_t *opt, double lr);
 /** Number of parameters the optimizer updates. */
-int weft_optimizer_num_params(const weft_optimizer_t *opt);
+WEFT_API int weft_optimizer_num_params(const weft_optimizer_t *opt);
 /** How many updates parameter @p i has had (torch's state["step"]); -1 when out of range. */
-int64_t weft_optimizer_param_steps(const weft_optimizer_t *opt, int i);
+WEFT_API int64_t weft_optimizer_param_steps(const weft_optimizer_t *opt, int i);
 /**
  * A state tensor of parameter @p i, borrowed from the optimizer (it may be read or written in
  * place, e.g. to checkpoint it): "momentum_buffer" (SGD with momentum), "sum" (Adagrad),
  * "exp_avg", "exp_avg_sq", "max_exp_avg_sq" (Adam/AdamW, the last with amsgrad).
  * @return NULL when there is no such state.
  */
-weft_tensor_t *weft_optimizer_state(const weft_optimizer_t *opt, int i, const char *name);
+WEFT_API weft_tensor_t *weft_optimizer_state(const weft_optimizer_t *opt, int i, const char *name);
 
 #ifdef __cplusplus
 }

@@ -17,6 +17,13 @@
 #ifndef WEFT_OPS_H
 #define WEFT_OPS_H
 
+#include <weft/api.h>
+
+/* Layering (docs/architecture.md): only autograd and the modules above it may include this. */
+#if defined(WEFT_BUILDING) && !defined(WEFT_SEES_AUTOGRAD)
+#error "weft/ops.h is above the module being built: dependencies point downward only"
+#endif
+
 #include <stdint.h>
 
 #include <weft/random.h>
@@ -29,33 +36,33 @@ extern "C" {
 
 /* ---- elementwise (autograd/ops_elementwise.c) ---------------------------------------------- */
 
-weft_status_t weft_op_add(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
-weft_status_t weft_op_sub(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
-weft_status_t weft_op_mul(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
-weft_status_t weft_op_div(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_add(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_sub(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_mul(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_div(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
 /** a ** b elementwise, with broadcasting. */
-weft_status_t weft_op_pow(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_pow(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
 /** a + s. */
-weft_status_t weft_op_add_scalar(weft_tensor_t *a, double s, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_add_scalar(weft_tensor_t *a, double s, weft_tensor_t **out_p);
 /** a * s. */
-weft_status_t weft_op_mul_scalar(weft_tensor_t *a, double s, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_mul_scalar(weft_tensor_t *a, double s, weft_tensor_t **out_p);
 /** a ** e. */
-weft_status_t weft_op_pow_scalar(weft_tensor_t *a, double e, weft_tensor_t **out_p);
-weft_status_t weft_op_neg(weft_tensor_t *a, weft_tensor_t **out_p);
-weft_status_t weft_op_relu(weft_tensor_t *a, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_pow_scalar(weft_tensor_t *a, double e, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_neg(weft_tensor_t *a, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_relu(weft_tensor_t *a, weft_tensor_t **out_p);
 /** GELU, the exact (erf) form, as torch's default. */
-weft_status_t weft_op_gelu(weft_tensor_t *a, weft_tensor_t **out_p);
-weft_status_t weft_op_tanh(weft_tensor_t *a, weft_tensor_t **out_p);
-weft_status_t weft_op_sigmoid(weft_tensor_t *a, weft_tensor_t **out_p);
-weft_status_t weft_op_exp(weft_tensor_t *a, weft_tensor_t **out_p);
-weft_status_t weft_op_log(weft_tensor_t *a, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_gelu(weft_tensor_t *a, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_tanh(weft_tensor_t *a, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_sigmoid(weft_tensor_t *a, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_exp(weft_tensor_t *a, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_log(weft_tensor_t *a, weft_tensor_t **out_p);
 /**
  * Dropout: when @p training, zeroes each element with probability @p p (drawn from @p rng in
  * element order: one weft_rng_uniform per element, zeroed when it is below p) and scales the rest
  * by 1 / (1 - p); otherwise (or p == 0) a copy. p == 0 and p == 1 draw nothing.
  * @return WEFT_ERR_INVALID_ARG for p outside [0, 1] or a NULL rng while training.
  */
-weft_status_t weft_op_dropout(weft_tensor_t *a, double p, int training, weft_rng_t *rng,
+WEFT_API weft_status_t weft_op_dropout(weft_tensor_t *a, double p, int training, weft_rng_t *rng,
                               weft_tensor_t **out_p);
 
 /* ---- reductions, softmax and losses (autograd/ops_reduce.c) --------------------------------- */
@@ -64,21 +71,21 @@ weft_status_t weft_op_dropout(weft_tensor_t *a, double p, int training, weft_rng
  * Sum over @p n_dims dims (@p dims; n_dims == 0 sums over all of them), keeping them as size 1
  * when @p keepdim. A repeated dim is WEFT_ERR_INVALID_ARG.
  */
-weft_status_t weft_op_sum(weft_tensor_t *a, int n_dims, const int *dims, int keepdim,
+WEFT_API weft_status_t weft_op_sum(weft_tensor_t *a, int n_dims, const int *dims, int keepdim,
                           weft_tensor_t **out_p);
 /** Mean, same arguments as weft_op_sum. */
-weft_status_t weft_op_mean(weft_tensor_t *a, int n_dims, const int *dims, int keepdim,
+WEFT_API weft_status_t weft_op_mean(weft_tensor_t *a, int n_dims, const int *dims, int keepdim,
                            weft_tensor_t **out_p);
 /**
  * Max over @p dim: values (differentiable; the gradient goes to the first maximal element) and
  * their i64 indices (@p indices_p may be NULL). An empty dim is WEFT_ERR_SHAPE.
  */
-weft_status_t weft_op_max(weft_tensor_t *a, int dim, int keepdim, weft_tensor_t **values_p,
+WEFT_API weft_status_t weft_op_max(weft_tensor_t *a, int dim, int keepdim, weft_tensor_t **values_p,
                           weft_tensor_t **indices_p);
 /** i64 index of the first maximum over @p dim. */
-weft_status_t weft_op_argmax(weft_tensor_t *a, int dim, int keepdim, weft_tensor_t **out_p);
-weft_status_t weft_op_softmax(weft_tensor_t *a, int dim, weft_tensor_t **out_p);
-weft_status_t weft_op_log_softmax(weft_tensor_t *a, int dim, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_argmax(weft_tensor_t *a, int dim, int keepdim, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_softmax(weft_tensor_t *a, int dim, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_log_softmax(weft_tensor_t *a, int dim, weft_tensor_t **out_p);
 
 typedef enum {
     WEFT_REDUCTION_MEAN = 0,
@@ -90,10 +97,10 @@ typedef enum {
  * Cross entropy from @p logits [N, C] and i64 @p labels [N] (each in [0, C); otherwise
  * WEFT_ERR_INVALID_ARG naming the first bad label): a scalar for MEAN/SUM, [N] for NONE.
  */
-weft_status_t weft_op_cross_entropy(weft_tensor_t *logits, weft_tensor_t *labels,
+WEFT_API weft_status_t weft_op_cross_entropy(weft_tensor_t *logits, weft_tensor_t *labels,
                                     weft_reduction_t reduction, weft_tensor_t **out_p);
 /** Mean squared error between @p a and @p b (same shape). */
-weft_status_t weft_op_mse_loss(weft_tensor_t *a, weft_tensor_t *b, weft_reduction_t reduction,
+WEFT_API weft_status_t weft_op_mse_loss(weft_tensor_t *a, weft_tensor_t *b, weft_reduction_t reduction,
                                weft_tensor_t **out_p);
 
 /* ---- matrix products (autograd/ops_linalg.c, OpenBLAS) ------------------------------------- */
@@ -105,14 +112,14 @@ weft_status_t weft_op_mse_loss(weft_tensor_t *a, weft_tensor_t *b, weft_reductio
  * @return WEFT_ERR_SHAPE (a 0-D operand, inner sizes that differ or batch dims that do not
  *         broadcast; the text names both shapes), WEFT_ERR_DTYPE.
  */
-weft_status_t weft_op_matmul(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_matmul(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
 /** Batched product of [B, n, m] and [B, m, p]; other shapes are WEFT_ERR_SHAPE naming both. */
-weft_status_t weft_op_bmm(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_bmm(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
 /**
  * x W^T + b for x [..., in] (at least 1-D), W [out, in], b [out] or NULL
  * (torch.nn.functional.linear). A W or b of another shape is WEFT_ERR_SHAPE.
  */
-weft_status_t weft_op_linear(weft_tensor_t *x, weft_tensor_t *w, weft_tensor_t *b,
+WEFT_API weft_status_t weft_op_linear(weft_tensor_t *x, weft_tensor_t *w, weft_tensor_t *b,
                              weft_tensor_t **out_p);
 
 /* ---- shapes and indexing (autograd/ops_shape.c) --------------------------------------------- */
@@ -123,35 +130,35 @@ weft_status_t weft_op_linear(weft_tensor_t *x, weft_tensor_t *w, weft_tensor_t *
  * another negative size are WEFT_ERR_INVALID_ARG; a shape of another element count is
  * WEFT_ERR_SHAPE.
  */
-weft_status_t weft_op_reshape(weft_tensor_t *a, int ndim, const int64_t *shape,
+WEFT_API weft_status_t weft_op_reshape(weft_tensor_t *a, int ndim, const int64_t *shape,
                               weft_tensor_t **out_p);
 /** Swaps two dims (a contiguous copy). */
-weft_status_t weft_op_transpose(weft_tensor_t *a, int dim0, int dim1, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_transpose(weft_tensor_t *a, int dim0, int dim1, weft_tensor_t **out_p);
 /** Reorders the dims: output dim i is input dim perm[i] (a contiguous copy). */
-weft_status_t weft_op_permute(weft_tensor_t *a, const int *perm, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_permute(weft_tensor_t *a, const int *perm, weft_tensor_t **out_p);
 /**
  * Concatenates @p n >= 1 tensors along @p dim (all other dims equal, else WEFT_ERR_SHAPE naming
  * both shapes; dtypes equal, else WEFT_ERR_DTYPE).
  */
-weft_status_t weft_op_concat(int n, weft_tensor_t *const *ts, int dim, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_concat(int n, weft_tensor_t *const *ts, int dim, weft_tensor_t **out_p);
 /**
  * Splits along @p dim into pieces of the given @p sizes (summing to the dim's size, else
  * WEFT_ERR_INVALID_ARG).
  * @param[out] outs n tensors, each released by the caller.
  */
-weft_status_t weft_op_split(weft_tensor_t *a, int n, const int64_t *sizes, int dim,
+WEFT_API weft_status_t weft_op_split(weft_tensor_t *a, int n, const int64_t *sizes, int dim,
                             weft_tensor_t **outs);
 /**
  * torch.chunk: splits into at most @p chunks pieces of ceil(size / chunks) along @p dim (a dim of
  * size 0 gives @p chunks empty pieces).
  * @param[out] outs room for @p chunks tensors; @param[out] n_p how many were made.
  */
-weft_status_t weft_op_chunk(weft_tensor_t *a, int chunks, int dim, weft_tensor_t **outs, int *n_p);
+WEFT_API weft_status_t weft_op_chunk(weft_tensor_t *a, int chunks, int dim, weft_tensor_t **outs, int *n_p);
 /**
  * Picks entries along @p dim at the i64 @p index [k] (or 0-D: one entry); an index out of range
  * is WEFT_ERR_INVALID_ARG naming it and its position.
  */
-weft_status_t weft_op_index_select(weft_tensor_t *a, int dim, weft_tensor_t *index,
+WEFT_API weft_status_t weft_op_index_select(weft_tensor_t *a, int dim, weft_tensor_t *index,
                                    weft_tensor_t **out_p);
 
 /* ---- embeddings (autograd/ops_embedding.c) -------------------------------------------------- */
@@ -162,7 +169,7 @@ weft_status_t weft_op_index_select(weft_tensor_t *a, int dim, weft_tensor_t *ind
  * the weight (a leaf) receives a sparse gradient (weft_tensor_sparse_grad: a copy of the
  * indices, flattened, and one gradient row per index) instead of a dense [V, D] one.
  */
-weft_status_t weft_op_embedding(weft_tensor_t *weight, weft_tensor_t *indices, int sparse,
+WEFT_API weft_status_t weft_op_embedding(weft_tensor_t *weight, weft_tensor_t *indices, int sparse,
                                 weft_tensor_t **out_p);
 
 typedef enum {
@@ -178,7 +185,7 @@ typedef enum {
  * (WEFT_ERR_INVALID_ARG). With @p sparse, as weft_op_embedding, one row per index (scaled by
  * 1 / bag size for the mean).
  */
-weft_status_t weft_op_embedding_bag(weft_tensor_t *weight, weft_tensor_t *indices,
+WEFT_API weft_status_t weft_op_embedding_bag(weft_tensor_t *weight, weft_tensor_t *indices,
                                     weft_tensor_t *offsets, weft_bag_mode_t mode, int sparse,
                                     weft_tensor_t **out_p);
 
@@ -189,9 +196,9 @@ weft_status_t weft_op_embedding_bag(weft_tensor_t *weight, weft_tensor_t *indice
  * OpenBLAS's default (its OPENBLAS_NUM_THREADS or the core count). Ranks that share a machine
  * should split its cores between them.
  */
-void weft_op_set_threads(int n);
+WEFT_API void weft_op_set_threads(int n);
 /** The number of threads the matrix products use. */
-int weft_op_threads(void);
+WEFT_API int weft_op_threads(void);
 
 #ifdef __cplusplus
 }

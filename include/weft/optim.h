@@ -26,6 +26,8 @@
 #ifndef WEFT_OPTIM_H
 #define WEFT_OPTIM_H
 
+#include <weft/api.h>
+
 #include <stdint.h>
 
 #include <weft/status.h>
@@ -52,13 +54,13 @@ typedef struct {
         .lr = 1e-3, .momentum = 0.0, .dampening = 0.0, .weight_decay = 0.0, .nesterov = 0          \
     }
 /** WEFT_OPTIM_SGD_DEFAULTS as a value. */
-weft_optim_sgd_config_t weft_optim_sgd_defaults(void);
+WEFT_API weft_optim_sgd_config_t weft_optim_sgd_defaults(void);
 /**
  * Checks the hyperparameters as torch's constructor does.
  * @return WEFT_OK; WEFT_ERR_INVALID_ARG (NULL, lr < 0, momentum < 0, weight_decay < 0, NaN,
  *         nesterov without momentum or with dampening), with the value in weft_last_error().
  */
-weft_status_t weft_optim_sgd_config_check(const weft_optim_sgd_config_t *cfg);
+WEFT_API weft_status_t weft_optim_sgd_config_check(const weft_optim_sgd_config_t *cfg);
 /**
  * One SGD step: d = grad + weight_decay * param; with momentum, buf = d on step 1 and
  * buf = momentum * buf + (1 - dampening) * d after, then d = buf (or d + momentum * buf with
@@ -70,7 +72,7 @@ weft_status_t weft_optim_sgd_config_check(const weft_optim_sgd_config_t *cfg);
  *                cfg->momentum == 0, required otherwise.
  * @param[in] step 1 on the parameter's first update (initialises the buffer), then 2, 3, ...
  */
-weft_status_t weft_optim_sgd_step(const weft_optim_sgd_config_t *cfg, weft_tensor_t *param,
+WEFT_API weft_status_t weft_optim_sgd_step(const weft_optim_sgd_config_t *cfg, weft_tensor_t *param,
                                   const weft_tensor_t *grad, weft_tensor_t *momentum_buf,
                                   int64_t step);
 /**
@@ -78,7 +80,7 @@ weft_status_t weft_optim_sgd_step(const weft_optim_sgd_config_t *cfg, weft_tenso
  * Like torch, takes no momentum and no weight decay (WEFT_ERR_UNSUPPORTED otherwise).
  * @param[in] indices i64 [nnz], each in [0, param dim 0); @param[in] rows [nnz, param dims 1...].
  */
-weft_status_t weft_optim_sgd_sparse_step(const weft_optim_sgd_config_t *cfg, weft_tensor_t *param,
+WEFT_API weft_status_t weft_optim_sgd_sparse_step(const weft_optim_sgd_config_t *cfg, weft_tensor_t *param,
                                          const weft_tensor_t *indices, const weft_tensor_t *rows);
 
 /* ---- Adagrad --------------------------------------------------------------------------------- */
@@ -99,23 +101,23 @@ typedef struct {
         .eps = 1e-10                                                                               \
     }
 /** WEFT_OPTIM_ADAGRAD_DEFAULTS as a value. */
-weft_optim_adagrad_config_t weft_optim_adagrad_defaults(void);
+WEFT_API weft_optim_adagrad_config_t weft_optim_adagrad_defaults(void);
 /** Checks the hyperparameters: each >= 0 and not NaN; WEFT_ERR_INVALID_ARG naming the value. */
-weft_status_t weft_optim_adagrad_config_check(const weft_optim_adagrad_config_t *cfg);
+WEFT_API weft_status_t weft_optim_adagrad_config_check(const weft_optim_adagrad_config_t *cfg);
 /**
  * One Adagrad step: g = grad + weight_decay * param; sum += g * g;
  * param -= clr * g / (sqrt(sum) + eps) with clr = lr / (1 + (step - 1) * lr_decay).
  * @param[in,out] sum the sum of squares; fill it with cfg->initial_accumulator_value before the
  *                first step (weft_tensor_fill).
  */
-weft_status_t weft_optim_adagrad_step(const weft_optim_adagrad_config_t *cfg, weft_tensor_t *param,
+WEFT_API weft_status_t weft_optim_adagrad_step(const weft_optim_adagrad_config_t *cfg, weft_tensor_t *param,
                                       const weft_tensor_t *grad, weft_tensor_t *sum, int64_t step);
 /**
  * Adagrad from a sparse-row gradient, as torch's sparse Adagrad: for each distinct index r with
  * summed row g, sum[r] += g * g and param[r] -= clr * g / (sqrt(sum[r]) + eps); other rows do
  * not change. No weight decay (WEFT_ERR_UNSUPPORTED otherwise, as torch).
  */
-weft_status_t weft_optim_adagrad_sparse_step(const weft_optim_adagrad_config_t *cfg,
+WEFT_API weft_status_t weft_optim_adagrad_sparse_step(const weft_optim_adagrad_config_t *cfg,
                                              weft_tensor_t *param, const weft_tensor_t *indices,
                                              const weft_tensor_t *rows, weft_tensor_t *sum,
                                              int64_t step);
@@ -143,14 +145,14 @@ typedef struct {
         .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 1e-2, .amsgrad = 0  \
     }
 /** WEFT_OPTIM_ADAM_DEFAULTS as a value. */
-weft_optim_adam_config_t weft_optim_adam_defaults(void);
+WEFT_API weft_optim_adam_config_t weft_optim_adam_defaults(void);
 /** WEFT_OPTIM_ADAMW_DEFAULTS as a value. */
-weft_optim_adam_config_t weft_optim_adamw_defaults(void);
+WEFT_API weft_optim_adam_config_t weft_optim_adamw_defaults(void);
 /**
  * Checks the hyperparameters: lr, eps, weight_decay >= 0, betas in [0, 1), none NaN;
  * WEFT_ERR_INVALID_ARG naming the value.
  */
-weft_status_t weft_optim_adam_config_check(const weft_optim_adam_config_t *cfg);
+WEFT_API weft_status_t weft_optim_adam_config_check(const weft_optim_adam_config_t *cfg);
 /**
  * One Adam step: g = grad + weight_decay * param; exp_avg = beta1 * exp_avg + (1 - beta1) * g;
  * exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g * g; with amsgrad, max_exp_avg_sq =
@@ -160,7 +162,7 @@ weft_status_t weft_optim_adam_config_check(const weft_optim_adam_config_t *cfg);
  * @param[in,out] max_exp_avg_sq zero before the first step; required with amsgrad, ignored (may
  *                be NULL) without.
  */
-weft_status_t weft_optim_adam_step(const weft_optim_adam_config_t *cfg, weft_tensor_t *param,
+WEFT_API weft_status_t weft_optim_adam_step(const weft_optim_adam_config_t *cfg, weft_tensor_t *param,
                                    const weft_tensor_t *grad, weft_tensor_t *exp_avg,
                                    weft_tensor_t *exp_avg_sq, weft_tensor_t *max_exp_avg_sq,
                                    int64_t step);
@@ -168,7 +170,7 @@ weft_status_t weft_optim_adam_step(const weft_optim_adam_config_t *cfg, weft_ten
  * One AdamW step: param *= 1 - lr * weight_decay, then Adam's update with the raw gradient
  * (no weight decay added to it). Same arguments as weft_optim_adam_step.
  */
-weft_status_t weft_optim_adamw_step(const weft_optim_adam_config_t *cfg, weft_tensor_t *param,
+WEFT_API weft_status_t weft_optim_adamw_step(const weft_optim_adam_config_t *cfg, weft_tensor_t *param,
                                     const weft_tensor_t *grad, weft_tensor_t *exp_avg,
                                     weft_tensor_t *exp_avg_sq, weft_tensor_t *max_exp_avg_sq,
                                     int64_t step);

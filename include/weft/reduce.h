@@ -7,6 +7,8 @@
 #ifndef WEFT_REDUCE_H
 #define WEFT_REDUCE_H
 
+#include <weft/api.h>
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -32,7 +34,7 @@ typedef enum {
 
 /** "sum", "avg", "product", "min", "max", "band", "bor", "bxor"; "invalid" for another value.
  * Thread-safe. */
-const char *weft_reduce_op_name(weft_reduce_op_t op);
+WEFT_API const char *weft_reduce_op_name(weft_reduce_op_t op);
 
 /**
  * Whether @p op applies to @p dtype. Reductions take f32 f64 f16 bf16 i8 i32 i64 u8; bool is
@@ -41,7 +43,7 @@ const char *weft_reduce_op_name(weft_reduce_op_t op);
  * @return WEFT_OK; WEFT_ERR_INVALID_ARG for an op or dtype outside its enum; WEFT_ERR_DTYPE for
  *         bool, or a bitwise op on a floating dtype.
  */
-weft_status_t weft_reduce_check(weft_reduce_op_t op, weft_dtype_t dtype);
+WEFT_API weft_status_t weft_reduce_check(weft_reduce_op_t op, weft_dtype_t dtype);
 
 /**
  * dst[i] = dst[i] (op) src[i] for i < n. AVG reduces as SUM does: scale once afterwards with
@@ -56,7 +58,7 @@ weft_status_t weft_reduce_check(weft_reduce_op_t op, weft_dtype_t dtype);
  *            it otherwise.
  * Thread-safe (on buffers no other thread writes).
  */
-void weft_reduce_into(void *dst, const void *src, size_t n, weft_dtype_t dtype,
+WEFT_API void weft_reduce_into(void *dst, const void *src, size_t n, weft_dtype_t dtype,
                       weft_reduce_op_t op);
 
 /**
@@ -67,7 +69,7 @@ void weft_reduce_into(void *dst, const void *src, size_t n, weft_dtype_t dtype,
  * @param[in] a, b n elements each; borrowed for the call; they may be the same buffer.
  * Thread-safe (on buffers no other thread writes).
  */
-void weft_reduce_to(void *dst, const void *a, const void *b, size_t n, weft_dtype_t dtype,
+WEFT_API void weft_reduce_to(void *dst, const void *a, const void *b, size_t n, weft_dtype_t dtype,
                     weft_reduce_op_t op);
 
 /**
@@ -78,7 +80,7 @@ void weft_reduce_to(void *dst, const void *a, const void *b, size_t n, weft_dtyp
  * @param[in] count number of contributions, >= 1.
  * Thread-safe (on buffers no other thread writes).
  */
-void weft_reduce_finish(void *dst, size_t n, weft_dtype_t dtype, weft_reduce_op_t op, int count);
+WEFT_API void weft_reduce_finish(void *dst, size_t n, weft_dtype_t dtype, weft_reduce_op_t op, int count);
 
 /**
  * Widens @p n f16 or bf16 elements to f32, exactly: the accumulator of a reduction that rounds
@@ -87,7 +89,7 @@ void weft_reduce_finish(void *dst, size_t n, weft_dtype_t dtype, weft_reduce_op_
  * @param[in] src n elements of @p dtype; borrowed for the call.
  * Thread-safe (on buffers no other thread writes).
  */
-void weft_reduce_widen(float *dst, const void *src, size_t n, weft_dtype_t dtype);
+WEFT_API void weft_reduce_widen(float *dst, const void *src, size_t n, weft_dtype_t dtype);
 
 /**
  * Completes a reduction of @p count contributions accumulated in f32 and writes it as @p dtype
@@ -100,19 +102,19 @@ void weft_reduce_widen(float *dst, const void *src, size_t n, weft_dtype_t dtype
  * @param[in] count number of contributions, >= 1.
  * Thread-safe (on buffers no other thread writes).
  */
-void weft_reduce_narrow(void *dst, const float *acc, size_t n, weft_dtype_t dtype,
+WEFT_API void weft_reduce_narrow(void *dst, const float *acc, size_t n, weft_dtype_t dtype,
                         weft_reduce_op_t op, int count);
 
 /** IEEE binary16 bits to f32 (exact: subnormals, infinities; NaN stays NaN). Thread-safe. */
-float weft_f16_to_f32(uint16_t h);
+WEFT_API float weft_f16_to_f32(uint16_t h);
 /** f32 to IEEE binary16 bits, rounding to nearest even: overflow gives inf, small values
  * subnormals or zero, NaN a quiet NaN of the same sign. Thread-safe. */
-uint16_t weft_f32_to_f16(float f);
+WEFT_API uint16_t weft_f32_to_f16(float f);
 /** bfloat16 bits to f32 (exact). Thread-safe. */
-float weft_bf16_to_f32(uint16_t h);
+WEFT_API float weft_bf16_to_f32(uint16_t h);
 /** f32 to bfloat16 bits, rounding to nearest even: overflow gives inf, NaN a quiet NaN with the
  * same sign and leading payload bits. Thread-safe. */
-uint16_t weft_f32_to_bf16(float f);
+WEFT_API uint16_t weft_f32_to_bf16(float f);
 
 #ifdef __cplusplus
 }

@@ -3,6 +3,13 @@
 #ifndef WEFT_RPC_H
 #define WEFT_RPC_H
 
+#include <weft/api.h>
+
+/* Layering (docs/architecture.md): only rpc and the modules above it may include this. */
+#if defined(WEFT_BUILDING) && !defined(WEFT_SEES_RPC)
+#error "weft/rpc.h is above the module being built: dependencies point downward only"
+#endif
+
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -42,7 +49,7 @@ typedef struct {
 } weft_agent_opts_t;
 
 /** Fills @p opts with "take from the environment / default" markers. */
-void weft_agent_opts_init(weft_agent_opts_t *opts);
+WEFT_API void weft_agent_opts_init(weft_agent_opts_t *opts);
 
 /**
  * Starts the transport of one rank: binds its server (rank 0 binds the master
@@ -51,10 +58,10 @@ void weft_agent_opts_init(weft_agent_opts_t *opts);
  * @return WEFT_ERR_INVALID_ARG (rank/world/name missing or out of range),
  *         WEFT_ERR_TRANSPORT (the port could not be bound).
  */
-weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **agent_p);
+WEFT_API weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **agent_p);
 
 /** The port this rank's server listens on (rank 0: the master port). */
-int weft_agent_port(const weft_agent_t *a);
+WEFT_API int weft_agent_port(const weft_agent_t *a);
 
 /**
  * Rendezvous: rank 0 gathers a Hello from every rank and hands out the world
@@ -65,30 +72,30 @@ int weft_agent_port(const weft_agent_t *a);
  * rank or name), WEFT_ERR_MISMATCH (another world size), WEFT_ERR_INVALID_ARG
  * (rank out of range).
  */
-weft_status_t weft_agent_join(weft_agent_t *a);
+WEFT_API weft_status_t weft_agent_join(weft_agent_t *a);
 
 /** weft_agent_create then weft_agent_join; on failure nothing is left behind. */
-weft_status_t weft_agent_init(const weft_agent_opts_t *opts, weft_agent_t **agent_p);
+WEFT_API weft_status_t weft_agent_init(const weft_agent_opts_t *opts, weft_agent_t **agent_p);
 
-int weft_agent_rank(const weft_agent_t *a);
-int weft_agent_world_size(const weft_agent_t *a);
+WEFT_API int weft_agent_rank(const weft_agent_t *a);
+WEFT_API int weft_agent_world_size(const weft_agent_t *a);
 /** Borrowed name of this worker. */
-const char *weft_agent_name(const weft_agent_t *a);
+WEFT_API const char *weft_agent_name(const weft_agent_t *a);
 /** Borrowed name of @p rank (after join), NULL if out of range. */
-const char *weft_agent_worker_name(const weft_agent_t *a, int rank);
+WEFT_API const char *weft_agent_worker_name(const weft_agent_t *a, int rank);
 /** Rank of the worker named @p name. WEFT_ERR_NOT_FOUND if none. */
-weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name, int *rank_p);
+WEFT_API weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name, int *rank_p);
 /** The largest message @p rank accepts (this one's from its options, a peer's after join); 0 if
  * out of range. */
-uint64_t weft_agent_max_message_bytes(const weft_agent_t *a, int rank);
+WEFT_API uint64_t weft_agent_max_message_bytes(const weft_agent_t *a, int rank);
 /** Borrowed "host:port" of @p rank (after join). */
-const char *weft_agent_worker_address(const weft_agent_t *a, int rank);
+WEFT_API const char *weft_agent_worker_address(const weft_agent_t *a, int rank);
 /**
  * Borrowed "host:port" of @p rank's direct listener (after join): frames of
  * 1 MiB or more travel there over plain TCP, "" when the rank has none
  * (WEFT_DIRECT=0), in which case they take the gRPC stream.
  */
-const char *weft_agent_worker_direct_address(const weft_agent_t *a, int rank);
+WEFT_API const char *weft_agent_worker_direct_address(const weft_agent_t *a, int rank);
 
 /**
  * Graceful, collective shutdown: every rank calls it. Waits until no call is
@@ -97,9 +104,9 @@ const char *weft_agent_worker_direct_address(const weft_agent_t *a, int rank);
  * @return WEFT_ERR_TIMEOUT if the world did not settle within @p timeout_ms
  * (<= 0: the default call timeout); the agent is closed either way.
  */
-weft_status_t weft_agent_shutdown(weft_agent_t *a, int64_t timeout_ms);
+WEFT_API weft_status_t weft_agent_shutdown(weft_agent_t *a, int64_t timeout_ms);
 /** Frees the agent; closes it abruptly if weft_agent_shutdown was not called. */
-void weft_agent_free(weft_agent_t *a);
+WEFT_API void weft_agent_free(weft_agent_t *a);
 
 /* ------------------------------------------------------------------ calls */
 
@@ -119,31 +126,31 @@ typedef void (*weft_rpc_handler_cb_t)(weft_call_t *call, void *arg);
  * with "__weft." are reserved for weft's modules. Thread-safe.
  * @return WEFT_ERR_ALREADY_EXISTS if the name is taken.
  */
-weft_status_t weft_rpc_register(weft_agent_t *a, const char *name, weft_rpc_handler_cb_t fn,
+WEFT_API weft_status_t weft_rpc_register(weft_agent_t *a, const char *name, weft_rpc_handler_cb_t fn,
                                 void *arg);
 
 /** Arguments of the call; borrowed, valid until the call is finished. */
-const weft_value_t *weft_call_args(const weft_call_t *call);
+WEFT_API const weft_value_t *weft_call_args(const weft_call_t *call);
 /** Moves the arguments out (they become empty). Caller frees with weft_value_free. */
-weft_value_t *weft_call_take_args(weft_call_t *call);
+WEFT_API weft_value_t *weft_call_take_args(weft_call_t *call);
 /** Replaces the call's arguments with @p args (takes ownership; NULL leaves none). */
-void weft_call_set_args(weft_call_t *call, weft_value_t *args);
-int weft_call_caller_rank(const weft_call_t *call);
-const char *weft_call_function(const weft_call_t *call);
-weft_agent_t *weft_call_agent(const weft_call_t *call);
+WEFT_API void weft_call_set_args(weft_call_t *call, weft_value_t *args);
+WEFT_API int weft_call_caller_rank(const weft_call_t *call);
+WEFT_API const char *weft_call_function(const weft_call_t *call);
+WEFT_API weft_agent_t *weft_call_agent(const weft_call_t *call);
 /** Milliseconds left before the caller's deadline (<= 0: already passed). */
-int64_t weft_call_time_left_ms(const weft_call_t *call);
+WEFT_API int64_t weft_call_time_left_ms(const weft_call_t *call);
 
 /** Finishes the call successfully; takes ownership of @p result (may be NULL). Frees @p call. */
-void weft_call_reply(weft_call_t *call, weft_value_t *result);
+WEFT_API void weft_call_reply(weft_call_t *call, weft_value_t *result);
 /** Finishes the call with an error status and text. Frees @p call. */
-void weft_call_fail(weft_call_t *call, weft_status_t status, const char *fmt, ...)
+WEFT_API void weft_call_fail(weft_call_t *call, weft_status_t status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /**
  * Finishes the call when @p f completes, with its status, text and value.
  * Takes over the caller's reference to @p f. Frees @p call (later).
  */
-void weft_call_reply_future(weft_call_t *call, weft_future_t *f);
+WEFT_API void weft_call_reply_future(weft_call_t *call, weft_future_t *f);
 
 /**
  * Calls @p fn on @p to_rank (may be this rank) with @p args. @p args is
@@ -164,21 +171,21 @@ void weft_call_reply_future(weft_call_t *call, weft_future_t *f);
  * @return WEFT_ERR_NO_SUCH_FUNCTION (@p args is then still the caller's), WEFT_ERR_INVALID_ARG,
  *         WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_rpc_call_local(weft_agent_t *a, const char *fn, weft_value_t *args,
+WEFT_API weft_status_t weft_rpc_call_local(weft_agent_t *a, const char *fn, weft_value_t *args,
                                   int64_t timeout_ms, weft_future_t **f_p);
-weft_status_t weft_rpc_async(weft_agent_t *a, int to_rank, const char *fn, const weft_value_t *args,
+WEFT_API weft_status_t weft_rpc_async(weft_agent_t *a, int to_rank, const char *fn, const weft_value_t *args,
                              int64_t timeout_ms, weft_future_t **f_p);
 /** weft_rpc_async to a worker by name. */
-weft_status_t weft_rpc_async_to(weft_agent_t *a, const char *to, const char *fn,
+WEFT_API weft_status_t weft_rpc_async_to(weft_agent_t *a, const char *to, const char *fn,
                                 const weft_value_t *args, int64_t timeout_ms, weft_future_t **f_p);
 /**
  * Blocking call; the result goes to @p result_p (caller frees with
  * weft_value_free; may be NULL to drop it). The error text is in
  * weft_last_error() on failure.
  */
-weft_status_t weft_rpc_sync(weft_agent_t *a, int to_rank, const char *fn, const weft_value_t *args,
+WEFT_API weft_status_t weft_rpc_sync(weft_agent_t *a, int to_rank, const char *fn, const weft_value_t *args,
                             int64_t timeout_ms, weft_value_t **result_p);
-weft_status_t weft_rpc_sync_to(weft_agent_t *a, const char *to, const char *fn,
+WEFT_API weft_status_t weft_rpc_sync_to(weft_agent_t *a, const char *to, const char *fn,
                                const weft_value_t *args, int64_t timeout_ms,
                                weft_value_t **result_p);
 
@@ -206,7 +213,7 @@ typedef void (*weft_channel_cb_t)(weft_agent_t *a, int src_rank, weft_value_t *m
 typedef void (*weft_peer_lost_cb_t)(weft_agent_t *a, int rank, const char *why, void *arg);
 
 /** Registers the receiver of @p channel (1..WEFT_CHANNEL_MAX). WEFT_ERR_ALREADY_EXISTS if taken. */
-weft_status_t weft_agent_register_channel(weft_agent_t *a, uint32_t channel, weft_channel_cb_t cb,
+WEFT_API weft_status_t weft_agent_register_channel(weft_agent_t *a, uint32_t channel, weft_channel_cb_t cb,
                                           void *arg);
 /**
  * Sends @p msg to @p to_rank's channel @p channel; borrowed as in
@@ -214,7 +221,7 @@ weft_status_t weft_agent_register_channel(weft_agent_t *a, uint32_t channel, wef
  * If @p sent_p is not NULL it gets a future that completes once the message
  * has been handed to the transport (or failed: WEFT_ERR_PEER_LOST, ...).
  */
-weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
+WEFT_API weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
                               const weft_value_t *msg, weft_future_t **sent_p);
 
 /** The message may overtake, or be overtaken by, other messages to the same peer. */
@@ -230,7 +237,7 @@ weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
  * on the direct connection to the peer (received straight into its tensors); use
  * it for messages the receiver matches by their contents, not by arrival order.
  */
-weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t channel,
+WEFT_API weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t channel,
                                     const weft_value_t *msg, uint32_t flags,
                                     weft_future_t **sent_p);
 /**
@@ -261,10 +268,10 @@ typedef bool (*weft_channel_land_cb_t)(weft_agent_t *a, int src_rank, const void
  * Sets the landing callback of a registered channel (once; it stays while the agent
  * lives). WEFT_ERR_INVALID_ARG for a channel without a receiver.
  */
-weft_status_t weft_agent_set_channel_lander(weft_agent_t *a, uint32_t channel,
+WEFT_API weft_status_t weft_agent_set_channel_lander(weft_agent_t *a, uint32_t channel,
                                             weft_channel_land_cb_t land);
 /** Adds a listener for lost peers. */
-weft_status_t weft_agent_on_peer_lost(weft_agent_t *a, weft_peer_lost_cb_t cb, void *arg);
+WEFT_API weft_status_t weft_agent_on_peer_lost(weft_agent_t *a, weft_peer_lost_cb_t cb, void *arg);
 
 /*
  * Reference codecs: how the objects of a kind (weft_value_add_ref) cross the wire inside the
@@ -320,7 +327,7 @@ typedef struct {
  * @return WEFT_ERR_ALREADY_EXISTS when the kind has a codec, WEFT_ERR_INVALID_ARG,
  *         WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_agent_register_ref_codec(weft_agent_t *a, uint32_t kind,
+WEFT_API weft_status_t weft_agent_register_ref_codec(weft_agent_t *a, uint32_t kind,
                                             const weft_ref_codec_t *codec, void *state);
 
 /**
@@ -336,7 +343,7 @@ typedef weft_status_t (*weft_shutdown_cb_t)(weft_agent_t *a, int64_t deadline_ms
  * weft_agent_shutdown. Thread-safe (a listener may add another: it runs too).
  * @return WEFT_ERR_INVALID_ARG, WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_agent_on_shutdown(weft_agent_t *a, weft_shutdown_cb_t cb, void *arg);
+WEFT_API weft_status_t weft_agent_on_shutdown(weft_agent_t *a, weft_shutdown_cb_t cb, void *arg);
 
 /** Makes a module's state for @p a (see weft_agent_module). */
 typedef weft_status_t (*weft_module_create_cb_t)(weft_agent_t *a, void **state_p);
@@ -347,7 +354,7 @@ typedef void (*weft_module_destroy_cb_t)(void *state);
  * @p create (once, under a lock) and freed by @p destroy when the agent is
  * freed. Lets upper modules keep per-agent state without the agent knowing them.
  */
-weft_status_t weft_agent_module(weft_agent_t *a, uint32_t channel, weft_module_create_cb_t create,
+WEFT_API weft_status_t weft_agent_module(weft_agent_t *a, uint32_t channel, weft_module_create_cb_t create,
                                 weft_module_destroy_cb_t destroy, void **state_p);
 
 #ifdef __cplusplus

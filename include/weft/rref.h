@@ -17,6 +17,13 @@
 #ifndef WEFT_RREF_H
 #define WEFT_RREF_H
 
+#include <weft/api.h>
+
+/* Layering (docs/architecture.md): only rref and the modules above it may include this. */
+#if defined(WEFT_BUILDING) && !defined(WEFT_SEES_RREF)
+#error "weft/rref.h is above the module being built: dependencies point downward only"
+#endif
+
 #include <stdint.h>
 
 #include <weft/future.h>
@@ -48,7 +55,7 @@ typedef struct weft_rref weft_rref_t;
  * @return WEFT_ERR_ALREADY_EXISTS if one of those names or the channel is taken,
  *         WEFT_ERR_INVALID_STATE without a rank and world size, WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_rref_init(weft_agent_t *a);
+WEFT_API weft_status_t weft_rref_init(weft_agent_t *a);
 
 /* ---- user object types ------------------------------------------------------------------------
  */
@@ -76,7 +83,7 @@ typedef struct {
  * weft_agent_join, like functions). Strings are copied.
  * @return WEFT_ERR_ALREADY_EXISTS, WEFT_ERR_INVALID_ARG.
  */
-weft_status_t weft_rref_register_type(weft_agent_t *a, const char *type, weft_rref_ctor_cb_t ctor,
+WEFT_API weft_status_t weft_rref_register_type(weft_agent_t *a, const char *type, weft_rref_ctor_cb_t ctor,
                                       weft_rref_dtor_cb_t dtor, const weft_rref_method_t *methods,
                                       int n_methods, void *type_arg);
 
@@ -92,15 +99,15 @@ weft_status_t weft_rref_register_type(weft_agent_t *a, const char *type, weft_rr
  * so that a to_here issued before that answer needs no message of its own (docs/rref.md §4).
  * @param[out] rref_p a handle; caller releases with weft_rref_release.
  */
-weft_status_t weft_rref_remote(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
+WEFT_API weft_status_t weft_rref_remote(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
                                int64_t timeout_ms, weft_rref_t **rref_p);
 /** As weft_rref_remote, constructing an object of the registered @p type on @p to. */
-weft_status_t weft_rref_remote_object(weft_agent_t *a, int to, const char *type,
+WEFT_API weft_status_t weft_rref_remote_object(weft_agent_t *a, int to, const char *type,
                                       const weft_value_t *args, int64_t timeout_ms,
                                       weft_rref_t **rref_p);
 /** A reference owned by this worker to @p value (takes ownership on success), like torch's RRef(v).
  */
-weft_status_t weft_rref_create(weft_agent_t *a, weft_value_t *value, weft_rref_t **rref_p);
+WEFT_API weft_status_t weft_rref_create(weft_agent_t *a, weft_value_t *value, weft_rref_t **rref_p);
 
 /* ---- use --------------------------------------------------------------------------------------
  */
@@ -111,49 +118,49 @@ weft_status_t weft_rref_create(weft_agent_t *a, weft_value_t *value, weft_rref_t
  * @param[out] value_p caller frees with weft_value_free.
  * @return the creation's failure, WEFT_ERR_OWNER_LOST, WEFT_ERR_TIMEOUT.
  */
-weft_status_t weft_rref_to_here(weft_rref_t *r, int64_t timeout_ms, weft_value_t **value_p);
+WEFT_API weft_status_t weft_rref_to_here(weft_rref_t *r, int64_t timeout_ms, weft_value_t **value_p);
 /** As weft_rref_to_here, asynchronously: the future's value is the copy. */
-weft_status_t weft_rref_to_here_async(weft_rref_t *r, int64_t timeout_ms, weft_future_t **f_p);
+WEFT_API weft_status_t weft_rref_to_here_async(weft_rref_t *r, int64_t timeout_ms, weft_future_t **f_p);
 /**
  * The owner's value, borrowed while @p r lives (owner only: WEFT_ERR_INVALID_STATE elsewhere);
  * waits up to @p timeout_ms for the creating function to finish.
  */
-weft_status_t weft_rref_local_value(weft_rref_t *r, int64_t timeout_ms,
+WEFT_API weft_status_t weft_rref_local_value(weft_rref_t *r, int64_t timeout_ms,
                                     const weft_value_t **value_p);
 /** The owner's object of an object reference, borrowed as weft_rref_local_value. */
-weft_status_t weft_rref_local_object(weft_rref_t *r, int64_t timeout_ms, void **obj_p);
+WEFT_API weft_status_t weft_rref_local_object(weft_rref_t *r, int64_t timeout_ms, void **obj_p);
 
 /** Calls @p method of the owner's object with @p args (torch's rref.rpc_sync().method()). */
-weft_status_t weft_rref_rpc_sync(weft_rref_t *r, const char *method, const weft_value_t *args,
+WEFT_API weft_status_t weft_rref_rpc_sync(weft_rref_t *r, const char *method, const weft_value_t *args,
                                  int64_t timeout_ms, weft_value_t **result_p);
-weft_status_t weft_rref_rpc_async(weft_rref_t *r, const char *method, const weft_value_t *args,
+WEFT_API weft_status_t weft_rref_rpc_async(weft_rref_t *r, const char *method, const weft_value_t *args,
                                   int64_t timeout_ms, weft_future_t **f_p);
 /** Calls @p method on the owner and keeps its result there, as a new reference owned by it. */
-weft_status_t weft_rref_remote_method(weft_rref_t *r, const char *method, const weft_value_t *args,
+WEFT_API weft_status_t weft_rref_remote_method(weft_rref_t *r, const char *method, const weft_value_t *args,
                                       int64_t timeout_ms, weft_rref_t **result_p);
 
 /* ---- identity ---------------------------------------------------------------------------------
  */
 
-weft_rref_id_t weft_rref_id(const weft_rref_t *r);
-int weft_rref_owner(const weft_rref_t *r);
+WEFT_API weft_rref_id_t weft_rref_id(const weft_rref_t *r);
+WEFT_API int weft_rref_owner(const weft_rref_t *r);
 /** The owner's worker name; borrowed from the agent. */
-const char *weft_rref_owner_name(const weft_rref_t *r);
-int weft_rref_is_owner(const weft_rref_t *r);
+WEFT_API const char *weft_rref_owner_name(const weft_rref_t *r);
+WEFT_API int weft_rref_is_owner(const weft_rref_t *r);
 /** True once the owner knows of this reference (always for the owner's own). */
-int weft_rref_confirmed_by_owner(const weft_rref_t *r);
+WEFT_API int weft_rref_confirmed_by_owner(const weft_rref_t *r);
 
-weft_rref_t *weft_rref_retain(weft_rref_t *r);
+WEFT_API weft_rref_t *weft_rref_retain(weft_rref_t *r);
 /** Drops a local handle; the last one of a user reference tells the owner. NULL is a no-op. */
-void weft_rref_release(weft_rref_t *r);
+WEFT_API void weft_rref_release(weft_rref_t *r);
 
 /* ---- inside values (forks) ----------------------------------------------------------------------
  */
 
 /** Appends @p r to @p v (retained): sending @p v forks the reference to the receiver. */
-weft_status_t weft_value_add_rref(weft_value_t *v, weft_rref_t *r);
+WEFT_API weft_status_t weft_value_add_rref(weft_value_t *v, weft_rref_t *r);
 /** The @p i-th reference of @p v that is an RRef, borrowed (retain to keep it); NULL if none. */
-weft_rref_t *weft_value_rref(const weft_value_t *v, size_t i);
+WEFT_API weft_rref_t *weft_value_rref(const weft_value_t *v, size_t i);
 
 /* ---- introspection ----------------------------------------------------------------------------
  */
@@ -164,7 +171,7 @@ weft_rref_t *weft_value_rref(const weft_value_t *v, size_t i);
  * "values_sent_with_creation":N} (torch's _get_debug_info, plus weft's; docs/rref.md §7).
  * @param[out] json_p caller frees with weft_free.
  */
-weft_status_t weft_rref_debug_info(weft_agent_t *a, char **json_p);
+WEFT_API weft_status_t weft_rref_debug_info(weft_agent_t *a, char **json_p);
 
 #ifdef __cplusplus
 }

@@ -2,6 +2,8 @@
 #ifndef WEFT_STATUS_H
 #define WEFT_STATUS_H
 
+#include <weft/api.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -54,20 +56,20 @@ typedef enum {
  * Short constant text for a status ("peer lost"); "unknown status" for a value
  * outside the table. Thread-safe.
  */
-const char *weft_strerror(weft_status_t status);
+WEFT_API const char *weft_strerror(weft_status_t status);
 
 /** The name of a status ("WEFT_ERR_PEER_LOST"). Thread-safe. */
-const char *weft_status_name(weft_status_t status);
+WEFT_API const char *weft_status_name(weft_status_t status);
 
 /** True when @p v is a value of the table. */
-int weft_status_valid(int v);
+WEFT_API int weft_status_valid(int v);
 
 /**
  * Detail text of the last error this thread recorded (the function that first
  * decided an error records it). Borrowed; valid until this thread's next weft
  * call that records an error. Never NULL ("" when none).
  */
-const char *weft_last_error(void);
+WEFT_API const char *weft_last_error(void);
 
 #ifdef __cplusplus
 }

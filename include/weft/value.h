@@ -2,6 +2,8 @@
 #ifndef WEFT_VALUE_H
 #define WEFT_VALUE_H
 
+#include <weft/api.h>
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -14,20 +16,20 @@ extern "C" {
 typedef struct weft_value weft_value_t;
 
 /** Creates an empty value. Caller frees with weft_value_free. */
-weft_status_t weft_value_create(weft_value_t **v_p);
+WEFT_API weft_status_t weft_value_create(weft_value_t **v_p);
 /** Frees the value and drops its tensor references. NULL is a no-op. */
-void weft_value_free(weft_value_t *v);
+WEFT_API void weft_value_free(weft_value_t *v);
 
 /** Appends @p t; the value takes its own reference (the caller keeps its one). */
-weft_status_t weft_value_add_tensor(weft_value_t *v, weft_tensor_t *t);
+WEFT_API weft_status_t weft_value_add_tensor(weft_value_t *v, weft_tensor_t *t);
 /** Appends @p t, taking over the caller's reference on success; caller keeps it on failure. */
-weft_status_t weft_value_push_tensor(weft_value_t *v, weft_tensor_t *t);
+WEFT_API weft_status_t weft_value_push_tensor(weft_value_t *v, weft_tensor_t *t);
 /** Replaces the payload with a copy of @p len bytes at @p data. */
-weft_status_t weft_value_set_payload(weft_value_t *v, const void *data, size_t len);
+WEFT_API weft_status_t weft_value_set_payload(weft_value_t *v, const void *data, size_t len);
 /** Sets the payload to a NUL-terminated string's bytes (without the NUL). */
-weft_status_t weft_value_set_string(weft_value_t *v, const char *s);
+WEFT_API weft_status_t weft_value_set_string(weft_value_t *v, const char *s);
 /** Takes ownership of @p data (allocated with weft_alloc) on success. */
-weft_status_t weft_value_take_payload(weft_value_t *v, void *data, size_t len);
+WEFT_API weft_status_t weft_value_take_payload(weft_value_t *v, void *data, size_t len);
 
 /*
  * References: objects of upper modules that travel inside a value (an RRef in the arguments or the
@@ -50,17 +52,17 @@ typedef struct {
  * reference (see weft_agent_register_ref_codec).
  * @return WEFT_ERR_INVALID_ARG (NULL value, type, callback or object), WEFT_ERR_NO_MEMORY.
  */
-weft_status_t weft_value_add_ref(weft_value_t *v, const weft_value_ref_type_t *type, void *obj);
+WEFT_API weft_status_t weft_value_add_ref(weft_value_t *v, const weft_value_ref_type_t *type, void *obj);
 /** Number of references in @p v (0 for NULL). */
-size_t weft_value_num_refs(const weft_value_t *v);
+WEFT_API size_t weft_value_num_refs(const weft_value_t *v);
 /** Borrowed object of reference @p i (NULL when out of range); its kind goes to @p kind_p. */
-void *weft_value_ref(const weft_value_t *v, size_t i, uint32_t *kind_p);
+WEFT_API void *weft_value_ref(const weft_value_t *v, size_t i, uint32_t *kind_p);
 
-size_t weft_value_num_tensors(const weft_value_t *v);
+WEFT_API size_t weft_value_num_tensors(const weft_value_t *v);
 /** Borrowed; valid while @p v lives. NULL when @p i is out of range. */
-weft_tensor_t *weft_value_tensor(const weft_value_t *v, size_t i);
+WEFT_API weft_tensor_t *weft_value_tensor(const weft_value_t *v, size_t i);
 /** Borrowed payload pointer (NULL when empty); its length goes to @p len_p. */
-const void *weft_value_payload(const weft_value_t *v, size_t *len_p);
+WEFT_API const void *weft_value_payload(const weft_value_t *v, size_t *len_p);
 
 #ifdef __cplusplus
 }

@@ -2,6 +2,11 @@
 #ifndef WEFT_WEFT_H
 #define WEFT_WEFT_H
 
+/* For programs: weft's own modules include the headers of the layers they use. */
+#if defined(WEFT_BUILDING)
+#error "weft/weft.h is for programs: a module includes only the headers of the layers below it"
+#endif
+
 #include <weft/status.h>
 #include <weft/alloc.h>
 #include <weft/log.h>
