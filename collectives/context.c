@@ -57,7 +57,7 @@ void coll__msg_free(coll_msg_t *m)
     if (m == NULL) {
         return;
     }
-    weft__v1__coll_header__free_unpacked(m->hdr, NULL);
+    weft__v1__coll_header__free_unpacked(m->hdr, &weft__pb_allocator);
     weft_value_free(m->value);
     weft_free(m);
 }
@@ -131,13 +131,13 @@ static void on_message(weft_agent_t *a, int src_world, weft_value_t *msg, void *
     coll_ctx_t *ctx = arg;
     size_t len;
     const void *pl = weft_value_payload(msg, &len);
-    Weft__V1__CollHeader *h = pl != NULL ? weft__v1__coll_header__unpack(NULL, len, pl) : NULL;
+    Weft__V1__CollHeader *h = pl != NULL ? weft__v1__coll_header__unpack(&weft__pb_allocator, len, pl) : NULL;
 
     (void)a;
     if (h == NULL || h->version != COLL_VERSION) {
         WEFT_WARN("collectives: dropped an unreadable message from rank %d", src_world);
         if (h != NULL) {
-            weft__v1__coll_header__free_unpacked(h, NULL);
+            weft__v1__coll_header__free_unpacked(h, &weft__pb_allocator);
         }
         weft_value_free(msg);
         return;
@@ -163,13 +163,13 @@ static void on_message(weft_agent_t *a, int src_world, weft_value_t *msg, void *
                 pthread_mutex_unlock(&ctx->mu);
             }
         }
-        weft__v1__coll_header__free_unpacked(h, NULL);
+        weft__v1__coll_header__free_unpacked(h, &weft__pb_allocator);
         weft_value_free(msg);
         return;
     }
     coll_msg_t *m = weft_calloc(1, sizeof(*m));
     if (m == NULL) {
-        weft__v1__coll_header__free_unpacked(h, NULL);
+        weft__v1__coll_header__free_unpacked(h, &weft__pb_allocator);
         weft_value_free(msg);
         return;
     }
@@ -618,7 +618,7 @@ static bool on_land(weft_agent_t *a, int src_world, const void *payload, size_t 
                     weft_dtype_t dtype, int64_t numel, weft_landing_t *l, void *arg)
 {
     coll_ctx_t *ctx = arg;
-    Weft__V1__CollHeader *h = weft__v1__coll_header__unpack(NULL, len, payload);
+    Weft__V1__CollHeader *h = weft__v1__coll_header__unpack(&weft__pb_allocator, len, payload);
     bool taken = false;
     char why[700];
 
@@ -648,7 +648,7 @@ static bool on_land(weft_agent_t *a, int src_world, const void *payload, size_t 
         }
         pthread_mutex_unlock(&ctx->mu);
     }
-    weft__v1__coll_header__free_unpacked(h, NULL);
+    weft__v1__coll_header__free_unpacked(h, &weft__pb_allocator);
     return taken;
 }
 

@@ -14,6 +14,7 @@
 
 #include "../core/internal.h"
 #include "collectives.pb-c.h"
+#include "weft_pb.h"
 
 #define COLL_VERSION 1
 

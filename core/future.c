@@ -10,8 +10,6 @@
 
 #include "internal.h"
 
-#define SPIN_US_DEFAULT 200
-#define SPIN_US_MAX     100000
 /* wait_all/wait_any keep their waiter nodes on the stack up to this many futures. */
 #define STACK_NODES 16
 
@@ -62,23 +60,7 @@ static int64_t spin_ns;
 
 static void spin_init(void)
 {
-    const char *env = getenv("WEFT_SPIN_US");
-    long us = SPIN_US_DEFAULT;
-
-    if (env != NULL && env[0] != '\0') {
-        char *end = NULL;
-        long v;
-
-        errno = 0;
-        v = strtol(env, &end, 10);
-        if (errno != 0 || end == env || *end != '\0' || v < 0 || v > SPIN_US_MAX) {
-            WEFT_WARN("WEFT_SPIN_US=%s is not a number of microseconds in 0..%d; using %d", env,
-                      SPIN_US_MAX, SPIN_US_DEFAULT);
-        } else {
-            us = v;
-        }
-    }
-    spin_ns = (int64_t)us * 1000;
+    spin_ns = weft__cfg_int(WEFT__CFG_SPIN_US) * 1000;
 }
 
 static inline void cpu_relax(void)

@@ -3,6 +3,7 @@
 #define WEFT_CORE_INTERNAL_H
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -55,6 +56,57 @@ void weft__clear_error(void);
 /** Monotonic clock (CLOCK_MONOTONIC). */
 int64_t weft__now_ns(void);
 int64_t weft__now_ms(void);
+
+/* ---- configuration (core/config.c; the table is core/config_vars.h) ------------------------- */
+
+#include "config_vars.h"
+
+typedef enum {
+#define WEFT__CFG_ID_(id, ...) WEFT__CFG_##id,
+    WEFT__CONFIG_VARS(WEFT__CFG_ID_)
+#undef WEFT__CFG_ID_
+        WEFT__CFG_COUNT
+} weft__cfg_id_t;
+
+/* The value in effect: read from the environment (or an alias) at the first use in this process,
+ * validated (an invalid value is reported once and the default used), then the same for the life
+ * of the process. Thread-safe. */
+int64_t weft__cfg_int(weft__cfg_id_t id); /* INT and BOOL variables */
+bool weft__cfg_bool(weft__cfg_id_t id);
+const char *weft__cfg_str(weft__cfg_id_t id); /* STR, CHOICE, SECRET; never NULL */
+/* Whether the environment set it (the variable or an alias), rather than the default. */
+bool weft__cfg_is_set(weft__cfg_id_t id);
+const char *weft__cfg_name(weft__cfg_id_t id);
+
+/* ---- the timer service (core/timer.c) -------------------------------------------------------- */
+
+/*
+ * One thread that runs tasks at their due time (CLOCK_MONOTONIC ns, as weft__now_ns). The agent
+ * owns one and lends it to every module (weft_agent_timer_add in weft/module.h): call deadlines,
+ * retries, receive deadlines. Tasks run one at a time on the timer's thread and must not block.
+ */
+typedef struct weft__timer weft__timer_t;
+/** A task: @p arg and @p data are what was given to weft__timer_add. */
+typedef void (*weft__timer_cb_t)(void *arg, uint64_t data);
+weft_status_t weft__timer_create(const char *name, weft__timer_t **t_p);
+/** Stops the thread (a running task finishes first); tasks not run yet are dropped. */
+void weft__timer_free(weft__timer_t *t);
+/**
+ * Runs @p run(arg, data) at @p due_ns (at once if past). @p drop(arg, data) (may be NULL) runs
+ * instead if the task will never run (its owner was cancelled, the timer freed, or no memory).
+ * @p owner groups tasks for weft__timer_cancel_owner (may be NULL). Returns the task's id (> 0),
+ * or 0 when it could not be queued (drop has run). Any thread.
+ */
+uint64_t weft__timer_add(weft__timer_t *t, int64_t due_ns, weft__timer_cb_t run,
+                         weft__timer_cb_t drop, void *arg, uint64_t data, const void *owner);
+/** Takes task @p id out before it runs: true (neither run nor drop will be called); false when it
+ * has run, is running, or is unknown. Any thread. */
+bool weft__timer_cancel(weft__timer_t *t, uint64_t id);
+/** Drops every task of @p owner (their drop runs, in due order) and waits until no task of it is
+ * running, unless the caller is that task. Afterwards none of its tasks runs. */
+void weft__timer_cancel_owner(weft__timer_t *t, const void *owner);
+/** Tasks queued (tests). */
+size_t weft__timer_pending(weft__timer_t *t);
 
 /* ---- strings --------------------------------------------------------------------------------- */
 

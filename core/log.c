@@ -26,34 +26,20 @@ static char rank_name[NAME_MAX_BYTES];
 
 static const char level_letters[] = {'D', 'I', 'W', 'E', 'O'};
 
-static void log_always(weft_log_level_t lvl, const char *file, int line, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
 static void level_init(void)
 {
-    const char *env = getenv("WEFT_LOG");
+    /* Validated by the configuration table (an unknown word is reported there: warn). */
+    const char *s = weft__cfg_str(WEFT__CFG_LOG);
     int lvl = WEFT_LOG_WARN;
 
-    if (env == NULL || env[0] == '\0') {
-        atomic_store(&level, lvl);
-        return;
-    }
-    if (strcasecmp(env, "debug") == 0) {
+    if (strcasecmp(s, "debug") == 0) {
         lvl = WEFT_LOG_DEBUG;
-    } else if (strcasecmp(env, "info") == 0) {
+    } else if (strcasecmp(s, "info") == 0) {
         lvl = WEFT_LOG_INFO;
-    } else if (strcasecmp(env, "warn") == 0 || strcasecmp(env, "warning") == 0) {
-        lvl = WEFT_LOG_WARN;
-    } else if (strcasecmp(env, "error") == 0) {
+    } else if (strcasecmp(s, "error") == 0) {
         lvl = WEFT_LOG_ERROR;
-    } else if (strcasecmp(env, "off") == 0 || strcasecmp(env, "none") == 0) {
+    } else if (strcasecmp(s, "off") == 0 || strcasecmp(s, "none") == 0) {
         lvl = WEFT_LOG_OFF;
-    } else {
-        atomic_store(&level, WEFT_LOG_WARN);
-        /* Not weft_log: it would wait for this pthread_once. */
-        log_always(WEFT_LOG_WARN, __FILE__, __LINE__,
-                   "WEFT_LOG=%s is not one of debug|info|warn|error|off; using warn", env);
-        return;
     }
     atomic_store(&level, lvl);
 }
@@ -156,16 +142,6 @@ static void vlog(weft_log_level_t lvl, const char *file, int line, const char *f
         off += (size_t)n;
     }
     errno = saved_errno;
-}
-
-/* Writes whatever the threshold (used where the threshold is not known yet). */
-static void log_always(weft_log_level_t lvl, const char *file, int line, const char *fmt, ...)
-{
-    va_list ap;
-
-    va_start(ap, fmt);
-    vlog(lvl, file, line, fmt, ap);
-    va_end(ap);
 }
 
 void weft_log(weft_log_level_t lvl, const char *file, int line, const char *fmt, ...)

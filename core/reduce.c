@@ -432,10 +432,8 @@ static void cpu_detect(int *f16c_p, int *avx2_p)
 
 static void active_init(void)
 {
-    const char *env = getenv("WEFT_REDUCE_SIMD");
-
     memcpy(active, kernels, sizeof active);
-    if (env != NULL && strcmp(env, "0") == 0) {
+    if (!weft__cfg_bool(WEFT__CFG_REDUCE_SIMD)) {
         return;
     }
 #if REDUCE_X86

@@ -44,16 +44,7 @@ static struct {
 
 static void cache_init(void)
 {
-    const char *env = getenv("WEFT_TENSOR_CACHE_MB");
-    long mb = 1024;
-    if (env != NULL && env[0] != '\0') {
-        char *end;
-        long v = strtol(env, &end, 10);
-        if (*end == '\0' && v >= 0 && v <= (1L << 30)) {
-            mb = v;
-        }
-    }
-    cache_cap = (size_t)mb << 20;
+    cache_cap = (size_t)weft__cfg_int(WEFT__CFG_TENSOR_CACHE_MB) << 20;
 }
 
 static void *cache_take(size_t size)

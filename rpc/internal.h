@@ -20,6 +20,7 @@
 #include <weft/rpc.h>
 
 #include "../core/internal.h"
+#include "weft_pb.h"
 #include "wire.pb-c.h"
 
 #define WEFT__METHOD_STREAM  "/weft.v1.Agent/Stream"
@@ -63,7 +64,6 @@ typedef struct {
     weft_value_t *value; /* NULL until weft__wire_decode_body */
 } weft__inmsg_t;
 
-extern ProtobufCAllocator weft__pb_allocator;
 
 /* Encodes env + value (tensor bytes as zero-copy slices that hold tensor
  * references). Fills env->payload_bytes and env->tensors itself. */

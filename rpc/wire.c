@@ -7,20 +7,6 @@
 
 #include "internal.h"
 
-static void *pb_alloc(void *data, size_t size)
-{
-    (void)data;
-    return weft_alloc(size);
-}
-
-static void pb_free(void *data, void *ptr)
-{
-    (void)data;
-    weft_free(ptr);
-}
-
-ProtobufCAllocator weft__pb_allocator = {pb_alloc, pb_free, NULL};
-
 /* Messages whose bytes all fit here are sent as one copied slice: for small
  * messages a copy is cheaper than a slice per tensor. */
 #define SMALL_MESSAGE 16384

@@ -367,7 +367,7 @@ const weft_value_ref_type_t rref__ref_type = {WEFT_REF_KIND_RREF, ref_retain, re
 static Weft__V1__RRefFork *fork_unpack(rref_ctx_t *ctx, const void *bytes, size_t len,
                                        weft_rref_id_t *id_p, weft_rref_id_t *fork_p)
 {
-    Weft__V1__RRefFork *f = weft__v1__rref_fork__unpack(&rref__pb_allocator, len, bytes);
+    Weft__V1__RRefFork *f = weft__v1__rref_fork__unpack(&weft__pb_allocator, len, bytes);
     if (f == NULL) {
         weft__set_error(WEFT_ERR_PROTOCOL, "rref: unreadable fork");
         return NULL;
@@ -375,7 +375,7 @@ static Weft__V1__RRefFork *fork_unpack(rref_ctx_t *ctx, const void *bytes, size_
     if (!rref__id_from_pb(ctx, f->rref_id, id_p) || !rref__id_from_pb(ctx, f->fork_id, fork_p) ||
         f->owner < 0 || f->owner >= ctx->world || f->parent < 0 || f->parent >= ctx->world ||
         strlen(f->type) > RREF_MAX_NAME || strlen(f->created_by) > RREF_MAX_NAME) {
-        weft__v1__rref_fork__free_unpacked(f, &rref__pb_allocator);
+        weft__v1__rref_fork__free_unpacked(f, &weft__pb_allocator);
         weft__set_error(WEFT_ERR_PROTOCOL, "rref: fork with bad ids, ranks or names");
         return NULL;
     }
@@ -502,7 +502,7 @@ static void codec_unsent(void *state, weft_agent_t *a, int to, void *obj, const 
     if (f == NULL) {
         return;
     }
-    weft__v1__rref_fork__free_unpacked(f, &rref__pb_allocator);
+    weft__v1__rref_fork__free_unpacked(f, &weft__pb_allocator);
     weft_rref_t *parent = NULL;
     pthread_mutex_lock(&ctx->mu);
     if (r->role == RREF_OWNER) {
@@ -552,7 +552,7 @@ static weft_status_t codec_decode(void *state, weft_agent_t *a, int src, const v
         return WEFT_ERR_PROTOCOL;
     }
     if (f->parent != src) {
-        weft__v1__rref_fork__free_unpacked(f, &rref__pb_allocator);
+        weft__v1__rref_fork__free_unpacked(f, &weft__pb_allocator);
         return weft__set_error(WEFT_ERR_PROTOCOL, "rref: fork from rank %d names parent %d", src,
                                f->parent);
     }
@@ -564,7 +564,7 @@ static weft_status_t codec_decode(void *state, weft_agent_t *a, int src, const v
             e->refs++;
         }
         pthread_mutex_unlock(&ctx->mu);
-        weft__v1__rref_fork__free_unpacked(f, &rref__pb_allocator);
+        weft__v1__rref_fork__free_unpacked(f, &weft__pb_allocator);
         rref__ctl_send(ctx, WEFT__V1__RREF_MSG_KIND__RREF_CHILD_ACCEPT, src, id, fork, NULL, NULL);
         if (e == NULL) {
             return weft__set_error(WEFT_ERR_NOT_FOUND,
@@ -579,7 +579,7 @@ static weft_status_t codec_decode(void *state, weft_agent_t *a, int src, const v
     weft_rref_t *u = rref__alloc(ctx, RREF_USER, id, f->owner, f->type, f->created_by);
     int owner = f->owner;
     bool from_owner = f->parent == f->owner;
-    weft__v1__rref_fork__free_unpacked(f, &rref__pb_allocator);
+    weft__v1__rref_fork__free_unpacked(f, &weft__pb_allocator);
     if (u == NULL) {
         if (!from_owner) {
             rref__ctl_send(ctx, WEFT__V1__RREF_MSG_KIND__RREF_CHILD_ACCEPT, src, id, fork, NULL,

@@ -17,6 +17,7 @@
 
 #include "../core/internal.h"
 #include "rref.pb-c.h"
+#include "weft_pb.h"
 
 /* RPC functions every agent with the module registers (user traffic: counted by shutdown). */
 #define RREF_FN_REMOTE "weft.rref.remote"
@@ -203,7 +204,6 @@ const rref_type_t *rref__type_find(rref_ctx_t *ctx, const char *name);
 const char *rref__worker_name(rref_ctx_t *ctx, int rank);
 
 /* proto.c: encoding of ids and call headers, control messages */
-extern ProtobufCAllocator rref__pb_allocator;
 void rref__id_to_pb(weft_rref_id_t id, Weft__V1__RRefId *pb);
 /* False when @p pb is missing or names no rank of the world. */
 bool rref__id_from_pb(const rref_ctx_t *ctx, const Weft__V1__RRefId *pb, weft_rref_id_t *id_p);

@@ -6,20 +6,6 @@
 
 #include "internal.h"
 
-static void *pb_alloc(void *data, size_t size)
-{
-    (void)data;
-    return weft_alloc(size);
-}
-
-static void pb_free(void *data, void *p)
-{
-    (void)data;
-    weft_free(p);
-}
-
-ProtobufCAllocator rref__pb_allocator = {pb_alloc, pb_free, NULL};
-
 /* ------------------------------------------------------------------- ids */
 
 void rref__id_to_pb(weft_rref_id_t id, Weft__V1__RRefId *pb)
@@ -162,12 +148,12 @@ weft_status_t rref__call_unpack(const weft_value_t *v, Weft__V1__RRefCall **hdr_
     weft_status_t st;
 
     WEFT_CHECK(rref__frame_header(v, &hp, &hlen));
-    Weft__V1__RRefCall *hdr = weft__v1__rref_call__unpack(&rref__pb_allocator, hlen, hp);
+    Weft__V1__RRefCall *hdr = weft__v1__rref_call__unpack(&weft__pb_allocator, hlen, hp);
     if (hdr == NULL) {
         return weft__set_error(WEFT_ERR_PROTOCOL, "rref: unreadable call header");
     }
     if (strlen(hdr->name) > RREF_MAX_NAME || strlen(hdr->type) > RREF_MAX_NAME) {
-        weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
         return weft__set_error(WEFT_ERR_PROTOCOL, "rref: name in a call header over %d bytes",
                                RREF_MAX_NAME);
     }
@@ -185,7 +171,7 @@ weft_status_t rref__call_unpack(const weft_value_t *v, Weft__V1__RRefCall **hdr_
     return WEFT_OK;
 
 err_free_hdr:
-    weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+    weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
     return st;
 }
 
@@ -488,7 +474,7 @@ void rref__on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
 
     (void)a;
     Weft__V1__RRefControl *m =
-        p != NULL ? weft__v1__rref_control__unpack(&rref__pb_allocator, len, p) : NULL;
+        p != NULL ? weft__v1__rref_control__unpack(&weft__pb_allocator, len, p) : NULL;
     weft_value_free(msg);
     if (m == NULL) {
         WEFT_WARN("rref: unreadable control message from rank %d dropped", src);
@@ -537,5 +523,5 @@ void rref__on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
     }
     send_ack(ctx, src, m->msg_id, st, why);
 out:
-    weft__v1__rref_control__free_unpacked(m, &rref__pb_allocator);
+    weft__v1__rref_control__free_unpacked(m, &weft__pb_allocator);
 }

@@ -388,10 +388,10 @@ static Weft__V1__RRefCreated *created_unpack(op_t *op, const weft_value_t *v)
         size_t len = 0;
         const void *p = weft_value_payload(v, &len);
         /* An empty payload is a valid (all default: success) answer. */
-        return weft__v1__rref_created__unpack(&rref__pb_allocator, p != NULL ? len : 0,
+        return weft__v1__rref_created__unpack(&weft__pb_allocator, p != NULL ? len : 0,
                                               p != NULL ? p : (const void *)"");
     }
-    c = weft__v1__rref_created__unpack(&rref__pb_allocator, hlen, hp);
+    c = weft__v1__rref_created__unpack(&weft__pb_allocator, hlen, hp);
     if (c == NULL || !c->has_value || c->status != WEFT_OK || weft_value_num_refs(v) > 0) {
         return c; /* a value with references is not taken: uses fetch it */
     }
@@ -448,7 +448,7 @@ static void op_rpc_done(weft_future_t *f, void *arg)
                      op->u->id.worker, (unsigned long long)op->u->id.local, op->what,
                      rref__worker_name(op->ctx, op->to),
                      c->error[0] != '\0' ? c->error : weft_strerror(cst));
-            weft__v1__rref_created__free_unpacked(c, &rref__pb_allocator);
+            weft__v1__rref_created__free_unpacked(c, &weft__pb_allocator);
             rref__user_settle(op->u, true, false, cst, cst == WEFT_OK ? NULL : why);
         }
         op_free(op);
@@ -1030,7 +1030,7 @@ static weft_rref_t *handler_target(rref_ctx_t *ctx, weft_call_t *call, Weft__V1_
         return NULL;
     }
     if (!rref__id_from_pb(ctx, hdr->rref_id, &id)) {
-        weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
         weft_call_fail(call, WEFT_ERR_PROTOCOL, "rref: call without a valid reference id");
         return NULL;
     }
@@ -1049,7 +1049,7 @@ static weft_rref_t *handler_target(rref_ctx_t *ctx, weft_call_t *call, Weft__V1_
     }
     pthread_mutex_unlock(&ctx->mu);
     if (e == NULL) {
-        weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
         if (may_come) {
             weft_call_fail(call, WEFT_ERR_PENDING, "rref (%d,%llu) is not created on %s yet",
                            id.worker, (unsigned long long)id.local,
@@ -1120,7 +1120,7 @@ void rref__handle_fetch(weft_call_t *call, void *arg)
     if (e == NULL) {
         return;
     }
-    weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+    weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
     pending_call_t *p = pending_call(call, e, NULL);
     if (p == NULL || weft_future_then(e->ready, fetch_ready, p) != WEFT_OK) {
         weft_free(p);
@@ -1210,13 +1210,13 @@ void rref__handle_method(weft_call_t *call, void *arg)
         return;
     }
     if (hdr->name[0] == '\0') {
-        weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
         weft_call_fail(call, WEFT_ERR_PROTOCOL, "rref: method call without a method name");
         weft_rref_release(e);
         return;
     }
     pending_call_t *p = pending_call(call, e, hdr->name);
-    weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+    weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
     if (p == NULL || weft_future_then(e->ready, method_ready, p) != WEFT_OK) {
         if (p != NULL) {
             weft_free(p->method);
@@ -1313,7 +1313,7 @@ void rref__handle_remote(weft_call_t *call, void *arg)
         kind > WEFT__V1__RREF_CREATE_KIND__RREF_CREATE_METHOD ||
         (kind == WEFT__V1__RREF_CREATE_KIND__RREF_CREATE_METHOD &&
          !rref__id_from_pb(ctx, hdr->target, &target))) {
-        weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
         weft_value_free(args);
         weft_call_fail(call, WEFT_ERR_PROTOCOL,
                        "rref: remote creation with missing or bad ids, name or kind");
@@ -1321,7 +1321,7 @@ void rref__handle_remote(weft_call_t *call, void *arg)
     }
     fresh = rref__alloc(ctx, RREF_OWNER, id, ctx->rank, hdr->type, hdr->name);
     if (fresh == NULL) {
-        weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
         weft_value_free(args);
         weft_call_fail(call, WEFT_ERR_NO_MEMORY, "rref: no memory for a reference");
         return;
@@ -1347,7 +1347,7 @@ void rref__handle_remote(weft_call_t *call, void *arg)
     }
     pthread_mutex_unlock(&ctx->mu);
     if (st != WEFT_OK) {
-        weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
         weft_value_free(args);
         if (fresh != NULL) {
             fresh->refs = 0;
@@ -1366,7 +1366,7 @@ void rref__handle_remote(weft_call_t *call, void *arg)
         weft_value_free(args);
     }
     uint64_t eager_max = hdr->eager_max;
-    weft__v1__rref_call__free_unpacked(hdr, &rref__pb_allocator);
+    weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
     pending_call_t *p = pending_call(call, e, NULL);
     if (p != NULL) {
         p->eager_max = eager_max;

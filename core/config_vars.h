@@ -1,0 +1,66 @@
+/* Every WEFT_* environment variable, once: X(id, name, type, default, min, max, choices, aliases,
+ * module, doc). Included by core/internal.h (the ids) and core/config.c (the table); not
+ * installed. `weftrun --print-config` prints this table with the values in effect.
+ *   type: INT (decimal, in min..max), BOOL (0/1, true/false, yes/no, on/off), STR, CHOICE (one of
+ *         choices, '|'-separated), SECRET (a string never printed).
+ *   default: the text used when the variable and its aliases are unset ("" for none).
+ *   aliases: other names read when the WEFT_ one is unset, in order ('|'-separated; "" none). */
+#ifndef WEFT_CORE_CONFIG_VARS_H
+#define WEFT_CORE_CONFIG_VARS_H
+
+
+#define WEFT__CONFIG_VARS(X)                                                                       \
+    /* core */                                                                                     \
+    X(LOG, "WEFT_LOG", CHOICE, "warn", 0, 0, "debug|info|warn|warning|error|off|none", "", "core",      \
+      "log threshold: lines below it are not printed")                                             \
+    X(SPIN_US, "WEFT_SPIN_US", INT, "200", 0, 100000, "", "", "core",                              \
+      "microseconds a waiting thread polls a future before it sleeps")                            \
+    X(TENSOR_CACHE_MB, "WEFT_TENSOR_CACHE_MB", INT, "1024", 0, 1073741824, "", "", "core",         \
+      "MiB of large tensor buffers kept for reuse (received messages land in them)")              \
+    X(REDUCE_SIMD, "WEFT_REDUCE_SIMD", BOOL, "1", 0, 0, "", "", "core",                            \
+      "use the CPU's vector kernels (F16C, AVX2) for f16/bf16 reductions")                         \
+    /* rpc: the agent (weft_agent_opts_t fields override these) */                                 \
+    X(RANK, "WEFT_RANK", INT, "-1", -1, 1048575, "", "RANK|SLURM_PROCID|OMPI_COMM_WORLD_RANK|PMI_RANK", \
+      "rpc", "this process's rank in the world")                                                  \
+    X(WORLD_SIZE, "WEFT_WORLD_SIZE", INT, "-1", -1, 1048576, "",                                   \
+      "WORLD_SIZE|SLURM_NTASKS|OMPI_COMM_WORLD_SIZE|PMI_SIZE", "rpc", "number of ranks")          \
+    X(MASTER_ADDR, "WEFT_MASTER_ADDR", STR, "127.0.0.1", 0, 0, "", "MASTER_ADDR", "rpc",           \
+      "host of rank 0, where every rank joins")                                                    \
+    X(MASTER_PORT, "WEFT_MASTER_PORT", INT, "-1", -1, 65535, "", "MASTER_PORT", "rpc",             \
+      "port of rank 0's server (rank 0 may use 0: any free port)")                                 \
+    X(NAME, "WEFT_NAME", STR, "", 0, 0, "", "", "rpc", "this worker's name (default worker<rank>)") \
+    X(LISTEN_HOST, "WEFT_LISTEN_HOST", STR, "", 0, 0, "", "", "rpc",                               \
+      "host or address other ranks reach this one at (default: see docs/weftrun.md)")              \
+    X(AUTH_TOKEN, "WEFT_AUTH_TOKEN", SECRET, "", 0, 0, "", "", "rpc",                              \
+      "the job's shared secret, checked when a rank joins and connects")                           \
+    X(RENDEZVOUS_TIMEOUT_MS, "WEFT_RENDEZVOUS_TIMEOUT_MS", INT, "60000", 1, INT64_MAX, "", "",  \
+      "rpc", "how long the ranks wait for each other at join")                                    \
+    X(RPC_TIMEOUT_MS, "WEFT_RPC_TIMEOUT_MS", INT, "60000", 1, INT64_MAX, "", "", "rpc",        \
+      "deadline of a call (and of other remote operations) given a timeout of 0")                  \
+    X(PEER_TIMEOUT_MS, "WEFT_PEER_TIMEOUT_MS", INT, "2000", 200, INT64_MAX, "", "", "rpc",     \
+      "a peer silent this long is declared lost")                                                  \
+    X(HANDLER_THREADS, "WEFT_HANDLER_THREADS", INT, "1", 1, 32, "", "", "rpc",                     \
+      "threads serving the transport and handlers (one more starts when one blocks)")             \
+    X(MAX_MESSAGE_BYTES, "WEFT_MAX_MESSAGE_BYTES", INT, "4294967295", 1024, 4294967295, "", "",     \
+      "rpc", "largest message this rank accepts")                                                  \
+    X(DIRECT, "WEFT_DIRECT", BOOL, "1", 0, 0, "", "", "rpc",                                       \
+      "large frames take direct TCP connections between ranks (0: everything on gRPC)")           \
+    /* rref */                                                                                     \
+    X(RREF_EAGER_BYTES, "WEFT_RREF_EAGER_BYTES", INT, "65536", 0, INT64_MAX, "", "", "rref",    \
+      "values up to this size come back with remote()'s answer (0: always fetched)")               \
+    X(RREF_FAULT_DELAY_US, "WEFT_RREF_FAULT_DELAY_US", INT, "0", 0, INT64_MAX, "", "", "rref",  \
+      "tests: delay each reference control message by up to this many microseconds")              \
+    X(RREF_FAULT_DUP, "WEFT_RREF_FAULT_DUP", BOOL, "0", 0, 0, "", "", "rref",                      \
+      "tests: send each reference control message twice")                                         \
+    /* collectives */                                                                              \
+    X(COLL_TIMEOUT_MS, "WEFT_COLL_TIMEOUT_MS", INT, "60000", 1, INT64_MAX, "", "",              \
+      "collectives", "a group's default deadline for each operation")                              \
+    X(COLL_ALGO, "WEFT_COLL_ALGO", CHOICE, "auto", 0, 0, "auto|direct|ring|cma", "", "collectives", \
+      "all_reduce algorithm of new groups (set it alike on every rank)")                          \
+    X(COLL_CMA, "WEFT_COLL_CMA", BOOL, "1", 0, 0, "", "", "collectives",                           \
+      "allow all_reduce by cross-memory reads between ranks of one host (0 on any rank: never)")  \
+    /* examples */                                                                                 \
+    X(DATA_DIR, "WEFT_DATA_DIR", STR, "/usr/share/datasets/fashion-mnist", 0, 0, "", "",            \
+      "examples", "where the examples read Fashion-MNIST")
+
+#endif
