@@ -126,14 +126,13 @@ static bool seq_finished(const coll_ctx_t *ctx, uint32_t id, uint64_t seq)
     return false; /* a group not created here yet: keep its pieces */
 }
 
-static void on_message(weft_agent_t *a, int src_world, weft_value_t *msg, void *arg)
+static void on_message(void *state, int src_world, weft_value_t *msg)
 {
-    coll_ctx_t *ctx = arg;
+    coll_ctx_t *ctx = state;
     size_t len;
     const void *pl = weft_value_payload(msg, &len);
     Weft__V1__CollHeader *h = pl != NULL ? weft__v1__coll_header__unpack(&weft__pb_allocator, len, pl) : NULL;
 
-    (void)a;
     if (h == NULL || h->version != COLL_VERSION) {
         WEFT_WARN("collectives: dropped an unreadable message from rank %d", src_world);
         if (h != NULL) {
@@ -209,12 +208,11 @@ static void on_message(weft_agent_t *a, int src_world, weft_value_t *msg, void *
     pthread_mutex_unlock(&ctx->mu);
 }
 
-static void on_lost(weft_agent_t *a, int rank, const char *why, void *arg)
+static void on_lost(void *state, int rank, const char *why)
 {
-    coll_ctx_t *ctx = arg;
+    coll_ctx_t *ctx = state;
     coll_precv_t *fail = NULL;
 
-    (void)a;
     pthread_mutex_lock(&ctx->mu);
     ctx->lost[rank] = true;
     weft_free(ctx->why[rank]);
@@ -315,8 +313,8 @@ static void *timer_main(void *arg)
     return NULL;
 }
 
-static bool on_land(weft_agent_t *a, int src_world, const void *payload, size_t len,
-                    weft_dtype_t dtype, int64_t numel, weft_landing_t *l, void *arg);
+static bool on_land(void *state, int src_world, const void *payload, size_t len,
+                    weft_dtype_t dtype, int64_t numel, weft_landing_t *l);
 
 static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
 {
@@ -346,25 +344,24 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
         return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: cannot start a thread");
     }
     ctx->timer_started = true;
-    weft_status_t st = weft_agent_register_channel(a, WEFT_CHANNEL_COLLECTIVES, on_message, ctx);
-    if (st == WEFT_OK) {
-        st = weft_agent_set_channel_lander(a, WEFT_CHANNEL_COLLECTIVES, on_land);
-    }
-    if (st == WEFT_OK) {
-        st = weft_agent_on_peer_lost(a, on_lost, ctx);
-    }
-    if (st != WEFT_OK) {
-        ctx_destroy(ctx);
-        return st;
-    }
     *state_p = ctx;
     return WEFT_OK;
 }
 
+static const weft_module_desc_t coll_module = {
+    .name = "collectives",
+    .channel = WEFT_CHANNEL_COLLECTIVES,
+    .create = ctx_create,
+    .destroy = ctx_destroy,
+    .on_message = on_message,
+    .lander = on_land,
+    .on_peer_lost = on_lost,
+};
+
 weft_status_t coll__ctx(weft_agent_t *a, coll_ctx_t **ctx_p)
 {
     void *state;
-    WEFT_CHECK(weft_agent_module(a, WEFT_CHANNEL_COLLECTIVES, ctx_create, ctx_destroy, &state));
+    WEFT_CHECK(weft_agent_module(a, &coll_module, &state));
     *ctx_p = state;
     return WEFT_OK;
 }
@@ -614,15 +611,14 @@ static void slot_done(void *arg, bool landed)
 
 /* The direct connection's reader asks where a piece lands: into its posted slot when
  * the piece is the one expected there, with the operation's view. */
-static bool on_land(weft_agent_t *a, int src_world, const void *payload, size_t len,
-                    weft_dtype_t dtype, int64_t numel, weft_landing_t *l, void *arg)
+static bool on_land(void *state, int src_world, const void *payload, size_t len,
+                    weft_dtype_t dtype, int64_t numel, weft_landing_t *l)
 {
-    coll_ctx_t *ctx = arg;
+    coll_ctx_t *ctx = state;
     Weft__V1__CollHeader *h = weft__v1__coll_header__unpack(&weft__pb_allocator, len, payload);
     bool taken = false;
     char why[700];
 
-    (void)a;
     if (h == NULL) {
         return false;
     }

@@ -11,6 +11,7 @@
 #include <stdbool.h>
 
 #include <weft/collectives.h>
+#include <weft/module.h>
 
 #include "../core/internal.h"
 #include "collectives.pb-c.h"

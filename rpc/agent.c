@@ -402,55 +402,10 @@ void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const ch
     }
     weft__direct_cut(a, rank);
     WEFT_WARN("%s", why);
-    pthread_rwlock_rdlock(&a->reg_mu);
-    for (weft__listener_t *l = a->listeners; l != NULL; l = l->next) {
-        l->cb(a, rank, why, l->arg);
-    }
-    pthread_rwlock_unlock(&a->reg_mu);
+    weft__shutdown_peer_lost(a, rank);
+    weft__modules_peer_lost(a, rank, why);
 }
 
-weft_status_t weft_agent_module(weft_agent_t *a, uint32_t channel, weft_module_create_cb_t create,
-                                weft_module_destroy_cb_t destroy, void **state_p)
-{
-    weft_status_t st = WEFT_OK;
-
-    if (a == NULL || create == NULL || state_p == NULL || channel < 1 ||
-        channel > WEFT_CHANNEL_MAX) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_module: bad argument");
-    }
-    pthread_mutex_lock(&a->module_mu);
-    if (a->module_state[channel] == NULL) {
-        void *state = NULL;
-        st = create(a, &state);
-        if (st == WEFT_OK) {
-            a->module_state[channel] = state;
-            a->module_destroy[channel] = destroy;
-        }
-    }
-    if (st == WEFT_OK) {
-        *state_p = a->module_state[channel];
-    }
-    pthread_mutex_unlock(&a->module_mu);
-    return st;
-}
-
-weft_status_t weft_agent_on_peer_lost(weft_agent_t *a, weft_peer_lost_cb_t cb, void *arg)
-{
-    if (a == NULL || cb == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "on_peer_lost: NULL argument");
-    }
-    weft__listener_t *l = weft_calloc(1, sizeof(*l));
-    if (l == NULL) {
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "on_peer_lost: no memory");
-    }
-    l->cb = cb;
-    l->arg = arg;
-    pthread_rwlock_wrlock(&a->reg_mu);
-    l->next = a->listeners;
-    a->listeners = l;
-    pthread_rwlock_unlock(&a->reg_mu);
-    return WEFT_OK;
-}
 
 /* ------------------------------------------------------------ lifecycle */
 
@@ -535,6 +490,7 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
         server_request(a);
     }
     weft__shutdown_register(a);
+    WEFT_CHECK_GOTO(weft__timer_create("weft-timer", &a->timer), st, err_destroy_grpc);
     pthread_mutex_lock(&a->threads_mu);
     for (int i = 0; i < a->handler_threads; i++) {
         if (pthread_create(&a->pollers[a->npollers], NULL, poller_main, a) != 0) {
@@ -718,8 +674,8 @@ weft_status_t weft_agent_shutdown(weft_agent_t *a, int64_t timeout_ms)
         timeout_ms = a->default_timeout_ms;
     }
     int64_t deadline = weft__now_ns() + timeout_ms * 1000000;
-    /* Modules settle first (weft_agent_on_shutdown), while calls still go. */
-    weft__shutdown_listeners(a, deadline / 1000000);
+    /* Modules settle first (their on_shutdown), while calls still go. */
+    weft__modules_shutdown(a, deadline / 1000000);
     atomic_store(&a->state, WEFT__AGENT_SHUTTING_DOWN);
     weft_status_t st = weft__shutdown_barrier(a, deadline);
     char why[1024];
@@ -820,12 +776,9 @@ void weft_agent_free(weft_agent_t *a)
     /* References still kept for this rank itself: released before their modules go. */
     weft__refs_free(a);
     /* Upper modules' state, now that nothing can call into it any more. */
-    for (int c = 0; c <= WEFT_CHANNEL_MAX; c++) {
-        if (a->module_state[c] != NULL && a->module_destroy[c] != NULL) {
-            a->module_destroy[c](a->module_state[c]);
-        }
-        a->module_state[c] = NULL;
-    }
+    weft__modules_free(a);
+    weft__timer_free(a->timer);
+    a->timer = NULL;
     if (a->server != NULL) {
         pthread_mutex_lock(&grpc_init_mu);
         grpc_shutdown();
@@ -836,11 +789,6 @@ void weft_agent_free(weft_agent_t *a)
         a->fns = f->next;
         weft_free(f->name);
         weft_free(f);
-    }
-    while (a->listeners != NULL) {
-        weft__listener_t *l = a->listeners;
-        a->listeners = l->next;
-        weft_free(l);
     }
     if (a->peers != NULL) {
         for (int i = 0; i < a->world_size; i++) {
@@ -869,12 +817,6 @@ void weft_agent_free(weft_agent_t *a)
     pthread_cond_destroy(&a->streams_cv);
     pthread_mutex_destroy(&a->sd_mu);
     pthread_mutex_destroy(&a->module_mu);
-    while (a->early_head != NULL) {
-        weft__early_t *e = a->early_head;
-        a->early_head = e->next;
-        weft_value_free(e->v);
-        weft_free(e);
-    }
     pthread_mutex_destroy(&a->chan_mu);
     weft_free(a);
 }

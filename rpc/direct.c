@@ -555,7 +555,7 @@ static bool land_bytes(conn_in_t *c, const weft_landing_t *l, uint64_t n)
 /* A one-way message with one tensor, on a channel that may say where it lands: its
  * payload first, then the tensor's bytes, in place or into a fresh tensor. The
  * envelope is consumed; false when the connection is over or broken. */
-static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, weft_channel_land_cb_t land,
+static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__module_t *mod,
                          uint64_t body)
 {
     weft_agent_t *a = c->agent;
@@ -582,8 +582,8 @@ static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, weft_channel_lan
     }
     weft_landing_t l = {0};
     bool deliver = true;
-    if (land(a, c->peer, pl, env->payload_bytes, (weft_dtype_t)tm->dtype, numel, &l,
-             a->channel_arg[ch])) {
+    if (mod->desc.lander(mod->state, c->peer, pl, env->payload_bytes, (weft_dtype_t)tm->dtype,
+                         numel, &l)) {
         ok = land_bytes(c, &l, nb);
         l.done(l.arg, ok);
     } else {
@@ -665,10 +665,10 @@ static bool read_frame(conn_in_t *c)
     }
     if (env->kind == WEFT__V1__KIND__KIND_ONEWAY && env->n_tensors == 1 && env->payload_bytes > 0 &&
         env->payload_bytes <= LAND_MAX_PAYLOAD && env->channel >= 1 &&
-        env->channel <= WEFT_CHANNEL_MAX && atomic_load(&a->chan_ready[env->channel])) {
-        weft_channel_land_cb_t land = atomic_load(&a->channel_land[env->channel]);
-        if (land != NULL) {
-            return read_landing(c, env, land, body);
+        env->channel <= WEFT_CHANNEL_MAX) {
+        const weft__module_t *mod = weft__module_at(a, env->channel);
+        if (mod != NULL && mod->desc.lander != NULL) {
+            return read_landing(c, env, mod, body);
         }
     }
     /* The body, straight into its destinations: allocate them all first, so that a

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <weft/module.h>
 #include <weft/rpc.h>
 
 #include "../core/internal.h"
@@ -156,11 +157,14 @@ typedef enum {
     WEFT__AGENT_CLOSED,
 } weft__agent_state_t;
 
-typedef struct weft__listener {
-    weft_peer_lost_cb_t cb;
-    void *arg;
-    struct weft__listener *next;
-} weft__listener_t;
+/* A module registered with weft_agent_module (module.c). */
+typedef struct weft__module {
+    weft_module_desc_t desc; /* a copy; desc.codec points at codec */
+    const weft_module_desc_t *orig;
+    weft_ref_codec_t codec;
+    void *state;
+    _Atomic(struct weft__module *) next; /* creation order */
+} weft__module_t;
 
 typedef struct weft__join weft__join_t;
 
@@ -206,22 +210,19 @@ struct weft_agent {
     /* world */
     weft__peer_t *peers; /* world_size entries after join */
 
-    /* registry and channels */
+    /* the function registry */
     pthread_rwlock_t reg_mu;
     weft__fn_t *fns;
-    weft_channel_cb_t channel_cb[WEFT_CHANNEL_MAX + 1];
-    void *channel_arg[WEFT_CHANNEL_MAX + 1];
-    _Atomic(weft_channel_land_cb_t) channel_land[WEFT_CHANNEL_MAX + 1];
-    /* one-way messages that came before their channel was registered */
+    /* modules (module.c): by channel, and in creation order */
+    pthread_mutex_t module_mu;
+    _Atomic(weft__module_t *) by_channel[WEFT_CHANNEL_MAX + 1];
+    weft__module_t *modules, *modules_tail;
+    /* one-way messages that came before their channel's module exists */
     pthread_mutex_t chan_mu;
-    _Atomic bool chan_ready[WEFT_CHANNEL_MAX + 1];
     struct weft__early *early_head, *early_tail;
     int nearly;
-    weft__listener_t *listeners;
-    /* upper modules' per-agent state, by channel */
-    pthread_mutex_t module_mu;
-    void *module_state[WEFT_CHANNEL_MAX + 1];
-    weft_module_destroy_cb_t module_destroy[WEFT_CHANNEL_MAX + 1];
+    /* the timer service: call deadlines and every module's timed tasks */
+    weft__timer_t *timer;
 
     /* outgoing calls */
     pthread_mutex_t pend_mu;
@@ -247,7 +248,6 @@ struct weft_agent {
     /* shutdown barrier (rank 0) */
     pthread_mutex_t sd_mu;
     struct weft__sd_state *sd;
-    struct weft__sd_listener *sd_listeners; /* weft_agent_on_shutdown, in order; under sd_mu */
 
     /* reference codecs and references sent to this rank itself (refs.c); made on first use */
     _Atomic(struct weft__refs *) refs;
@@ -261,8 +261,17 @@ typedef struct weft__early {
     int src;
     weft_value_t *v;
 } weft__early_t;
-/* Delivers a one-way message to its channel, or keeps it until the channel exists. */
+/* module.c */
+/* Delivers a one-way message to its channel's module, or keeps it until the module exists. */
 void weft__channel_deliver(weft_agent_t *a, uint32_t channel, int src, weft_value_t *v);
+/* The module on @p channel (NULL: none yet, or out of range). Any thread, no lock. */
+weft__module_t *weft__module_at(weft_agent_t *a, uint32_t channel);
+/* Every module hears of a lost peer, in creation order. */
+void weft__modules_peer_lost(weft_agent_t *a, int rank, const char *why);
+/* Every module's on_shutdown, in creation order, on the calling thread. */
+void weft__modules_shutdown(weft_agent_t *a, int64_t deadline_ms);
+/* Drops the modules' timer tasks and destroys them, last created first (transport closed). */
+void weft__modules_free(weft_agent_t *a);
 
 /* agent.c */
 void weft__agent_request_more(weft_agent_t *a);
@@ -341,12 +350,15 @@ weft_status_t weft__rendezvous(weft_agent_t *a);
 void weft__join_free(weft_agent_t *a);
 
 /* shutdown.c */
-/* Runs the weft_agent_on_shutdown listeners in order, on the calling thread. */
-void weft__shutdown_listeners(weft_agent_t *a, int64_t deadline_ms);
+/* Rank 0's count of live ranks forgets @p rank. */
+void weft__shutdown_peer_lost(weft_agent_t *a, int rank);
 weft_status_t weft__shutdown_barrier(weft_agent_t *a, int64_t deadline_ns);
 void weft__shutdown_register(weft_agent_t *a);
 void weft__shutdown_free(weft_agent_t *a);
 
+/* refs.c: the codecs of modules (module.c checks, then registers, under module_mu) */
+weft_status_t weft__refs_check_codec(weft_agent_t *a, const weft_ref_codec_t *codec);
+void weft__refs_register(weft_agent_t *a, const weft_ref_codec_t *codec, void *state);
 /* refs.c: references (weft_value_add_ref) in messages. To another rank each travels as
  * Envelope.refs[i] = {kind, codec's encode(obj)}; to this rank itself as {kind, 8-byte token} of
  * the object kept, retained, in a table of the agent until the receiving side takes it. */

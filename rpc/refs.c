@@ -1,4 +1,4 @@
-/* References in messages: the registry of reference codecs (weft_agent_register_ref_codec), the
+/* References in messages: the registry of reference codecs (a module's, weft/module.h), the
  * encoding of a value's references into an envelope and their decoding on receipt, the objects a
  * rank sends to itself (kept in a table, never encoded), and the wait of a request for the
  * objects of its arguments to be ready. The agent knows nothing of what the objects are. */
@@ -88,35 +88,38 @@ static const slot_t *codec_for(weft_agent_t *a, uint32_t kind)
     return &r->slots[kind];
 }
 
-weft_status_t weft_agent_register_ref_codec(weft_agent_t *a, uint32_t kind,
-                                            const weft_ref_codec_t *codec, void *state)
+weft_status_t weft__refs_check_codec(weft_agent_t *a, const weft_ref_codec_t *codec)
 {
-    if (a == NULL || codec == NULL || codec->encode == NULL || codec->decode == NULL ||
-        codec->type == NULL || codec->type->retain == NULL || codec->type->release == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG,
-                               "register_ref_codec: NULL agent, codec, callback or type");
+    if (codec->encode == NULL || codec->decode == NULL || codec->type == NULL ||
+        codec->type->retain == NULL || codec->type->release == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "module: a codec needs encode, decode and a "
+                                                     "type with retain and release");
     }
-    if (kind < 1 || kind >= NKINDS || codec->type->kind != kind) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG,
-                               "register_ref_codec: kind %u out of 1..%d or not its type's (%u)",
-                               kind, NKINDS - 1, codec->type->kind);
+    uint32_t kind = codec->type->kind;
+    if (kind < 1 || kind >= NKINDS) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "module: codec kind %u out of 1..%d", kind,
+                               NKINDS - 1);
     }
-    struct weft__refs *r = refs_make(a);
-    if (r == NULL) {
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "register_ref_codec: no memory");
+    if (codec_for(a, kind) != NULL) {
+        return weft__set_error(WEFT_ERR_ALREADY_EXISTS, "module: kind %u has a codec already",
+                               kind);
     }
+    if (refs_make(a) == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "module: no memory for a codec");
+    }
+    return WEFT_OK;
+}
+
+void weft__refs_register(weft_agent_t *a, const weft_ref_codec_t *codec, void *state)
+{
+    struct weft__refs *r = refs_get(a); /* made by weft__refs_check_codec */
+    slot_t *s = &r->slots[codec->type->kind];
+
     pthread_mutex_lock(&r->mu);
-    slot_t *s = &r->slots[kind];
-    if (atomic_load(&s->set)) {
-        pthread_mutex_unlock(&r->mu);
-        return weft__set_error(WEFT_ERR_ALREADY_EXISTS,
-                               "register_ref_codec: kind %u has a codec already", kind);
-    }
     s->codec = *codec;
     s->state = state;
     atomic_store(&s->set, true);
     pthread_mutex_unlock(&r->mu);
-    return WEFT_OK;
 }
 
 /* ------------------------------------------------------------ the self table */

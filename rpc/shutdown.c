@@ -4,8 +4,8 @@
  * Rank 0 answers a round once every live rank has reported: the world is
  * quiet when, in two consecutive rounds, every rank was passive with the same
  * counters and all requests sent were received (a four-counter termination
- * test); otherwise everyone waits and reports again. Before it, the listeners of
- * weft_agent_on_shutdown settle their modules' state while the RPC layer still works. */
+ * test); otherwise everyone waits and reports again. Before it, the modules settle their state
+ * (their on_shutdown) while the RPC layer still works. */
 #include <string.h>
 #include <unistd.h>
 
@@ -20,53 +20,6 @@ typedef struct weft__sd_state {
     bool prev_valid;
     bool *lost;
 } sd_state_t;
-
-typedef struct weft__sd_listener {
-    weft_shutdown_cb_t cb;
-    void *arg;
-    struct weft__sd_listener *next;
-} sd_listener_t;
-
-weft_status_t weft_agent_on_shutdown(weft_agent_t *a, weft_shutdown_cb_t cb, void *arg)
-{
-    if (a == NULL || cb == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "on_shutdown: NULL argument");
-    }
-    sd_listener_t *l = weft_calloc(1, sizeof(*l));
-    if (l == NULL) {
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "on_shutdown: no memory");
-    }
-    l->cb = cb;
-    l->arg = arg;
-    pthread_mutex_lock(&a->sd_mu);
-    sd_listener_t **pp = &a->sd_listeners;
-    while (*pp != NULL) {
-        pp = &(*pp)->next;
-    }
-    *pp = l;
-    pthread_mutex_unlock(&a->sd_mu);
-    return WEFT_OK;
-}
-
-void weft__shutdown_listeners(weft_agent_t *a, int64_t deadline_ms)
-{
-    /* No lock while they run (one may add another, or wait on calls); listeners are only freed
-     * with the agent, and one added meanwhile runs too. */
-    pthread_mutex_lock(&a->sd_mu);
-    sd_listener_t *l = a->sd_listeners;
-    pthread_mutex_unlock(&a->sd_mu);
-    while (l != NULL) {
-        weft__clear_error();
-        weft_status_t st = l->cb(a, deadline_ms, l->arg);
-        if (st != WEFT_OK) {
-            WEFT_WARN("shutdown: a listener failed (%s): %s; shutting down anyway",
-                      weft_strerror(st), weft_last_error());
-        }
-        pthread_mutex_lock(&a->sd_mu);
-        l = l->next;
-        pthread_mutex_unlock(&a->sd_mu);
-    }
-}
 
 static void put_u64(uint8_t *p, uint64_t v)
 {
@@ -185,11 +138,13 @@ static void shutdown_handler(weft_call_t *call, void *arg)
     pthread_mutex_unlock(&a->sd_mu);
 }
 
-static void on_lost(weft_agent_t *a, int rank, const char *why, void *arg)
+void weft__shutdown_peer_lost(weft_agent_t *a, int rank)
 {
-    sd_state_t *sd = arg;
+    sd_state_t *sd = a->sd;
 
-    (void)why;
+    if (sd == NULL) {
+        return;
+    }
     pthread_mutex_lock(&a->sd_mu);
     if (!sd->lost[rank]) {
         sd->lost[rank] = true;
@@ -229,18 +184,12 @@ void weft__shutdown_register(weft_agent_t *a)
         weft__shutdown_free(a);
         return;
     }
-    (void)weft_agent_on_peer_lost(a, on_lost, sd);
 }
 
 void weft__shutdown_free(weft_agent_t *a)
 {
     sd_state_t *sd = a->sd;
 
-    while (a->sd_listeners != NULL) {
-        sd_listener_t *l = a->sd_listeners;
-        a->sd_listeners = l->next;
-        weft_free(l);
-    }
     if (sd == NULL) {
         return;
     }

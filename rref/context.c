@@ -253,7 +253,7 @@ static void ctx_destroy(void *state)
     rref__ctx_unref(ctx);
 }
 
-static weft_status_t on_shutdown(weft_agent_t *a, int64_t deadline_ms, void *arg);
+static weft_status_t on_shutdown(void *state, int64_t deadline_ms);
 
 /* Reads a non-negative integer from the environment (0 when unset or malformed). */
 static int64_t env_int(const char *name)
@@ -323,15 +323,9 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     ctx->timer_started = true;
 
     /* From here on the agent may call into ctx: on a failure it is kept (not freed), stopped. */
-    WEFT_CHECK_GOTO(weft_agent_register_channel(a, WEFT_CHANNEL_RREF, rref__on_message, ctx), st,
-                    err_keep);
-    WEFT_CHECK_GOTO(weft_agent_register_ref_codec(a, WEFT_REF_KIND_RREF, &rref__codec, ctx), st,
-                    err_keep);
     WEFT_CHECK_GOTO(weft_rpc_register(a, RREF_FN_REMOTE, rref__handle_remote, ctx), st, err_keep);
     WEFT_CHECK_GOTO(weft_rpc_register(a, RREF_FN_FETCH, rref__handle_fetch, ctx), st, err_keep);
     WEFT_CHECK_GOTO(weft_rpc_register(a, RREF_FN_METHOD, rref__handle_method, ctx), st, err_keep);
-    WEFT_CHECK_GOTO(weft_agent_on_peer_lost(a, rref__on_peer_lost, ctx), st, err_keep);
-    WEFT_CHECK_GOTO(weft_agent_on_shutdown(a, on_shutdown, ctx), st, err_keep);
     *state_p = ctx;
     return WEFT_OK;
 
@@ -343,6 +337,17 @@ err_keep:
     return st;
 }
 
+static const weft_module_desc_t rref_module = {
+    .name = "rref",
+    .channel = WEFT_CHANNEL_RREF,
+    .create = ctx_create,
+    .destroy = ctx_destroy,
+    .on_message = rref__on_message,
+    .on_peer_lost = rref__on_peer_lost,
+    .on_shutdown = on_shutdown,
+    .codec = &rref__codec,
+};
+
 weft_status_t rref__ctx(weft_agent_t *a, rref_ctx_t **ctx_p)
 {
     void *state;
@@ -350,7 +355,7 @@ weft_status_t rref__ctx(weft_agent_t *a, rref_ctx_t **ctx_p)
     if (a == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rref: NULL agent");
     }
-    WEFT_CHECK(weft_agent_module(a, WEFT_CHANNEL_RREF, ctx_create, ctx_destroy, &state));
+    WEFT_CHECK(weft_agent_module(a, &rref_module, &state));
     *ctx_p = state;
     return WEFT_OK;
 }
@@ -519,13 +524,12 @@ static bool wait_settled(rref_ctx_t *ctx, int64_t deadline_ms, bool ctl_only, co
     }
 }
 
-static weft_status_t on_shutdown(weft_agent_t *a, int64_t deadline_ms, void *arg)
+static weft_status_t on_shutdown(void *state, int64_t deadline_ms)
 {
-    rref_ctx_t *ctx = arg;
+    rref_ctx_t *ctx = state;
     weft_status_t st = WEFT_OK;
     counts_t c;
 
-    (void)a;
     if (!wait_settled(ctx, deadline_ms, false, &c)) {
         st = weft__set_error(WEFT_ERR_TIMEOUT,
                              "rref: at the shutdown deadline %zu user references were still "

@@ -697,16 +697,15 @@ weft_status_t rref__on_user_delete(rref_ctx_t *ctx, int src, weft_rref_id_t id, 
 
 /* ------------------------------------------------------------ lost peers */
 
-void rref__on_peer_lost(weft_agent_t *a, int rank, const char *why, void *arg)
+void rref__on_peer_lost(void *state, int rank, const char *why)
 {
-    rref_ctx_t *ctx = arg;
+    rref_ctx_t *ctx = state;
     weft_rref_t *free_list = NULL;
     weft_rref_t **parents = NULL;
     size_t nparents = 0;
     weft_future_t **fail = NULL;
     size_t nfail = 0, nfreed = 0;
 
-    (void)a;
     if (rank < 0 || rank >= ctx->world) {
         return;
     }

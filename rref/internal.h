@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include <weft/rref.h>
+#include <weft/module.h>
 #include <weft/rpc.h>
 
 #include "../core/internal.h"
@@ -228,7 +229,7 @@ weft_status_t rref__value_fill(weft_value_t *dst, const weft_value_t *src, size_
 void rref__ctl_send(rref_ctx_t *ctx, Weft__V1__RRefMsgKind kind, int to, weft_rref_id_t id,
                     weft_rref_id_t fork, rref_ctl_done_cb_t done, void *arg);
 /* The channel's receiver. */
-void rref__on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg);
+void rref__on_message(void *state, int src, weft_value_t *msg);
 /* Fails (with @p st) and takes out every control message to @p rank (-1: all). */
 void rref__ctl_fail_rank(rref_ctx_t *ctx, int rank, weft_status_t st, const char *why);
 
@@ -262,7 +263,7 @@ weft_status_t rref__on_user_delete(rref_ctx_t *ctx, int src, weft_rref_id_t id,
                                    weft_rref_id_t fork);
 /* A rank is lost: owners drop its forks, parents its pending children, users of its references
  * fail. */
-void rref__on_peer_lost(weft_agent_t *a, int rank, const char *why, void *arg);
+void rref__on_peer_lost(void *state, int rank, const char *why);
 /* Remembers a delete of a reference this owner does not know (ctx->mu held); true if @p id,fork
  * was deleted before its creation arrived (and forgets it). */
 void rref__orphan_add_locked(rref_ctx_t *ctx, weft_rref_id_t id, weft_rref_id_t fork);

@@ -463,16 +463,15 @@ static void send_ack(rref_ctx_t *ctx, int to, uint64_t msg_id, weft_status_t st,
     transmit(ctx, to, &m);
 }
 
-void rref__on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
+void rref__on_message(void *state, int src, weft_value_t *msg)
 {
-    rref_ctx_t *ctx = arg;
+    rref_ctx_t *ctx = state;
     size_t len = 0;
     const uint8_t *p = weft_value_payload(msg, &len);
     weft_rref_id_t id = {0, 0}, fork = {0, 0};
     char why[512] = "";
     weft_status_t st;
 
-    (void)a;
     Weft__V1__RRefControl *m =
         p != NULL ? weft__v1__rref_control__unpack(&weft__pb_allocator, len, p) : NULL;
     weft_value_free(msg);

@@ -16,6 +16,8 @@
 #include <weft/future.h>
 #include <weft/pool.h>
 #include <weft/rpc.h>
+#include <weft/module.h>
+#include <weft/config.h>
 #include <weft/collectives.h>
 #include <weft/rref.h>
 #include <weft/random.h>

@@ -19,10 +19,9 @@ typedef struct {
 
 static inbox_t inbox = {PTHREAD_MUTEX_INITIALIZER, {0}, 0, NULL, 0};
 
-static void on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
+static void on_message(void *state, int src, weft_value_t *msg)
 {
-    (void)a;
-    (void)arg;
+    (void)state;
     size_t len;
     const int *seq = weft_value_payload(msg, &len);
     pthread_mutex_lock(&inbox.mu);
@@ -51,22 +50,43 @@ static void on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
     weft_value_free(msg);
 }
 
+static weft_status_t inbox_create(weft_agent_t *a, void **state_p)
+{
+    (void)a;
+    *state_p = &inbox;
+    return WEFT_OK;
+}
+
+static const weft_module_desc_t inbox_module = {
+    .name = "inbox", .channel = CHANNEL, .create = inbox_create, .on_message = on_message};
+static const weft_module_desc_t other_module = {
+    .name = "other", .channel = CHANNEL, .create = inbox_create};
+static const weft_module_desc_t channel0_module = {
+    .name = "zero", .channel = 0, .create = inbox_create};
+static const weft_module_desc_t no_create_module = {.name = "none", .channel = 65};
+
 static void setup(weft_agent_t *a, int rank, void *arg)
 {
+    void *state;
     (void)rank;
     (void)arg;
     inbox.world = weft_agent_world_size(a);
     weft_future_create(&inbox.all_in);
-    weft_agent_register_channel(a, CHANNEL, on_message, NULL);
+    weft_agent_module(a, &inbox_module, &state);
 }
 
 static int body(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)arg;
-    RANK_CHECK(weft_agent_register_channel(a, CHANNEL, on_message, NULL) == WEFT_ERR_ALREADY_EXISTS,
-               "second registration");
-    RANK_CHECK(weft_agent_register_channel(a, 0, on_message, NULL) == WEFT_ERR_INVALID_ARG,
+    void *state = NULL;
+    RANK_CHECK(weft_agent_module(a, &inbox_module, &state) == WEFT_OK && state == &inbox,
+               "the same module again: its state");
+    RANK_CHECK(weft_agent_module(a, &other_module, &state) == WEFT_ERR_ALREADY_EXISTS,
+               "another module on a channel taken");
+    RANK_CHECK(weft_agent_module(a, &channel0_module, &state) == WEFT_ERR_INVALID_ARG,
                "channel 0");
+    RANK_CHECK(weft_agent_module(a, &no_create_module, &state) == WEFT_ERR_INVALID_ARG,
+               "no create callback");
     RANK_CHECK(weft_agent_send(a, 0, WEFT_CHANNEL_MAX + 1, NULL, NULL) == WEFT_ERR_INVALID_ARG,
                "channel out of range");
     weft_future_t *last[8] = {NULL};

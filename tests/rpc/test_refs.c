@@ -232,10 +232,9 @@ static weft_future_t *inbox_full; /* completed when inbox_want messages are in *
 static int inbox_want;
 static int inbox_drop; /* free messages at once */
 
-static void on_message(weft_agent_t *a, int src, weft_value_t *msg, void *arg)
+static void on_message(void *state, int src, weft_value_t *msg)
 {
-    (void)a;
-    (void)arg;
+    (void)state;
     pthread_mutex_lock(&inbox_mu);
     int k = atomic_fetch_add(&n_chan_msgs, 1);
     if (k < INBOX && !inbox_drop) {
@@ -261,17 +260,47 @@ static void inbox_clear(void)
     pthread_mutex_unlock(&inbox_mu);
 }
 
+/* Set by the test of lost peers. */
+static weft_future_t *lost;
+
+static void on_lost(void *state, int rank, const char *why)
+{
+    (void)state;
+    (void)rank;
+    (void)why;
+    if (lost != NULL) {
+        weft_future_complete(lost, WEFT_OK, NULL, NULL);
+    }
+}
+
+static int module_state;
+
+static weft_status_t test_create(weft_agent_t *a, void **state_p)
+{
+    (void)a;
+    *state_p = &module_state;
+    return WEFT_OK;
+}
+
+/* The test's module: its codec, its channel's messages, lost peers. */
+static const weft_module_desc_t test_module = {.name = "test",
+                                               .channel = CHANNEL,
+                                               .create = test_create,
+                                               .on_message = on_message,
+                                               .on_peer_lost = on_lost,
+                                               .codec = &codec};
+
 static void setup(weft_agent_t *a, int rank, void *arg)
 {
+    void *state;
     (void)rank;
     (void)arg;
-    weft_agent_register_ref_codec(a, KIND, &codec, NULL);
+    weft_agent_module(a, &test_module, &state);
     weft_rpc_register(a, "ids", ids, NULL);
     weft_rpc_register(a, "echo", echo, NULL);
     weft_rpc_register(a, "make", make, NULL);
     weft_rpc_register(a, "stats", stats, NULL);
     weft_future_create(&inbox_full);
-    weft_agent_register_channel(a, CHANNEL, on_message, NULL);
 }
 
 /* A value holding new objects with @p ids (the value keeps the only references). */
@@ -673,16 +702,6 @@ Test(rpc_refs, result_over_the_limit_is_unsent, .timeout = 60)
 }
 
 /* Sends to a peer that is gone: unsent for each reference. */
-static weft_future_t *lost;
-
-static void on_lost(weft_agent_t *a, int rank, const char *why, void *arg)
-{
-    (void)a;
-    (void)rank;
-    (void)why;
-    (void)arg;
-    weft_future_complete(lost, WEFT_OK, NULL, NULL);
-}
 
 static weft_future_t *pinged;
 
@@ -699,7 +718,6 @@ static void dead_setup(weft_agent_t *a, int rank, void *arg)
     weft_future_create(&lost);
     weft_future_create(&pinged);
     weft_rpc_register(a, "ping", ping, NULL);
-    weft_agent_on_peer_lost(a, on_lost, NULL);
 }
 
 static int dead_body(weft_agent_t *a, int rank, int world, void *arg)
@@ -851,10 +869,13 @@ static _Atomic int norder;
 static int64_t deadlines[8];
 static weft_status_t call_status = WEFT_ERR_PENDING;
 
-static weft_status_t listener(weft_agent_t *a, int64_t deadline_ms, void *arg)
+static weft_agent_t *listener_agent;
+
+static weft_status_t listener(void *state, int64_t deadline_ms)
 {
+    weft_agent_t *a = listener_agent;
     int k = atomic_fetch_add(&norder, 1);
-    int which = (int)(intptr_t)arg;
+    int which = *(int *)state;
     if (k < 8) {
         order[k] = which;
         deadlines[k] = deadline_ms;
@@ -874,9 +895,41 @@ static weft_status_t listener(weft_agent_t *a, int64_t deadline_ms, void *arg)
     return WEFT_OK;
 }
 
+static int which_of[4] = {0, 1, 2, 3};
+
+static weft_status_t create_1(weft_agent_t *a, void **state_p)
+{
+    (void)a;
+    *state_p = &which_of[1];
+    return WEFT_OK;
+}
+
+static weft_status_t create_2(weft_agent_t *a, void **state_p)
+{
+    (void)a;
+    *state_p = &which_of[2];
+    return WEFT_OK;
+}
+
+static weft_status_t create_3(weft_agent_t *a, void **state_p)
+{
+    (void)a;
+    *state_p = &which_of[3];
+    return WEFT_OK;
+}
+
+static const weft_module_desc_t listener_1 = {
+    .name = "one", .channel = 65, .create = create_1, .on_shutdown = listener};
+static const weft_module_desc_t listener_2 = {
+    .name = "two", .channel = 66, .create = create_2, .on_shutdown = listener};
+static const weft_module_desc_t listener_3 = {
+    .name = "three", .channel = 67, .create = create_3, .on_shutdown = listener};
+static const weft_module_desc_t listener_none = {.name = "none", .channel = 68};
+
 static void *add_third(void *arg)
 {
-    weft_agent_on_shutdown(arg, listener, (void *)(intptr_t)3);
+    void *state;
+    weft_agent_module(arg, &listener_3, &state);
     return NULL;
 }
 
@@ -886,9 +939,12 @@ static int listeners_body(weft_agent_t *a, int rank, int world, void *arg)
     (void)rank;
     (void)world;
     weft_future_release(inbox_full);
-    RANK_CHECK(weft_agent_on_shutdown(a, NULL, NULL) == WEFT_ERR_INVALID_ARG, "NULL listener");
-    RANK_CHECK(weft_agent_on_shutdown(a, listener, (void *)(intptr_t)1) == WEFT_OK, "add 1");
-    RANK_CHECK(weft_agent_on_shutdown(a, listener, (void *)(intptr_t)2) == WEFT_OK, "add 2");
+    void *state;
+    listener_agent = a;
+    RANK_CHECK(weft_agent_module(a, &listener_none, &state) == WEFT_ERR_INVALID_ARG,
+               "a module without create");
+    RANK_CHECK(weft_agent_module(a, &listener_1, &state) == WEFT_OK, "add 1");
+    RANK_CHECK(weft_agent_module(a, &listener_2, &state) == WEFT_OK, "add 2");
     pthread_t th;
     pthread_create(&th, NULL, add_third, a);
     pthread_join(th, NULL);
@@ -919,6 +975,23 @@ Test(rpc_refs, shutdown_listeners_run_in_order_with_the_deadline, .timeout = 60)
 }
 
 /* Registration checks (no world needed). */
+static const weft_value_ref_type_t kind0_type = {0, obj_retain, obj_release};
+static const weft_value_ref_type_t kind16_type = {16, obj_retain, obj_release};
+static const weft_ref_codec_t kind0_codec = {t_encode, t_unsent, t_decode, &kind0_type};
+static const weft_ref_codec_t kind16_codec = {t_encode, t_unsent, t_decode, &kind16_type};
+static const weft_ref_codec_t no_decode_codec = {t_encode, t_unsent, NULL, &obj_type};
+static const weft_ref_codec_t no_type_codec = {t_encode, t_unsent, t_decode, NULL};
+static const weft_module_desc_t same_kind_module = {
+    .name = "same kind", .channel = 70, .create = test_create, .codec = &codec};
+static const weft_module_desc_t kind0_module = {
+    .name = "kind 0", .channel = 71, .create = test_create, .codec = &kind0_codec};
+static const weft_module_desc_t kind16_module = {
+    .name = "kind 16", .channel = 72, .create = test_create, .codec = &kind16_codec};
+static const weft_module_desc_t no_decode_module = {
+    .name = "no decode", .channel = 73, .create = test_create, .codec = &no_decode_codec};
+static const weft_module_desc_t no_type_module = {
+    .name = "no type", .channel = 74, .create = test_create, .codec = &no_type_codec};
+
 Test(rpc_refs, codec_registration)
 {
     weft_agent_opts_t ao;
@@ -929,13 +1002,16 @@ Test(rpc_refs, codec_registration)
     ao.master_addr = "127.0.0.1";
     ao.master_port = 0;
     cr_assert_eq(weft_agent_create(&ao, &a), WEFT_OK);
-    cr_assert_eq(weft_agent_register_ref_codec(a, KIND, &codec, NULL), WEFT_OK);
-    cr_assert_eq(weft_agent_register_ref_codec(a, KIND, &codec, NULL), WEFT_ERR_ALREADY_EXISTS);
-    cr_assert_eq(weft_agent_register_ref_codec(a, 0, &codec, NULL), WEFT_ERR_INVALID_ARG);
-    cr_assert_eq(weft_agent_register_ref_codec(a, 16, &codec, NULL), WEFT_ERR_INVALID_ARG);
-    cr_assert_eq(weft_agent_register_ref_codec(a, 3, &codec, NULL), WEFT_ERR_INVALID_ARG,
-                 "kind differs from the type's");
-    cr_assert_eq(weft_agent_register_ref_codec(a, KIND, NULL, NULL), WEFT_ERR_INVALID_ARG);
+    void *state;
+    cr_assert_eq(weft_agent_module(a, &test_module, &state), WEFT_OK);
+    cr_assert_eq(state, &module_state);
+    cr_assert_eq(weft_agent_module(a, &test_module, &state), WEFT_OK, "the same module again");
+    cr_assert_eq(weft_agent_module(a, &same_kind_module, &state), WEFT_ERR_ALREADY_EXISTS,
+                 "another module with a codec of the same kind");
+    cr_assert_eq(weft_agent_module(a, &kind0_module, &state), WEFT_ERR_INVALID_ARG);
+    cr_assert_eq(weft_agent_module(a, &kind16_module, &state), WEFT_ERR_INVALID_ARG);
+    cr_assert_eq(weft_agent_module(a, &no_decode_module, &state), WEFT_ERR_INVALID_ARG);
+    cr_assert_eq(weft_agent_module(a, &no_type_module, &state), WEFT_ERR_INVALID_ARG);
     weft_value_t *v;
     weft_value_create(&v);
     cr_assert_eq(weft_value_add_ref(v, NULL, v), WEFT_ERR_INVALID_ARG);
