@@ -578,6 +578,11 @@ const char *weft_agent_worker_name(const weft_agent_t *a, int rank)
     return a->peers[rank].name;
 }
 
+int64_t weft_agent_call_timeout_ms(const weft_agent_t *a)
+{
+    return a != NULL ? a->default_timeout_ms : 0;
+}
+
 uint64_t weft_agent_max_message_bytes(const weft_agent_t *a, int rank)
 {
     if (a == NULL || rank < 0 || rank >= a->world_size) {

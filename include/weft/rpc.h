@@ -85,6 +85,9 @@ WEFT_API const char *weft_agent_name(const weft_agent_t *a);
 WEFT_API const char *weft_agent_worker_name(const weft_agent_t *a, int rank);
 /** Rank of the worker named @p name. WEFT_ERR_NOT_FOUND if none. */
 WEFT_API weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name, int *rank_p);
+/** The deadline a call given a timeout of 0 gets (opts.default_timeout_ms, else
+ * WEFT_RPC_TIMEOUT_MS, else 60000). Thread-safe. */
+WEFT_API int64_t weft_agent_call_timeout_ms(const weft_agent_t *a);
 /** The largest message @p rank accepts (this one's from its options, a peer's after join); 0 if
  * out of range. */
 WEFT_API uint64_t weft_agent_max_message_bytes(const weft_agent_t *a, int rank);
