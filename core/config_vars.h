@@ -43,6 +43,8 @@
       "threads serving the transport and handlers (one more starts when one blocks)")             \
     X(MAX_MESSAGE_BYTES, "WEFT_MAX_MESSAGE_BYTES", INT, "4294967295", 1024, 4294967295, "", "",     \
       "rpc", "largest message this rank accepts")                                                  \
+    X(HANDSHAKE_TIMEOUT_MS, "WEFT_HANDSHAKE_TIMEOUT_MS", INT, "10000", 100, INT64_MAX, "", "",      \
+      "rpc", "a connection that has not proved its rank by then is closed")                        \
     X(DIRECT, "WEFT_DIRECT", BOOL, "1", 0, 0, "", "", "rpc",                                       \
       "large frames take direct TCP connections between ranks (0: everything on gRPC)")           \
     /* rref */                                                                                     \

@@ -14,50 +14,8 @@
 #define container_of(p, type, member) ((type *)((char *)(p)-offsetof(type, member)))
 #define SERVER_REQUESTS               8
 #define POLL_MS                       20
-#define SWEEP_NS                      (10 * 1000000LL)
 
-/* ------------------------------------------------------------ environment */
-
-static const char *env_first(const char *const *names)
-{
-    for (; *names != NULL; names++) {
-        const char *v = getenv(*names);
-        if (v != NULL && v[0] != '\0') {
-            return v;
-        }
-    }
-    return NULL;
-}
-
-static bool parse_i64(const char *s, int64_t *v_p)
-{
-    char *end;
-    long long v;
-
-    if (s == NULL) {
-        return false;
-    }
-    v = strtoll(s, &end, 10);
-    if (end == s || *end != '\0') {
-        return false;
-    }
-    *v_p = v;
-    return true;
-}
-
-static int64_t env_i64(const char *const *names, int64_t dflt)
-{
-    int64_t v;
-    const char *s = env_first(names);
-
-    if (s != NULL && parse_i64(s, &v)) {
-        return v;
-    }
-    if (s != NULL) {
-        WEFT_WARN("ignoring %s=%s: not an integer", names[0], s);
-    }
-    return dflt;
-}
+/* ------------------------------------------------------------ options */
 
 void weft_agent_opts_init(weft_agent_opts_t *opts)
 {
@@ -73,26 +31,13 @@ static bool is_loopback(const char *host)
            strcmp(host, "::1") == 0 || strcmp(host, "[::1]") == 0;
 }
 
+/* Options in code win; else the environment through the configuration table (read once). */
 static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
 {
-    static const char *const rank_env[] = {
-        "WEFT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", NULL};
-    static const char *const world_env[] = {"WEFT_WORLD_SIZE",      "WORLD_SIZE", "SLURM_NTASKS",
-                                            "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",   NULL};
-    static const char *const addr_env[] = {"WEFT_MASTER_ADDR", "MASTER_ADDR", NULL};
-    static const char *const port_env[] = {"WEFT_MASTER_PORT", "MASTER_PORT", NULL};
-    static const char *const name_env[] = {"WEFT_NAME", NULL};
-    static const char *const host_env[] = {"WEFT_LISTEN_HOST", NULL};
-    static const char *const token_env[] = {"WEFT_AUTH_TOKEN", NULL};
-    static const char *const rdv_env[] = {"WEFT_RENDEZVOUS_TIMEOUT_MS", NULL};
-    static const char *const to_env[] = {"WEFT_RPC_TIMEOUT_MS", NULL};
-    static const char *const peer_env[] = {"WEFT_PEER_TIMEOUT_MS", NULL};
-    static const char *const thr_env[] = {"WEFT_HANDLER_THREADS", NULL};
-    static const char *const max_env[] = {"WEFT_MAX_MESSAGE_BYTES", NULL};
     char buf[300];
 
-    a->rank = o->rank >= 0 ? o->rank : (int)env_i64(rank_env, -1);
-    a->world_size = o->world_size > 0 ? o->world_size : (int)env_i64(world_env, -1);
+    a->rank = o->rank >= 0 ? o->rank : (int)weft__cfg_int(WEFT__CFG_RANK);
+    a->world_size = o->world_size > 0 ? o->world_size : (int)weft__cfg_int(WEFT__CFG_WORLD_SIZE);
     if (a->world_size < 1 || a->world_size > 1 << 20) {
         return weft__set_error(WEFT_ERR_INVALID_ARG,
                                "agent: world size missing or out of range (set opts.world_size, "
@@ -105,17 +50,19 @@ static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
                                "RANK; got %d for a world of %d)",
                                a->rank, a->world_size);
     }
-    const char *addr = o->master_addr != NULL ? o->master_addr : env_first(addr_env);
-    a->master_addr = weft_strdup(addr != NULL ? addr : "127.0.0.1");
-    a->master_port = o->master_port >= 0 ? o->master_port : (int)env_i64(port_env, -1);
+    const char *addr =
+        o->master_addr != NULL ? o->master_addr : weft__cfg_str(WEFT__CFG_MASTER_ADDR);
+    a->master_addr = weft_strdup(addr[0] != '\0' ? addr : "127.0.0.1");
+    a->master_port =
+        o->master_port >= 0 ? o->master_port : (int)weft__cfg_int(WEFT__CFG_MASTER_PORT);
     if (a->master_port < 0 || a->master_port > 65535 || (a->master_port == 0 && a->rank != 0)) {
         return weft__set_error(WEFT_ERR_INVALID_ARG,
                                "agent: master port missing or invalid (set opts.master_port, "
                                "WEFT_MASTER_PORT or MASTER_PORT; got %d)",
                                a->master_port);
     }
-    const char *name = o->name != NULL ? o->name : env_first(name_env);
-    if (name == NULL) {
+    const char *name = o->name != NULL ? o->name : weft__cfg_str(WEFT__CFG_NAME);
+    if (name[0] == '\0' && o->name == NULL) {
         snprintf(buf, sizeof(buf), "worker%d", a->rank);
         name = buf;
     }
@@ -124,8 +71,9 @@ static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
                                WEFT__MAX_NAME);
     }
     a->name = weft_strdup(name);
-    const char *host = o->listen_host != NULL ? o->listen_host : env_first(host_env);
-    if (host == NULL) {
+    const char *host =
+        o->listen_host != NULL ? o->listen_host : weft__cfg_str(WEFT__CFG_LISTEN_HOST);
+    if (host[0] == '\0') {
         if (is_loopback(a->master_addr)) {
             host = "127.0.0.1";
         } else {
@@ -138,24 +86,29 @@ static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
         }
     }
     a->listen_host = weft_strdup(host);
-    const char *tok = o->auth_token != NULL ? o->auth_token : env_first(token_env);
-    a->auth_token = weft_strdup(tok != NULL ? tok : "");
-    a->rendezvous_timeout_ms =
-        o->rendezvous_timeout_ms > 0 ? o->rendezvous_timeout_ms : env_i64(rdv_env, 60000);
-    a->default_timeout_ms =
-        o->default_timeout_ms > 0 ? o->default_timeout_ms : env_i64(to_env, 60000);
-    a->peer_timeout_ms = o->peer_timeout_ms > 0 ? o->peer_timeout_ms : env_i64(peer_env, 2000);
-    a->handler_threads = o->handler_threads > 0 ? o->handler_threads : (int)env_i64(thr_env, 1);
+    a->auth_token = weft_strdup(o->auth_token != NULL ? o->auth_token
+                                                      : weft__cfg_str(WEFT__CFG_AUTH_TOKEN));
+    a->rendezvous_timeout_ms = o->rendezvous_timeout_ms > 0
+                                   ? o->rendezvous_timeout_ms
+                                   : weft__cfg_int(WEFT__CFG_RENDEZVOUS_TIMEOUT_MS);
+    a->default_timeout_ms = o->default_timeout_ms > 0 ? o->default_timeout_ms
+                                                      : weft__cfg_int(WEFT__CFG_RPC_TIMEOUT_MS);
+    a->peer_timeout_ms =
+        o->peer_timeout_ms > 0 ? o->peer_timeout_ms : weft__cfg_int(WEFT__CFG_PEER_TIMEOUT_MS);
+    a->handshake_timeout_ms = weft__cfg_int(WEFT__CFG_HANDSHAKE_TIMEOUT_MS);
+    a->handler_threads = o->handler_threads > 0 ? o->handler_threads
+                                                : (int)weft__cfg_int(WEFT__CFG_HANDLER_THREADS);
     int64_t maxb = o->max_message_bytes > 0 ? o->max_message_bytes
-                                            : env_i64(max_env, (int64_t)WEFT__MAX_MESSAGE);
+                                            : weft__cfg_int(WEFT__CFG_MAX_MESSAGE_BYTES);
     if (maxb > (int64_t)WEFT__MAX_MESSAGE) {
         maxb = (int64_t)WEFT__MAX_MESSAGE; /* what one gRPC message can carry */
     }
-    if (a->rendezvous_timeout_ms <= 0 || a->default_timeout_ms <= 0 || a->peer_timeout_ms < 200 ||
+    a->direct_enabled = weft__cfg_bool(WEFT__CFG_DIRECT);
+    if (a->rendezvous_timeout_ms < 0 || a->default_timeout_ms < 0 || a->peer_timeout_ms < 200 ||
         a->handler_threads < 1 || a->handler_threads > WEFT__MAX_POLLERS / 2 || maxb < 1024) {
         return weft__set_error(WEFT_ERR_INVALID_ARG,
-                               "agent: timeouts must be > 0 (peer timeout >= 200 ms), handler "
-                               "threads 1..%d, max message >= 1024 bytes",
+                               "agent: timeouts must be >= 0 (0: the default; peer timeout >= 200 "
+                               "ms), handler threads 1..%d, max message >= 1024 bytes",
                                WEFT__MAX_POLLERS / 2);
     }
     a->max_message_bytes = (uint64_t)maxb;
@@ -245,12 +198,6 @@ static void *poller_main(void *arg)
         if (ev.type == GRPC_OP_COMPLETE) {
             weft__op_t *op = ev.tag;
             op->cb(op, ev.success);
-        }
-        int64_t now = weft__now_ns();
-        int64_t next = atomic_load(&a->next_sweep_ns);
-        if (now >= next &&
-            atomic_compare_exchange_strong(&a->next_sweep_ns, &next, now + SWEEP_NS)) {
-            weft__pending_sweep(a);
         }
     }
     weft__set_block_hook(NULL, NULL);
@@ -363,7 +310,7 @@ static void server_request(weft_agent_t *a)
 
 /* ------------------------------------------------------------ streams and peers */
 
-void weft__agent_track_stream(weft_agent_t *a, weft__stream_t *s, bool add)
+void weft__agent_track_stream(weft_agent_t *a, bool add)
 {
     pthread_mutex_lock(&a->streams_mu);
     if (add) {
@@ -375,7 +322,31 @@ void weft__agent_track_stream(weft_agent_t *a, weft__stream_t *s, bool add)
         }
     }
     pthread_mutex_unlock(&a->streams_mu);
-    (void)s;
+}
+
+weft_status_t weft__agent_wait_joined(weft_agent_t *a)
+{
+    if (atomic_load(&a->state) != WEFT__AGENT_CREATED) {
+        return WEFT_OK;
+    }
+    if (!atomic_load(&a->joining)) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE, "rpc: the agent has not joined yet");
+    }
+    /* A peer that joined first calls us: wait for our own join to end. */
+    weft_status_t st = weft_future_wait(a->join_done, a->rendezvous_timeout_ms + 5000);
+    if (st != WEFT_OK) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE, "rpc: the agent's join failed: %s",
+                               weft_future_done(a->join_done) ? weft_future_error(a->join_done)
+                                                              : "it did not end in time");
+    }
+    return WEFT_OK;
+}
+
+void weft__agent_passive_check(weft_agent_t *a)
+{
+    pthread_mutex_lock(&a->pend_mu);
+    pthread_cond_broadcast(&a->passive_cv);
+    pthread_mutex_unlock(&a->pend_mu);
 }
 
 bool weft__agent_closing(const weft_agent_t *a)
@@ -400,7 +371,9 @@ void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const ch
     if (!first) {
         return;
     }
-    weft__direct_cut(a, rank);
+    for (int i = 0; i < WEFT__TP_COUNT; i++) {
+        a->transports[i]->cut(a, rank);
+    }
     WEFT_WARN("%s", why);
     weft__shutdown_peer_lost(a, rank);
     weft__modules_peer_lost(a, rank, why);
@@ -433,6 +406,13 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
     pthread_rwlock_init(&a->reg_mu, NULL);
     pthread_mutex_init(&a->pend_mu, NULL);
     pthread_cond_init(&a->pend_cv, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&a->passive_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    a->transports[WEFT__TP_STREAM] = &weft__stream_transport;
+    a->transports[WEFT__TP_DIRECT] = &weft__direct_transport;
     pthread_mutex_init(&a->streams_mu, NULL);
     pthread_cond_init(&a->streams_cv, NULL);
     pthread_mutex_init(&a->sd_mu, NULL);
@@ -443,6 +423,8 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
     WEFT_CHECK_GOTO(weft_future_create(&a->join_done), st, err_free_agent);
     WEFT_CHECK_GOTO(resolve_opts(a, opts), st, err_free_agent);
     weft_log_set_rank(a->rank, a->name);
+    WEFT_CHECK_GOTO(weft__identity_create(a), st, err_free_agent);
+    WEFT_CHECK_GOTO(weft__timer_create("weft-timer", &a->timer), st, err_free_agent);
 
     a->peers = weft_calloc((size_t)a->world_size, sizeof(*a->peers));
     if (a->peers == NULL) {
@@ -490,7 +472,6 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
         server_request(a);
     }
     weft__shutdown_register(a);
-    WEFT_CHECK_GOTO(weft__timer_create("weft-timer", &a->timer), st, err_destroy_grpc);
     pthread_mutex_lock(&a->threads_mu);
     for (int i = 0; i < a->handler_threads; i++) {
         if (pthread_create(&a->pollers[a->npollers], NULL, poller_main, a) != 0) {
@@ -675,9 +656,7 @@ weft_status_t weft_agent_shutdown(weft_agent_t *a, int64_t timeout_ms)
     if (state != WEFT__AGENT_JOINED) {
         return weft__set_error(WEFT_ERR_INVALID_STATE, "agent_shutdown: agent is not running");
     }
-    if (timeout_ms <= 0) {
-        timeout_ms = a->default_timeout_ms;
-    }
+    WEFT_CHECK(weft__call_timeout(a, timeout_ms, &timeout_ms));
     int64_t deadline = weft__now_ns() + timeout_ms * 1000000;
     /* Modules settle first (their on_shutdown), while calls still go. */
     weft__modules_shutdown(a, deadline / 1000000);
@@ -705,7 +684,7 @@ void weft_agent_free(weft_agent_t *a)
     }
     atomic_store(&a->state, WEFT__AGENT_CLOSED);
     /* Direct connections first: their threads feed the agent. */
-    weft__direct_stop(a);
+    a->transports[WEFT__TP_DIRECT]->stop(a);
     if (a->server != NULL) {
         /* Server: stop accepting, cancel what is left, wait until it is done. */
         weft__op_t done = {NULL};
@@ -716,19 +695,7 @@ void weft_agent_free(weft_agent_t *a)
         grpc_completion_queue_shutdown(scq);
         grpc_completion_queue_destroy(scq);
     }
-    if (a->peers != NULL) {
-        for (int i = 0; i < a->world_size; i++) {
-            weft__peer_t *p = &a->peers[i];
-            pthread_mutex_lock(&p->mu);
-            weft__stream_t *s = p->stream;
-            p->stream = NULL;
-            pthread_mutex_unlock(&p->mu);
-            if (s != NULL) {
-                weft__stream_cancel(s);
-                weft__stream_unref(s);
-            }
-        }
-    }
+    a->transports[WEFT__TP_STREAM]->stop(a);
     /* Outgoing calls that are still pending will never be answered now. */
     if (a->cq != NULL) {
         weft__pending_fail_all(a, WEFT_ERR_SHUTDOWN, "the agent was closed");
@@ -769,6 +736,10 @@ void weft_agent_free(weft_agent_t *a)
     }
     /* No thread is left that may look at the direct state. */
     weft__direct_destroy(a);
+    /* Nor any that may add a task: what is left is dropped (modules' tasks included; their
+     * drop callbacks run). */
+    weft__timer_free(a->timer);
+    a->timer = NULL;
     /* Every completion has been delivered: the rendezvous state can go. */
     weft__join_free(a);
     if (a->cq != NULL) {
@@ -782,8 +753,7 @@ void weft_agent_free(weft_agent_t *a)
     weft__refs_free(a);
     /* Upper modules' state, now that nothing can call into it any more. */
     weft__modules_free(a);
-    weft__timer_free(a->timer);
-    a->timer = NULL;
+    weft__identity_free(a);
     if (a->server != NULL) {
         pthread_mutex_lock(&grpc_init_mu);
         grpc_shutdown();
@@ -818,6 +788,7 @@ void weft_agent_free(weft_agent_t *a)
     pthread_rwlock_destroy(&a->reg_mu);
     pthread_mutex_destroy(&a->pend_mu);
     pthread_cond_destroy(&a->pend_cv);
+    pthread_cond_destroy(&a->passive_cv);
     pthread_mutex_destroy(&a->streams_mu);
     pthread_cond_destroy(&a->streams_cv);
     pthread_mutex_destroy(&a->sd_mu);

@@ -1,5 +1,6 @@
-/* Calls: the registry of functions, incoming calls and their replies,
- * outgoing calls (pending table, deadlines), module channel sends. */
+/* Calls: the registry of functions, incoming calls and their answers, outgoing calls (the pending
+ * table, each call's deadline a task on the agent's timer), and the user's call and send
+ * functions. Every frame leaves through weft__route. */
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -9,7 +10,7 @@
 
 struct weft_call {
     weft_agent_t *agent;
-    weft__stream_t *stream;
+    weft__origin_t origin; /* where the request came from (its stream held); the answer goes back */
     uint64_t request_id;
     int caller;
     char *function;
@@ -68,6 +69,23 @@ weft_status_t weft_rpc_register(weft_agent_t *a, const char *name, weft_rpc_hand
     return WEFT_OK;
 }
 
+/* The handler of @p name; false when none is registered. */
+static bool find_fn(weft_agent_t *a, const char *name, weft_rpc_handler_cb_t *cb_p, void **arg_p)
+{
+    bool found = false;
+    pthread_rwlock_rdlock(&a->reg_mu);
+    for (weft__fn_t *e = a->fns; e != NULL; e = e->next) {
+        if (strcmp(e->name, name) == 0) {
+            *cb_p = e->cb;
+            *arg_p = e->arg;
+            found = true;
+            break;
+        }
+    }
+    pthread_rwlock_unlock(&a->reg_mu);
+    return found;
+}
+
 /* ------------------------------------------------------------ incoming calls */
 
 const weft_value_t *weft_call_args(const weft_call_t *call)
@@ -109,15 +127,15 @@ static void call_free(weft_call_t *call)
     weft_agent_t *a = call->agent;
     bool internal = call->internal;
 
-    if (call->stream != NULL) {
-        weft__stream_unref(call->stream);
+    if (call->origin.stream != NULL) {
+        weft__stream_unref(call->origin.stream);
     }
     weft_future_release(call->local);
     weft_value_free(call->args);
     weft_free(call->function);
     weft_free(call);
-    if (!internal) {
-        atomic_fetch_sub(&a->calls_in_progress, 1);
+    if (!internal && atomic_fetch_sub(&a->calls_in_progress, 1) == 1) {
+        weft__agent_passive_check(a);
     }
 }
 
@@ -125,76 +143,42 @@ static void send_response(weft_call_t *call, weft_status_t st, const char *text,
                           const weft_value_t *result)
 {
     weft_agent_t *a = call->agent;
-    Weft__V1__Envelope env = WEFT__V1__ENVELOPE__INIT;
-    weft__outmsg_t *m;
 
     if (call->local != NULL) {
         /* A local call's failure (its success goes through weft_call_reply). */
         weft_future_complete(call->local, st, text, NULL);
         return;
     }
-
-    env.kind = WEFT__V1__KIND__KIND_RESPONSE;
-    env.request_id = call->request_id;
-    env.src_rank = a->rank;
-    env.status = st;
-    env.error = (char *)(text != NULL ? text : "");
-    weft__refs_out_t *refs = NULL;
-    weft_status_t est =
-        st == WEFT_OK ? weft__refs_encode(a, call->caller, result, &env, &refs) : WEFT_OK;
-    if (est == WEFT_OK) {
-        est = weft__wire_encode(&env, st == WEFT_OK ? result : NULL, &m);
-        if (est == WEFT_OK) {
-            m->refs = refs; /* "unsent" if the answer is freed unsent */
-        } else {
-            weft__refs_out_free(refs, false);
-        }
-    }
-    if (est == WEFT_OK && st == WEFT_OK) {
-        uint64_t limit = call->stream != NULL ? weft__stream_peer_max(call->stream)
-                                              : a->peers[call->caller].max_message_bytes;
-        if (limit > 0 && m->nbytes > limit) {
-            char why[256];
-            snprintf(why, sizeof(why),
-                     "result of '%s' on %s is %zu bytes, over the caller's limit of %llu bytes",
-                     call->function, a->name, m->nbytes, (unsigned long long)limit);
-            weft__outmsg_free(m, WEFT_ERR_TOO_LARGE, why);
-            send_response(call, WEFT_ERR_TOO_LARGE, why, NULL);
-            return;
-        }
-    }
-    if (est != WEFT_OK) {
-        char why[512];
-        snprintf(why, sizeof(why), "result of '%s' on %s could not be encoded: %s", call->function,
-                 a->name, weft_last_error());
-        if (st == WEFT_OK) {
-            send_response(call, est, why, NULL);
-        }
+    weft__frame_t fr = {
+        .kind = WEFT__V1__KIND__KIND_RESPONSE,
+        .to = call->caller,
+        .value = result,
+        .function = call->function,
+        .request_id = call->request_id,
+        .status = st,
+        .error = text,
+        .reply_to = &call->origin,
+    };
+    weft__path_t path;
+    weft_status_t rst = weft__route(a, &fr, &path);
+    if (rst == WEFT_OK) {
         return;
     }
-    weft_status_t sst;
-    /* Large answers go direct; so does every answer to a request that came direct,
-     * which keeps a bulk transfer's round trips off the stream. */
-    if (weft__direct_usable(a, call->caller, m->nbytes) ||
-        (call->stream == NULL && weft__direct_available(a, call->caller))) {
-        sst = weft__direct_send(a, call->caller, m);
-    } else if (call->stream != NULL) {
-        sst = weft__stream_send(call->stream, m);
-    } else {
-        /* The request came directly: answer on our own stream to the caller. */
-        weft__stream_t *s;
-        sst = weft__peer_stream(a, call->caller, &s);
-        if (sst == WEFT_OK) {
-            sst = weft__stream_send(s, m);
-            weft__stream_unref(s);
+    if (st == WEFT_OK && !path.handed) {
+        /* The result could not be sent (over the caller's limit, a reference that does not
+         * encode): the caller hears why instead. */
+        char why[WEFT__ERROR_MAX];
+        if (rst == WEFT_ERR_TOO_LARGE) {
+            snprintf(why, sizeof(why), "%s", weft_last_error());
         } else {
-            weft__outmsg_free(m, sst, weft_last_error());
+            snprintf(why, sizeof(why), "result of '%s' on %s could not be encoded: %s",
+                     call->function, a->name, weft_last_error());
         }
+        send_response(call, rst, why, NULL);
+        return;
     }
-    if (sst != WEFT_OK) {
-        WEFT_DEBUG("reply to rank %d for '%s' dropped: %s", call->caller, call->function,
-                   weft_last_error());
-    }
+    WEFT_DEBUG("answer to rank %d for '%s' dropped: %s", call->caller, call->function,
+               weft_last_error());
 }
 
 void weft_call_reply(weft_call_t *call, weft_value_t *result)
@@ -260,12 +244,6 @@ void weft_call_reply_future(weft_call_t *call, weft_future_t *f)
     }
 }
 
-void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope *env,
-                         weft_value_t *args)
-{
-    weft__call_dispatch_from(a, s, weft__stream_peer(s), env, args);
-}
-
 /* The objects of the arguments' references are ready (or one failed): run the handler. */
 static void args_ready(weft_status_t st, const char *text, void *arg)
 {
@@ -278,25 +256,47 @@ static void args_ready(weft_status_t st, const char *text, void *arg)
     call->handler(call, call->handler_arg);
 }
 
-void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer, Weft__V1__Envelope *env,
-                              weft_value_t *args)
+void weft__call_refuse(weft_agent_t *a, const weft__origin_t *o, const Weft__V1__Envelope *env,
+                       weft_status_t st)
+{
+    char why[600];
+
+    /* The sender counted it: count it as received, or shutdown never settles. */
+    if (env->function == NULL || !weft__fn_internal(env->function)) {
+        atomic_fetch_add(&a->requests_received, 1);
+    }
+    snprintf(why, sizeof(why), "%s (on %s)", weft_last_error(), a->name);
+    weft__frame_t fr = {
+        .kind = WEFT__V1__KIND__KIND_RESPONSE,
+        .to = o->peer,
+        .function = env->function,
+        .request_id = env->request_id,
+        .status = st,
+        .error = why,
+        .reply_to = o,
+    };
+    (void)weft__route(a, &fr, NULL);
+}
+
+void weft__call_dispatch(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Envelope *env,
+                         weft_value_t *args)
 {
     weft_call_t *call = weft_calloc(1, sizeof(*call));
-    weft__fn_t *fn = NULL;
     weft_future_t **ready = NULL;
     size_t nready = 0;
 
     if (call == NULL) {
-        WEFT_ERROR("no memory for an incoming call");
+        weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for an incoming call");
+        weft__call_refuse(a, o, env, WEFT_ERR_NO_MEMORY);
         goto out;
     }
-    if (s != NULL) {
-        weft__stream_ref(s);
-    }
     call->agent = a;
-    call->stream = s;
+    call->origin = *o;
+    if (o->stream != NULL) {
+        weft__stream_ref(o->stream);
+    }
     call->request_id = env->request_id;
-    call->caller = peer;
+    call->caller = o->peer;
     call->function = weft_strdup(env->function != NULL ? env->function : "");
     call->internal = weft__fn_internal(call->function);
     int64_t left = env->timeout_ms < WEFT__MAX_TIMEOUT_MS ? env->timeout_ms : WEFT__MAX_TIMEOUT_MS;
@@ -312,7 +312,7 @@ void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer, Weft
          * arguments when the call fails), so that its module settles what the sender recorded. */
         weft_status_t rst = call->args != NULL ? WEFT_OK : weft_value_create(&call->args);
         if (rst == WEFT_OK) {
-            rst = weft__refs_decode(a, peer, env, call->args, &ready, &nready);
+            rst = weft__refs_decode(a, o->peer, env, call->args, &ready, &nready);
         }
         if (rst != WEFT_OK) {
             weft_call_fail(call, rst, "%s", weft_last_error());
@@ -324,16 +324,9 @@ void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer, Weft
         weft_call_fail(call, WEFT_ERR_TIMEOUT, "the caller's deadline passed before the call ran");
         goto out;
     }
-    pthread_rwlock_rdlock(&a->reg_mu);
-    for (fn = a->fns; fn != NULL; fn = fn->next) {
-        if (strcmp(fn->name, call->function) == 0) {
-            break;
-        }
-    }
-    weft_rpc_handler_cb_t cb = fn != NULL ? fn->cb : NULL;
-    void *arg = fn != NULL ? fn->arg : NULL;
-    pthread_rwlock_unlock(&a->reg_mu);
-    if (cb == NULL) {
+    weft_rpc_handler_cb_t cb = NULL;
+    void *arg = NULL;
+    if (!find_fn(a, call->function, &cb, &arg)) {
         drop_ready(ready, nready);
         weft_call_fail(call, WEFT_ERR_NO_SUCH_FUNCTION, "no function named '%s' is registered",
                        call->function);
@@ -362,6 +355,7 @@ static size_t bucket(uint64_t id)
     return (size_t)((id * 0x9E3779B97F4A7C15ull) >> 54) % WEFT__PENDING_BUCKETS;
 }
 
+/* Called with pend_mu held. */
 static void pending_insert(weft_agent_t *a, weft__pending_t *p)
 {
     size_t b = bucket(p->id);
@@ -373,7 +367,19 @@ static void pending_insert(weft_agent_t *a, weft__pending_t *p)
     a->npending++;
 }
 
-/* Removes the call @p id made to @p peer (-1: any peer). */
+/* Takes @p p's counts out. Called with pend_mu held. */
+static void pending_unlinked_locked(weft_agent_t *a, weft__pending_t *p)
+{
+    a->npending--;
+    if (!p->internal && atomic_fetch_sub(&a->pending_user, 1) == 1) {
+        pthread_cond_broadcast(&a->passive_cv);
+    }
+    if (a->npending == 0) {
+        pthread_cond_broadcast(&a->pend_cv);
+    }
+}
+
+/* Removes the call @p id made to @p peer (-1: any peer). Called with pend_mu held. */
 static weft__pending_t *pending_remove(weft_agent_t *a, uint64_t id, int peer)
 {
     weft__pending_t **pp = &a->pending[bucket(id)];
@@ -382,33 +388,106 @@ static weft__pending_t *pending_remove(weft_agent_t *a, uint64_t id, int peer)
         if ((*pp)->id == id && (peer < 0 || (*pp)->peer == peer)) {
             weft__pending_t *p = *pp;
             *pp = p->next;
-            a->npending--;
-            if (!p->internal) {
-                atomic_fetch_sub(&a->pending_user, 1);
-            }
-            if (a->npending == 0) {
-                pthread_cond_broadcast(&a->pend_cv);
-            }
+            pending_unlinked_locked(a, p);
             return p;
         }
     }
     return NULL;
 }
 
-static void pending_finish(weft__pending_t *p, weft_status_t st, const char *text, weft_value_t *v)
+/* Called with pend_mu held: a pending call by id, left in the table. */
+static weft__pending_t *pending_find(weft_agent_t *a, uint64_t id)
 {
+    for (weft__pending_t *p = a->pending[bucket(id)]; p != NULL; p = p->next) {
+        if (p->id == id) {
+            return p;
+        }
+    }
+    return NULL;
+}
+
+static void pending_finish(weft_agent_t *a, weft__pending_t *p, weft_status_t st,
+                           const char *text, weft_value_t *v)
+{
+    if (p->timer_id != 0 && a->timer != NULL) {
+        (void)weft__timer_cancel(a->timer, p->timer_id);
+    }
     weft_future_complete(p->f, st, text, v);
     weft_future_release(p->f);
     weft_free(p->fn);
     weft_free(p);
 }
 
-void weft__call_response(weft_agent_t *a, int peer, Weft__V1__Envelope *env, weft_value_t *v)
+/* A call's deadline passed (a task on the agent's timer; @p id is the request's). */
+static void pending_deadline(void *arg, uint64_t id)
+{
+    weft_agent_t *a = arg;
+
+    pthread_mutex_lock(&a->pend_mu);
+    weft__pending_t *p = pending_remove(a, id, -1);
+    pthread_mutex_unlock(&a->pend_mu);
+    if (p == NULL) {
+        return; /* answered meanwhile */
+    }
+    p->timer_id = 0; /* this task is running: nothing to cancel */
+    char text[512];
+    snprintf(text, sizeof(text), "call to '%s' on %s (rank %d) passed its deadline", p->fn,
+             a->peers[p->peer].name != NULL ? a->peers[p->peer].name : "?", p->peer);
+    pending_finish(a, p, WEFT_ERR_TIMEOUT, text, NULL);
+}
+
+/* Whether a RESPONSE from @p o may answer @p p: from the rank the request went to, back the way
+ * it went (a request on a stream: its answer on that stream, or a large one direct; a request
+ * direct: its answer direct, or on the peer's stream when it has no direct connection to us). */
+static bool answer_way_ok(const weft__pending_t *p, const weft__origin_t *o)
+{
+    if (p->peer != o->peer) {
+        return false;
+    }
+    if (o->tp == WEFT__TP_DIRECT || p->path.tp == WEFT__TP_COUNT) {
+        /* Direct connections carry large answers to every request; and until the route has
+         * recorded the way (the microseconds while it is handed over) any connection the peer
+         * proved is accepted. */
+        return true;
+    }
+    if (p->path.tp == WEFT__TP_STREAM) {
+        return o->client && o->stream == p->path.stream;
+    }
+    return !o->client;
+}
+
+void weft__call_response(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Envelope *env,
+                         weft_value_t *v, weft_status_t st)
 {
     pthread_mutex_lock(&a->pend_mu);
-    weft__pending_t *p = pending_remove(a, env->request_id, peer);
+    weft__pending_t *p = pending_find(a, env->request_id);
+    if (p != NULL && !answer_way_ok(p, o)) {
+        pthread_mutex_unlock(&a->pend_mu);
+        WEFT_WARN("an answer to call %llu came from rank %d over a way its request did not take; "
+                  "ignored",
+                  (unsigned long long)env->request_id, o->peer);
+        weft_value_free(v);
+        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+        return;
+    }
+    if (p != NULL) {
+        p = pending_remove(a, env->request_id, o->peer);
+    }
     pthread_mutex_unlock(&a->pend_mu);
 
+    if (st != WEFT_OK) {
+        /* The answer's frame was refused (weft_last_error() says why). */
+        char text[WEFT__ERROR_MAX];
+        snprintf(text, sizeof(text), "the answer from rank %d could not be read: %s", o->peer,
+                 weft_last_error());
+        WEFT_WARN("%s", text);
+        if (p != NULL) {
+            pending_finish(a, p, st, text, NULL);
+        }
+        weft_value_free(v);
+        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+        return;
+    }
     if (env->status == 0 && env->n_refs > 0) {
         /* Decoded even when no call waits any more: released with the value, they settle. Their
          * objects are not awaited. */
@@ -416,17 +495,17 @@ void weft__call_response(weft_agent_t *a, int peer, Weft__V1__Envelope *env, wef
         size_t nready = 0;
         weft_status_t rst = v != NULL ? WEFT_OK : weft_value_create(&v);
         if (rst == WEFT_OK) {
-            rst = weft__refs_decode(a, peer, env, v, &ready, &nready);
+            rst = weft__refs_decode(a, o->peer, env, v, &ready, &nready);
         }
         drop_ready(ready, nready);
         if (rst != WEFT_OK) {
             char text[WEFT__ERROR_MAX];
-            snprintf(text, sizeof(text), "result from rank %d: %s", peer, weft_last_error());
+            snprintf(text, sizeof(text), "result from rank %d: %s", o->peer, weft_last_error());
             WEFT_WARN("%s", text);
             weft_value_free(v);
             v = NULL;
             if (p != NULL) {
-                pending_finish(p, rst, text, NULL);
+                pending_finish(a, p, rst, text, NULL);
             }
             weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
             return;
@@ -435,37 +514,28 @@ void weft__call_response(weft_agent_t *a, int peer, Weft__V1__Envelope *env, wef
     if (p == NULL) {
         /* Timed out or failed already (or not a call to this peer): dropped. */
         WEFT_DEBUG("response %llu from rank %d matches no pending call; dropped",
-                   (unsigned long long)env->request_id, peer);
+                   (unsigned long long)env->request_id, o->peer);
     } else if (env->status != 0) {
-        weft_status_t st =
+        weft_status_t est =
             weft_status_valid(env->status) ? (weft_status_t)env->status : WEFT_ERR_REMOTE;
         char text[1400];
         snprintf(text, sizeof(text), "%s",
-                 env->error != NULL && env->error[0] != '\0' ? env->error : weft_strerror(st));
-        pending_finish(p, st, text, NULL);
+                 env->error != NULL && env->error[0] != '\0' ? env->error : weft_strerror(est));
+        pending_finish(a, p, est, text, NULL);
     } else {
-        pending_finish(p, WEFT_OK, NULL, v);
-        v = NULL;
+        if (v == NULL && weft_value_create(&v) != WEFT_OK) {
+            pending_finish(a, p, WEFT_ERR_NO_MEMORY, "no memory for the result", NULL);
+        } else {
+            pending_finish(a, p, WEFT_OK, NULL, v);
+            v = NULL;
+        }
     }
     weft_value_free(v);
     weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
 }
 
-void weft__pending_fail_id(weft_agent_t *a, int peer, uint64_t id, weft_status_t st,
-                           const char *why)
-{
-    pthread_mutex_lock(&a->pend_mu);
-    weft__pending_t *p = pending_remove(a, id, peer);
-    pthread_mutex_unlock(&a->pend_mu);
-    if (p != NULL) {
-        pending_finish(p, st, why, NULL);
-    }
-}
-
-/* Fails every pending call matching @p rank (-1: all). */
-/* Takes out every pending call to @p rank (-1: any rank) whose deadline is at or
- * before @p due_ns (INT64_MAX: any deadline); returns them as a list. */
-static weft__pending_t *take_matching(weft_agent_t *a, int rank, int64_t due_ns)
+/* Takes out every pending call to @p rank (-1: any rank); returns them as a list. */
+static weft__pending_t *take_matching(weft_agent_t *a, int rank)
 {
     weft__pending_t *list = NULL;
 
@@ -474,12 +544,9 @@ static weft__pending_t *take_matching(weft_agent_t *a, int rank, int64_t due_ns)
         weft__pending_t **pp = &a->pending[b];
         while (*pp != NULL) {
             weft__pending_t *p = *pp;
-            if ((rank < 0 || p->peer == rank) && p->deadline_ns <= due_ns) {
+            if (rank < 0 || p->peer == rank) {
                 *pp = p->next;
-                a->npending--;
-                if (!p->internal) {
-                    atomic_fetch_sub(&a->pending_user, 1);
-                }
+                pending_unlinked_locked(a, p);
                 p->next = list;
                 list = p;
             } else {
@@ -487,23 +554,20 @@ static weft__pending_t *take_matching(weft_agent_t *a, int rank, int64_t due_ns)
             }
         }
     }
-    if (a->npending == 0) {
-        pthread_cond_broadcast(&a->pend_cv);
-    }
     pthread_mutex_unlock(&a->pend_mu);
     return list;
 }
 
 static void fail_matching(weft_agent_t *a, int rank, weft_status_t st, const char *why)
 {
-    weft__pending_t *list = take_matching(a, rank, INT64_MAX);
+    weft__pending_t *list = take_matching(a, rank);
 
     while (list != NULL) {
         weft__pending_t *next = list->next;
         char text[1024];
         snprintf(text, sizeof(text), "call to '%s' on rank %d failed: %s", list->fn, list->peer,
                  why);
-        pending_finish(list, st, text, NULL);
+        pending_finish(a, list, st, text, NULL);
         list = next;
     }
 }
@@ -518,44 +582,6 @@ void weft__pending_fail_all(weft_agent_t *a, weft_status_t st, const char *why)
     fail_matching(a, -1, st, why);
 }
 
-void weft__pending_sweep(weft_agent_t *a)
-{
-    weft__pending_t *list = take_matching(a, -1, weft__now_ns());
-
-    while (list != NULL) {
-        weft__pending_t *next = list->next;
-        char text[512];
-        snprintf(text, sizeof(text), "call to '%s' on %s (rank %d) passed its deadline", list->fn,
-                 a->peers[list->peer].name != NULL ? a->peers[list->peer].name : "?", list->peer);
-        pending_finish(list, WEFT_ERR_TIMEOUT, text, NULL);
-        list = next;
-    }
-}
-
-weft_status_t weft__peer_stream(weft_agent_t *a, int to, weft__stream_t **s_p)
-{
-    weft_status_t st = WEFT_OK;
-    weft__peer_t *p = &a->peers[to];
-
-    if (atomic_load(&a->state) >= WEFT__AGENT_CLOSED) {
-        /* The queue is shut down: no stream can be opened any more. */
-        return weft__set_error(WEFT_ERR_SHUTDOWN, "rpc: the agent is closed");
-    }
-    pthread_mutex_lock(&p->mu);
-    if (p->lost) {
-        st = weft__set_error(WEFT_ERR_PEER_LOST, "%s (rank %d) was lost: %s", p->name, to,
-                             p->lost_why != NULL ? p->lost_why : "");
-    } else if (p->stream == NULL) {
-        st = weft__stream_open(a, p, &p->stream);
-    }
-    if (st == WEFT_OK) {
-        weft__stream_ref(p->stream);
-        *s_p = p->stream;
-    }
-    pthread_mutex_unlock(&p->mu);
-    return st;
-}
-
 static weft_status_t check_target(weft_agent_t *a, int to, bool internal)
 {
     if (a == NULL) {
@@ -564,11 +590,7 @@ static weft_status_t check_target(weft_agent_t *a, int to, bool internal)
     int state = atomic_load(&a->state);
     if (state == WEFT__AGENT_CREATED && atomic_load(&a->joining)) {
         /* A handler serving a peer that joined first: wait for our own join to end. */
-        weft_status_t st = weft_future_wait(a->join_done, a->rendezvous_timeout_ms + 5000);
-        if (st != WEFT_OK) {
-            return weft__set_error(WEFT_ERR_INVALID_STATE, "rpc: the agent's join failed: %s",
-                                   weft_future_error(a->join_done));
-        }
+        WEFT_CHECK(weft__agent_wait_joined(a));
         state = atomic_load(&a->state);
     }
     if (state == WEFT__AGENT_CREATED) {
@@ -587,12 +609,25 @@ static weft_status_t check_target(weft_agent_t *a, int to, bool internal)
     return WEFT_OK;
 }
 
+weft_status_t weft__call_timeout(const weft_agent_t *a, int64_t timeout_ms, int64_t *ms_p)
+{
+    if (timeout_ms < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "rpc: a timeout of %lld ms (0 means the default; a deadline cannot "
+                               "be infinite)",
+                               (long long)timeout_ms);
+    }
+    if (timeout_ms == 0) {
+        timeout_ms = a->default_timeout_ms;
+    }
+    *ms_p = timeout_ms < WEFT__MAX_TIMEOUT_MS ? timeout_ms : WEFT__MAX_TIMEOUT_MS;
+    return WEFT_OK;
+}
+
 weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
                               int64_t timeout_ms, bool internal, weft_future_t **f_p)
 {
     weft_status_t st;
-    weft__stream_t *s;
-    weft__outmsg_t *m;
     weft_future_t *f;
     weft__pending_t *p;
 
@@ -600,61 +635,45 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
     if (fn == NULL || fn[0] == '\0' || strlen(fn) > WEFT__MAX_NAME) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc: function name missing or too long");
     }
+    WEFT_CHECK(weft__call_timeout(a, timeout_ms, &timeout_ms));
     /* Counted as the callee counts it: by the reserved prefix. */
     internal = weft__fn_internal(fn);
-    if (timeout_ms <= 0) {
-        timeout_ms = a->default_timeout_ms;
-    }
-    if (timeout_ms > WEFT__MAX_TIMEOUT_MS) {
-        timeout_ms = WEFT__MAX_TIMEOUT_MS;
-    }
-    Weft__V1__Envelope env = WEFT__V1__ENVELOPE__INIT;
-    uint64_t id = atomic_fetch_add(&a->next_request_id, 1);
-    env.kind = WEFT__V1__KIND__KIND_REQUEST;
-    env.request_id = id;
-    env.function = (char *)fn;
-    env.timeout_ms = timeout_ms;
-    env.src_rank = a->rank;
-    weft__refs_out_t *refs;
-    WEFT_CHECK(weft__refs_encode(a, to, args, &env, &refs));
-    st = weft__wire_encode(&env, args, &m);
-    if (st != WEFT_OK) {
-        weft__refs_out_free(refs, false);
-        return st;
-    }
-    m->refs = refs; /* from here on, freeing @p m unsent runs the codecs' unsent */
-    uint64_t limit = a->peers[to].max_message_bytes;
-    if (limit > 0 && m->nbytes > limit) {
-        st = weft__set_error(WEFT_ERR_TOO_LARGE,
-                             "rpc: call to '%s' is %zu bytes, over %s's limit of %llu bytes", fn,
-                             m->nbytes, a->peers[to].name, (unsigned long long)limit);
-        goto err_free_msg;
-    }
-    WEFT_CHECK_GOTO(weft_future_create(&f), st, err_free_msg);
+    WEFT_CHECK(weft_future_create(&f));
     p = weft_calloc(1, sizeof(*p));
     if (p == NULL || (p->fn = weft_strdup(fn)) == NULL) {
         weft_free(p);
-        st = weft__set_error(WEFT_ERR_NO_MEMORY, "rpc: no memory");
-        goto err_free_future;
+        weft_future_release(f);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "rpc: no memory");
     }
-    bool direct = weft__direct_usable(a, to, m->nbytes);
-    WEFT_CHECK_GOTO(weft__peer_stream(a, to, &s), st, err_free_pending);
+    uint64_t id = atomic_fetch_add(&a->next_request_id, 1);
     p->id = id;
     p->internal = internal;
     p->peer = to;
-    p->deadline_ns = weft__now_ns() + timeout_ms * 1000000;
     p->f = weft_future_retain(f);
+    /* In the table before the request leaves: its answer may come back at once. The way it went
+     * is recorded once the route returns (answer_way_ok). */
     pthread_mutex_lock(&a->pend_mu);
     pending_insert(a, p);
+    p->timer_id = weft__timer_add(a->timer, weft__now_ns() + timeout_ms * 1000000,
+                                  pending_deadline, NULL, a, id, NULL);
+    p->path.tp = WEFT__TP_COUNT; /* not known yet */
     pthread_mutex_unlock(&a->pend_mu);
     if (!internal) {
         atomic_fetch_add(&a->requests_sent, 1);
-        m->user_request = true;
     }
-    weft_status_t sst = direct ? weft__direct_send(a, to, m) : weft__stream_send(s, m);
-    if (sst != WEFT_OK) {
-        /* Not sent: the call fails through its future like any lost call. */
-        char why[512];
+    weft__frame_t fr = {
+        .kind = WEFT__V1__KIND__KIND_REQUEST,
+        .to = to,
+        .value = args,
+        .function = fn,
+        .request_id = id,
+        .timeout_ms = timeout_ms,
+        .user_request = !internal,
+    };
+    weft__path_t path;
+    st = weft__route(a, &fr, &path);
+    if (st != WEFT_OK) {
+        char why[WEFT__ERROR_MAX];
         snprintf(why, sizeof(why), "%s", weft_last_error());
         if (!internal) {
             atomic_fetch_sub(&a->requests_sent, 1);
@@ -662,22 +681,33 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
         pthread_mutex_lock(&a->pend_mu);
         weft__pending_t *q = pending_remove(a, id, -1);
         pthread_mutex_unlock(&a->pend_mu);
-        if (q != NULL) {
-            pending_finish(q, sst, why, NULL);
+        if (!path.handed) {
+            /* Refused before it left (bad arguments, over the limit): an error, no future. */
+            if (q != NULL) {
+                weft_future_release(q->f);
+                if (q->timer_id != 0) {
+                    (void)weft__timer_cancel(a->timer, q->timer_id);
+                }
+                weft_free(q->fn);
+                weft_free(q);
+            }
+            weft_future_release(f);
+            return weft__set_error(st, "%s", why);
         }
+        /* Not sent: the call fails through its future like any lost call. */
+        if (q != NULL) {
+            pending_finish(a, q, st, why, NULL);
+        }
+    } else {
+        pthread_mutex_lock(&a->pend_mu);
+        weft__pending_t *q = pending_find(a, id);
+        if (q != NULL) {
+            q->path = path;
+        }
+        pthread_mutex_unlock(&a->pend_mu);
     }
-    weft__stream_unref(s);
     *f_p = f;
     return WEFT_OK;
-
-err_free_pending:
-    weft_free(p->fn);
-    weft_free(p);
-err_free_future:
-    weft_future_release(f);
-err_free_msg:
-    weft__outmsg_free(m, st, NULL); /* not sent (it has no sent future) */
-    return st;
 }
 
 weft_status_t weft_rpc_call_local(weft_agent_t *a, const char *fn, weft_value_t *args,
@@ -691,25 +721,11 @@ weft_status_t weft_rpc_call_local(weft_agent_t *a, const char *fn, weft_value_t 
     if (a == NULL || fn == NULL || f_p == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc_call_local: NULL argument");
     }
-    pthread_rwlock_rdlock(&a->reg_mu);
-    for (weft__fn_t *e = a->fns; e != NULL; e = e->next) {
-        if (strcmp(e->name, fn) == 0) {
-            cb = e->cb;
-            cb_arg = e->arg;
-            break;
-        }
-    }
-    pthread_rwlock_unlock(&a->reg_mu);
-    if (cb == NULL) {
+    if (!find_fn(a, fn, &cb, &cb_arg)) {
         return weft__set_error(WEFT_ERR_NO_SUCH_FUNCTION, "no function named '%s' is registered",
                                fn);
     }
-    if (timeout_ms <= 0) {
-        timeout_ms = a->default_timeout_ms;
-    }
-    if (timeout_ms > WEFT__MAX_TIMEOUT_MS) {
-        timeout_ms = WEFT__MAX_TIMEOUT_MS;
-    }
+    WEFT_CHECK(weft__call_timeout(a, timeout_ms, &timeout_ms));
     call = weft_calloc(1, sizeof(*call));
     if (call == NULL || weft_future_create(&f) != WEFT_OK) {
         weft_free(call);
@@ -729,6 +745,7 @@ weft_status_t weft_rpc_call_local(weft_agent_t *a, const char *fn, weft_value_t 
     }
     call->agent = a;
     call->caller = a->rank;
+    call->origin.peer = a->rank;
     call->request_id = 0;
     call->internal = true; /* not a message: the termination test does not count it */
     call->deadline_ns = weft__now_ns() + timeout_ms * 1000000;
@@ -761,11 +778,13 @@ weft_status_t weft_rpc_sync(weft_agent_t *a, int to_rank, const char *fn, const 
                             int64_t timeout_ms, weft_value_t **result_p)
 {
     weft_future_t *f;
+    int64_t ms = 0;
 
     WEFT_CHECK(weft_rpc_async(a, to_rank, fn, args, timeout_ms, &f));
-    /* The call's own deadline fails the future; the margin covers the sweep period. */
-    int64_t limit = (timeout_ms > 0 ? timeout_ms : a->default_timeout_ms) + 2000;
-    weft_status_t st = weft_future_wait(f, limit);
+    (void)weft__call_timeout(a, timeout_ms, &ms); /* valid: the call was made */
+    /* The call's own deadline fails the future (a task on the timer); the margin covers a busy
+     * timer thread. */
+    weft_status_t st = weft_future_wait(f, ms + 1000);
     if (st == WEFT_ERR_TIMEOUT && !weft_future_done(f)) {
         weft__set_error(st, "rpc_sync: call to '%s' on rank %d passed its deadline", fn, to_rank);
     } else if (st != WEFT_OK) {
@@ -805,9 +824,6 @@ weft_status_t weft_agent_send(weft_agent_t *a, int to_rank, uint32_t channel,
 weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t channel,
                                     const weft_value_t *msg, uint32_t flags, weft_future_t **sent_p)
 {
-    weft_status_t st;
-    weft__stream_t *s;
-    weft__outmsg_t *m;
     weft_future_t *f = NULL;
 
     WEFT_CHECK(check_target(a, to_rank, true));
@@ -815,46 +831,18 @@ weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t chann
         return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_send: channel %u out of 1..%d", channel,
                                WEFT_CHANNEL_MAX);
     }
-    Weft__V1__Envelope env = WEFT__V1__ENVELOPE__INIT;
-    env.kind = WEFT__V1__KIND__KIND_ONEWAY;
-    env.channel = channel;
-    env.src_rank = a->rank;
-    weft__refs_out_t *refs;
-    WEFT_CHECK(weft__refs_encode(a, to_rank, msg, &env, &refs));
-    st = weft__wire_encode(&env, msg, &m);
-    if (st != WEFT_OK) {
-        weft__refs_out_free(refs, false);
-        return st;
-    }
-    m->refs = refs;
-    uint64_t limit = a->peers[to_rank].max_message_bytes;
-    if (limit > 0 && m->nbytes > limit) {
-        st = weft__set_error(WEFT_ERR_TOO_LARGE,
-                             "agent_send: message is %zu bytes, over %s's limit of %llu bytes",
-                             m->nbytes, a->peers[to_rank].name, (unsigned long long)limit);
-        goto err_free_msg;
-    }
     if (sent_p != NULL) {
-        WEFT_CHECK_GOTO(weft_future_create(&f), st, err_free_msg);
-        m->sent = weft_future_retain(f);
+        WEFT_CHECK(weft_future_create(&f));
     }
-    /* With references it stays on the stream, whose receiver decodes them. */
-    if ((flags & WEFT_SEND_UNORDERED) != 0 && m->nbytes >= WEFT__DIRECT_MIN_UNORDERED &&
-        refs == NULL && weft__direct_available(a, to_rank)) {
-        /* takes the message either way */
-        st = weft__direct_send_ex(a, to_rank, m, (flags & WEFT_SEND_INLINE) != 0);
-        if (st != WEFT_OK) {
-            weft_future_release(f);
-            return st;
-        }
-        if (sent_p != NULL) {
-            *sent_p = f;
-        }
-        return WEFT_OK;
-    }
-    WEFT_CHECK_GOTO(weft__peer_stream(a, to_rank, &s), st, err_free_future);
-    st = weft__stream_send(s, m); /* takes the message either way */
-    weft__stream_unref(s);
+    weft__frame_t fr = {
+        .kind = WEFT__V1__KIND__KIND_ONEWAY,
+        .to = to_rank,
+        .value = msg,
+        .channel = channel,
+        .flags = flags,
+        .sent = f != NULL ? weft_future_retain(f) : NULL,
+    };
+    weft_status_t st = weft__route(a, &fr, NULL);
     if (st != WEFT_OK) {
         weft_future_release(f);
         return st;
@@ -863,14 +851,4 @@ weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint32_t chann
         *sent_p = f;
     }
     return WEFT_OK;
-
-err_free_future:
-    if (f != NULL) {
-        weft_future_release(m->sent);
-        m->sent = NULL;
-        weft_future_release(f);
-    }
-err_free_msg:
-    weft__outmsg_free(m, st, NULL); /* not sent (its sent future is gone) */
-    return st;
 }

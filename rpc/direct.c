@@ -1,21 +1,26 @@
-/* Direct connections for large frames.
+/* The direct transport: TCP connections for large frames.
  *
- * gRPC's HTTP/2 path costs a user-space copy and framing work on each side,
- * which on a few cores holds a large transfer well under what the socket can
- * do. Frames of WEFT__DIRECT_MIN bytes or more (requests and responses; one-way
- * messages stay on the stream, which keeps their order) go instead over a TCP
- * connection per pair of ranks: written with writev straight from the tensors,
- * read with recv straight into the destination tensors, one kernel copy per
- * side. The frame layout is the stream's (docs/protocol.md). A connection
- * opens with a handshake: magic, version, rank and the job's token. If a peer
- * cannot be reached this way, its frames fall back to the gRPC stream.
+ * gRPC's HTTP/2 path costs a user-space copy and framing work on each side, which on a few cores
+ * holds a large transfer well under what the socket can do. The route sends large frames here
+ * instead (see weft__route): one TCP connection per ordered pair of ranks, written with writev
+ * straight from the tensors, read with recv straight into the destination tensors, one kernel
+ * copy per side. The frame layout is the stream's (docs/protocol.md section 5).
  *
- * A channel with a landing callback (collectives) says, from a one-way message's
- * payload, where its tensor goes before it is read: straight into a buffer it
- * posted, or through a small hot buffer into a sink that reduces it as it arrives,
- * with no fresh tensor and no copy after. A sender that asks for it
- * (WEFT_SEND_INLINE) writes on an idle connection itself, without waking the
- * sender thread. */
+ * Opening (docs/protocol.md section 4): the acceptor sends its challenge; the connecting rank
+ * answers with a Hello that proves its rank (weft__hello_check), within one deadline for the
+ * whole handshake; the acceptor answers with a status. One connection per ordered pair: a second
+ * one claiming a rank already connected is refused. A peer that cannot be reached this way gets
+ * its frames on the stream (weft__route_fallback).
+ *
+ * Reading: a frame's envelope is checked before its body is read (weft__frame_check); a frame
+ * over this rank's limit is refused at once and its connection closed (its bytes are never
+ * waited for); a refused frame whose sizes can be trusted is skipped and the next one read; a
+ * tensor's memory is taken as its bytes arrive, not when its size is announced.
+ *
+ * A module with a lander (collectives) says, from a one-way message's payload, where its tensor
+ * goes before it is read: straight into a buffer it posted, or through a small hot buffer into a
+ * sink that reduces it as it arrives. A sender that asks for it (WEFT_SEND_INLINE) writes on an
+ * idle connection itself, without waking the sender thread. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netdb.h>
@@ -23,6 +28,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -30,19 +36,19 @@
 #include "internal.h"
 
 #define DIRECT_MAGIC     0x42544657u /* "WFTB" little-endian */
-#define DIRECT_VERSION   1u
-#define MAX_TOKEN        4096
-#define HANDSHAKE_S      10 /* a connection that has not shaken hands by then is dropped */
+#define DIRECT_VERSION   2u
+#define MAX_HELLO        (64u << 10)
 #define LAND_CHUNK       ((size_t)256 << 10) /* bytes handed to a landing sink at a time */
 #define LAND_MAX_PAYLOAD 65536               /* larger payloads do not ask where to land */
 #define LOWAT_MIN        ((size_t)64 << 10)  /* reads this large wake less often */
 #define LOWAT_MAX        ((size_t)256 << 10)
+#define GROW_MIN         ((size_t)64 << 20)  /* tensors this large grow as their bytes arrive */
 
 typedef struct conn_in {
     struct conn_in *next;
     weft_agent_t *agent;
     int fd;
-    _Atomic int peer; /* -1 until the handshake (weft__direct_cut reads it) */
+    _Atomic int peer; /* -1 until the handshake */
     pthread_t thread;
     _Atomic bool done; /* the reader has finished: the acceptor reaps it */
     uint8_t *hot;      /* landing buffer for messages reduced as they arrive (lazily) */
@@ -100,6 +106,37 @@ static bool read_all(int fd, void *buf, size_t n)
     while (n > 0) {
         ssize_t k = recv(fd, p, n, MSG_WAITALL);
         if (k < 0 && errno == EINTR) {
+            continue;
+        }
+        if (k <= 0) {
+            return false;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return true;
+}
+
+/* read_all that gives up at @p deadline_ns (one deadline for a whole exchange, however the bytes
+ * trickle in). */
+static bool read_until(int fd, void *buf, size_t n, int64_t deadline_ns)
+{
+    uint8_t *p = buf;
+    while (n > 0) {
+        int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;
+        if (left_ms <= 0) {
+            return false;
+        }
+        struct pollfd pfd = {fd, POLLIN, 0};
+        int r = poll(&pfd, 1, (int)(left_ms < 1000 ? left_ms : 1000));
+        if (r < 0 && errno != EINTR) {
+            return false;
+        }
+        if (r <= 0) {
+            continue;
+        }
+        ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
+        if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) {
             continue;
         }
         if (k <= 0) {
@@ -174,7 +211,7 @@ static void tune(int fd)
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
-static int connect_to(const char *address)
+static int connect_to(const char *address, int64_t deadline_ns)
 {
     char host[300];
     snprintf(host, sizeof(host), "%s", address);
@@ -195,11 +232,14 @@ static int connect_to(const char *address)
         if (fd < 0) {
             continue;
         }
-        /* A bounded connect (and handshake); writes have no timeout after it. */
-        struct timeval tv = {10, 0};
+        /* A bounded connect; the handshake has its own deadline; writes none after it. */
+        int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;
+        struct timeval tv = {left_ms > 0 ? left_ms / 1000 : 0,
+                             left_ms > 0 ? (left_ms % 1000) * 1000 : 1000};
         setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
         if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+            struct timeval none = {0, 0};
+            setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &none, sizeof(none));
             break;
         }
         close(fd);
@@ -211,8 +251,6 @@ static int connect_to(const char *address)
     }
     return fd;
 }
-
-/* ------------------------------------------------------------ sending */
 
 static void put_u32(uint8_t *p, uint32_t v)
 {
@@ -227,48 +265,158 @@ static uint32_t get_u32(const uint8_t *p)
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
-/* Connects and shakes hands; -1 on failure. */
+/* ------------------------------------------------------------ opening */
+
+/* Connects to @p peer and proves this rank; -1 on failure (logged). */
 static int open_out(weft_agent_t *a, int peer)
 {
     const char *addr = a->peers[peer].direct_address;
     if (addr == NULL || addr[0] == '\0') {
         return -1;
     }
-    int fd = connect_to(addr);
+    int64_t deadline = weft__now_ns() + a->handshake_timeout_ms * 1000000;
+    int fd = connect_to(addr, deadline);
     if (fd < 0) {
+        WEFT_WARN("direct connection to rank %d at %s failed; large frames take the stream", peer,
+                  addr);
         return -1;
     }
-    size_t tlen = strlen(a->auth_token);
-    uint8_t hdr[20];
-    put_u32(hdr, DIRECT_MAGIC);
-    put_u32(hdr + 4, DIRECT_VERSION);
-    put_u32(hdr + 8, (uint32_t)a->rank);
-    put_u32(hdr + 12, (uint32_t)a->world_size);
-    put_u32(hdr + 16, (uint32_t)tlen);
-    uint8_t ok = 1;
-    if (!write_all(fd, hdr, sizeof(hdr)) || !write_all(fd, a->auth_token, tlen) ||
-        !read_all(fd, &ok, 1) || ok != 0) {
-        WEFT_WARN("direct connection to rank %d at %s refused; using the stream", peer, addr);
+    uint8_t ch[8 + WEFT__CHALLENGE_BYTES];
+    uint8_t sig[WEFT__ID_SIG_BYTES];
+    uint8_t *hello = NULL;
+    const char *why = "the peer went away during the handshake";
+    if (!read_until(fd, ch, sizeof(ch), deadline)) {
+        goto err_close;
+    }
+    if (get_u32(ch) != DIRECT_MAGIC || get_u32(ch + 4) != DIRECT_VERSION) {
+        why = "the peer speaks another handshake";
+        goto err_close;
+    }
+    if (weft__hello_sign(a, 'D', ch + 8, peer, sig) != WEFT_OK) {
+        why = weft_last_error();
+        goto err_close;
+    }
+    Weft__V1__Hello h = WEFT__V1__HELLO__INIT;
+    weft__hello_fill(a, &h);
+    h.proof.data = sig;
+    h.proof.len = sizeof(sig);
+    size_t hlen = weft__v1__hello__get_packed_size(&h);
+    hello = weft_alloc(12 + hlen);
+    if (hello == NULL) {
+        why = "no memory";
+        goto err_close;
+    }
+    put_u32(hello, DIRECT_MAGIC);
+    put_u32(hello + 4, DIRECT_VERSION);
+    put_u32(hello + 8, (uint32_t)hlen);
+    weft__v1__hello__pack(&h, hello + 12);
+    uint8_t ans[8];
+    if (!write_all(fd, hello, 12 + hlen) || !read_until(fd, ans, sizeof(ans), deadline)) {
+        goto err_close;
+    }
+    int32_t status = (int32_t)get_u32(ans);
+    uint32_t tlen = get_u32(ans + 4);
+    if (status != 0) {
+        char text[512] = "";
+        size_t k = tlen < sizeof(text) - 1 ? tlen : sizeof(text) - 1;
+        if (read_until(fd, text, k, deadline)) {
+            text[k] = '\0';
+        }
+        WEFT_WARN("direct connection to rank %d at %s refused (%s): %s; large frames take the "
+                  "stream",
+                  peer, addr, weft_strerror(weft_status_valid(status) ? (weft_status_t)status
+                                                                      : WEFT_ERR_PROTOCOL),
+                  text);
+        weft_free(hello);
         close(fd);
         return -1;
     }
-    struct timeval none = {0, 0};
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &none, sizeof(none));
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
+    weft_free(hello);
     return fd;
+
+err_close:
+    WEFT_WARN("direct connection to rank %d at %s failed (%s); large frames take the stream",
+              peer, addr, why);
+    weft_free(hello);
+    close(fd);
+    return -1;
 }
 
-/* Sends @p m over the peer's stream instead (fallback). */
-static void send_on_stream(weft_agent_t *a, int peer, weft__outmsg_t *m)
+/* Answers a handshake: a status and its text. */
+static bool handshake_answer(int fd, weft_status_t st, const char *text)
 {
-    weft__stream_t *s;
-    if (weft__peer_stream(a, peer, &s) != WEFT_OK) {
-        weft__outmsg_free(m, WEFT_ERR_PEER_LOST, weft_last_error());
-        return;
-    }
-    (void)weft__stream_send(s, m);
-    weft__stream_unref(s);
+    size_t n = strlen(text);
+    uint8_t hdr[8];
+    put_u32(hdr, (uint32_t)(int32_t)st);
+    put_u32(hdr + 4, (uint32_t)n);
+    return write_all(fd, hdr, sizeof(hdr)) && (n == 0 || write_all(fd, text, n));
 }
+
+/* The acceptor's side of the handshake, within one deadline; the rank it proved, or -1. */
+static int handshake_in(conn_in_t *c)
+{
+    weft_agent_t *a = c->agent;
+    weft__direct_t *d = a->direct;
+    int64_t deadline = weft__now_ns() + a->handshake_timeout_ms * 1000000;
+    uint8_t ch[8 + WEFT__CHALLENGE_BYTES];
+    uint8_t hdr[12];
+    char why[512];
+
+    put_u32(ch, DIRECT_MAGIC);
+    put_u32(ch + 4, DIRECT_VERSION);
+    if (weft__random_bytes(ch + 8, WEFT__CHALLENGE_BYTES) != WEFT_OK || !write_all(c->fd, ch, sizeof(ch))) {
+        return -1;
+    }
+    if (!read_until(c->fd, hdr, sizeof(hdr), deadline)) {
+        WEFT_WARN("closed a direct connection: no handshake within %lld ms",
+                  (long long)a->handshake_timeout_ms);
+        return -1;
+    }
+    uint32_t hlen = get_u32(hdr + 8);
+    if (get_u32(hdr) != DIRECT_MAGIC || get_u32(hdr + 4) != DIRECT_VERSION || hlen > MAX_HELLO) {
+        snprintf(why, sizeof(why), "bad handshake (magic %08x, version %u, hello of %u bytes)",
+                 get_u32(hdr), get_u32(hdr + 4), hlen);
+        WEFT_WARN("refused a direct connection: %s", why);
+        (void)handshake_answer(c->fd, WEFT_ERR_PROTOCOL, why);
+        return -1;
+    }
+    uint8_t *buf = weft_alloc(hlen == 0 ? 1 : hlen);
+    if (buf == NULL || !read_until(c->fd, buf, hlen, deadline)) {
+        weft_free(buf);
+        return -1;
+    }
+    Weft__V1__Hello *h = weft__v1__hello__unpack(&weft__pb_allocator, hlen, buf);
+    weft_free(buf);
+    weft_status_t st = weft__hello_check(a, h, WEFT__HELLO_DIRECT, ch + 8, why, sizeof(why));
+    int rank = st == WEFT_OK ? h->rank : -1;
+    if (h != NULL) {
+        weft__v1__hello__free_unpacked(h, &weft__pb_allocator);
+    }
+    if (st == WEFT_OK) {
+        /* One connection per ordered pair: a second one claiming the rank is refused. */
+        pthread_mutex_lock(&d->mu);
+        for (conn_in_t *o = d->ins; o != NULL; o = o->next) {
+            if (o != c && !atomic_load(&o->done) && atomic_load(&o->peer) == rank) {
+                st = WEFT_ERR_ALREADY_EXISTS;
+                snprintf(why, sizeof(why), "rank %d has a direct connection to %s already", rank,
+                         a->name);
+                break;
+            }
+        }
+        if (st == WEFT_OK) {
+            atomic_store(&c->peer, rank);
+        }
+        pthread_mutex_unlock(&d->mu);
+    }
+    if (st != WEFT_OK) {
+        WEFT_WARN("refused a direct connection: %s", why);
+        (void)handshake_answer(c->fd, st, why);
+        return -1;
+    }
+    return handshake_answer(c->fd, WEFT_OK, "") ? rank : -1;
+}
+
+/* ------------------------------------------------------------ sending */
 
 /* Writes @p m on the connection (the caller holds c->writing) and settles it. */
 static void write_out(conn_out_t *c, int fd, weft__outmsg_t *m)
@@ -325,7 +473,6 @@ static void *sender_main(void *arg)
             if (fd >= 0 && (atomic_load(&d->stop) || c->cut)) {
                 /* Closed or cut while we connected. */
                 close(fd);
-                fd = -1;
                 pthread_mutex_unlock(&c->mu);
                 weft__outmsg_free(m, WEFT_ERR_PEER_LOST, "direct connection closed");
                 pthread_mutex_lock(&c->mu);
@@ -339,7 +486,8 @@ static void *sender_main(void *arg)
         c->writing = !unusable;
         pthread_mutex_unlock(&c->mu);
         if (unusable) {
-            send_on_stream(a, c->peer, m);
+            /* No direct connection to this peer: back through the route, to the stream. */
+            weft__route_fallback(a, c->peer, m);
         } else {
             write_out(c, fd, m);
         }
@@ -350,12 +498,67 @@ static void *sender_main(void *arg)
     return NULL;
 }
 
-bool weft__direct_usable(weft_agent_t *a, int peer, size_t nbytes)
+static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, weft__outmsg_t *m,
+                             uint32_t flags, weft__path_t *path_p)
 {
-    return nbytes >= WEFT__DIRECT_MIN && weft__direct_available(a, peer);
+    weft__direct_t *d = a->direct;
+    conn_out_t *c = &d->outs[peer];
+    bool write_here = (flags & WEFT_SEND_INLINE) != 0;
+
+    (void)via; /* kept in the message (reply_via) for a fallback */
+    (void)path_p;
+    pthread_mutex_lock(&c->mu);
+    if (atomic_load(&d->stop) || c->cut) {
+        bool stopped = atomic_load(&d->stop);
+        pthread_mutex_unlock(&c->mu);
+        weft__outmsg_free(m, stopped ? WEFT_ERR_SHUTDOWN : WEFT_ERR_PEER_LOST,
+                          stopped ? "agent closed" : "peer lost");
+        return stopped ? weft__set_error(WEFT_ERR_SHUTDOWN, "rpc: the agent is closed")
+                       : weft__set_error(WEFT_ERR_PEER_LOST, "rpc: rank %d was lost", peer);
+    }
+    if (write_here && c->fd >= 0 && !atomic_load(&c->unusable) && !c->writing && c->qh == NULL) {
+        /* The connection is idle: write it from this thread, without waking the sender. */
+        int fd = c->fd;
+        c->writing = true;
+        pthread_mutex_unlock(&c->mu);
+        write_out(c, fd, m);
+        pthread_mutex_lock(&c->mu);
+        c->writing = false;
+        pthread_cond_broadcast(&c->cv); /* the sender, or stop, may wait */
+        pthread_mutex_unlock(&c->mu);
+        return WEFT_OK;
+    }
+    if (!c->started) {
+        if (pthread_create(&c->thread, NULL, sender_main, c) != 0) {
+            pthread_mutex_unlock(&c->mu);
+            weft__route_fallback(a, peer, m);
+            return WEFT_OK;
+        }
+        c->started = true;
+    }
+    if (c->qt == NULL) {
+        c->qh = c->qt = m;
+    } else {
+        c->qt->next = m;
+        c->qt = m;
+    }
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    return WEFT_OK;
 }
 
-void weft__direct_cut(weft_agent_t *a, int peer)
+static bool tp_usable(weft_agent_t *a, int peer)
+{
+    weft__direct_t *d = a->direct;
+    if (d == NULL || atomic_load(&d->stop) || peer < 0 || peer >= a->world_size) {
+        return false;
+    }
+    const char *addr = a->peers[peer].direct_address;
+    return addr != NULL && addr[0] != '\0' && !atomic_load(&d->outs[peer].unusable) &&
+           !d->outs[peer].cut;
+}
+
+static void tp_cut(weft_agent_t *a, int peer)
 {
     weft__direct_t *d = a->direct;
     if (d == NULL || peer < 0 || peer >= a->world_size) {
@@ -380,114 +583,21 @@ void weft__direct_cut(weft_agent_t *a, int peer)
     pthread_mutex_unlock(&d->mu);
 }
 
-bool weft__direct_available(weft_agent_t *a, int peer)
-{
-    weft__direct_t *d = a->direct;
-    if (d == NULL || atomic_load(&d->stop) || peer < 0 || peer >= a->world_size) {
-        return false;
-    }
-    const char *addr = a->peers[peer].direct_address;
-    return addr != NULL && addr[0] != '\0' && !atomic_load(&d->outs[peer].unusable) &&
-           !d->outs[peer].cut;
-}
-
-weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m)
-{
-    return weft__direct_send_ex(a, peer, m, false);
-}
-
-weft_status_t weft__direct_send_ex(weft_agent_t *a, int peer, weft__outmsg_t *m, bool write_here)
-{
-    weft__direct_t *d = a->direct;
-    conn_out_t *c = &d->outs[peer];
-
-    /* Keep a stream to the peer open: its keepalive watches the peer's health. */
-    weft__stream_t *s;
-    weft_status_t st = weft__peer_stream(a, peer, &s);
-    if (st != WEFT_OK) {
-        weft__outmsg_free(m, st, weft_last_error());
-        return st;
-    }
-    weft__stream_unref(s);
-    pthread_mutex_lock(&c->mu);
-    if (atomic_load(&d->stop) || c->cut) {
-        bool stopped = atomic_load(&d->stop);
-        pthread_mutex_unlock(&c->mu);
-        weft__outmsg_free(m, stopped ? WEFT_ERR_SHUTDOWN : WEFT_ERR_PEER_LOST,
-                          stopped ? "agent closed" : "peer lost");
-        return stopped ? weft__set_error(WEFT_ERR_SHUTDOWN, "rpc: the agent is closed")
-                       : weft__set_error(WEFT_ERR_PEER_LOST, "rpc: rank %d was lost", peer);
-    }
-    if (write_here && c->fd >= 0 && !atomic_load(&c->unusable) && !c->writing && c->qh == NULL) {
-        /* The connection is idle: write it from this thread, without waking the sender. */
-        int fd = c->fd;
-        c->writing = true;
-        pthread_mutex_unlock(&c->mu);
-        write_out(c, fd, m);
-        pthread_mutex_lock(&c->mu);
-        c->writing = false;
-        pthread_cond_broadcast(&c->cv); /* the sender, or weft__direct_stop, may wait */
-        pthread_mutex_unlock(&c->mu);
-        return WEFT_OK;
-    }
-    if (!c->started) {
-        if (pthread_create(&c->thread, NULL, sender_main, c) != 0) {
-            pthread_mutex_unlock(&c->mu);
-            send_on_stream(a, peer, m);
-            return WEFT_OK;
-        }
-        c->started = true;
-    }
-    if (c->qt == NULL) {
-        c->qh = c->qt = m;
-    } else {
-        c->qt->next = m;
-        c->qt = m;
-    }
-    pthread_cond_signal(&c->cv);
-    pthread_mutex_unlock(&c->mu);
-    return WEFT_OK;
-}
-
 /* ------------------------------------------------------------ receiving */
 
 typedef struct {
     weft_agent_t *agent;
     int peer;
     Weft__V1__Envelope *env;
-    weft_value_t *args;
+    weft_value_t *v;
 } dispatch_t;
 
 static void dispatch_run(void *arg)
 {
     dispatch_t *t = arg;
-    if (t->env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
-        weft__call_response(t->agent, t->peer, t->env, t->args);
-    } else {
-        weft__call_dispatch_from(t->agent, NULL, t->peer, t->env, t->args);
-    }
+    weft__origin_t o = {WEFT__TP_DIRECT, t->peer, NULL, false};
+    weft__deliver(t->agent, &o, t->env, t->v, WEFT_OK);
     weft_free(t);
-}
-
-/* Answers a request that could not be accepted, over the stream back to the caller. */
-static void refuse(weft_agent_t *a, int peer, const Weft__V1__Envelope *env, weft_status_t st)
-{
-    Weft__V1__Envelope resp = WEFT__V1__ENVELOPE__INIT;
-    char why[600];
-    weft__outmsg_t *m;
-
-    if (env->function == NULL || !weft__fn_internal(env->function)) {
-        atomic_fetch_add(&a->requests_received, 1);
-    }
-    snprintf(why, sizeof(why), "%s (on %s)", weft_last_error(), a->name);
-    resp.kind = WEFT__V1__KIND__KIND_RESPONSE;
-    resp.request_id = env->request_id;
-    resp.src_rank = a->rank;
-    resp.status = st;
-    resp.error = why;
-    if (weft__wire_encode(&resp, NULL, &m) == WEFT_OK) {
-        send_on_stream(a, peer, m);
-    }
 }
 
 /* Sets the socket's receive low-water mark (cached). */
@@ -529,6 +639,73 @@ static bool read_body(conn_in_t *c, void *buf, size_t n)
     return true;
 }
 
+/* Waits until the next bytes of the connection are there (a frame's next part has begun to
+ * arrive): memory for it is taken only then. False when the connection is over. */
+static bool await_bytes(conn_in_t *c)
+{
+    set_lowat(c, 1);
+    for (;;) {
+        struct pollfd pfd = {c->fd, POLLIN, 0};
+        int r = poll(&pfd, 1, -1);
+        if (r > 0) {
+            return (pfd.revents & POLLIN) != 0;
+        }
+        if (r < 0 && errno != EINTR) {
+            return false;
+        }
+    }
+}
+
+static void unmap_cb(void *data, void *arg)
+{
+    munmap(data, (size_t)(uintptr_t)arg);
+}
+
+/* A large tensor: received into a mapping that grows as its bytes arrive (mremap moves page
+ * tables, not bytes), so that a frame announcing gigabytes holds only what was sent. */
+static weft_status_t read_grown(conn_in_t *c, const Weft__V1__TensorMeta *tm, weft_tensor_t **t_p,
+                                bool *broke_p)
+{
+    size_t n = (size_t)tm->nbytes;
+    size_t cap = GROW_MIN;
+    uint8_t *map = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                        -1, 0);
+    size_t got = 0;
+
+    *broke_p = false;
+    if (map == MAP_FAILED) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for a %zu-byte tensor", n);
+    }
+    while (got < n) {
+        if (got == cap) {
+            size_t ncap = cap * 2 < n ? cap * 2 : n;
+            void *m2 = mremap(map, cap, ncap, MREMAP_MAYMOVE);
+            if (m2 == MAP_FAILED) {
+                munmap(map, cap);
+                return weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for a %zu-byte tensor", n);
+            }
+            map = m2;
+            cap = ncap;
+        }
+        size_t k = (cap < n ? cap : n) - got;
+        if (!read_body(c, map + got, k)) {
+            munmap(map, cap);
+            *broke_p = true;
+            return WEFT_ERR_PEER_LOST;
+        }
+        got += k;
+    }
+    weft_tensor_t *t;
+    weft_status_t st = weft_tensor_wrap((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, map,
+                                        n, WEFT_CPU, unmap_cb, (void *)(uintptr_t)cap, &t);
+    if (st != WEFT_OK) {
+        munmap(map, cap);
+        return st;
+    }
+    *t_p = t;
+    return WEFT_OK;
+}
+
 /* Reads @p n bytes into a landing; false when the connection broke. */
 static bool land_bytes(conn_in_t *c, const weft_landing_t *l, uint64_t n)
 {
@@ -552,9 +729,9 @@ static bool land_bytes(conn_in_t *c, const weft_landing_t *l, uint64_t n)
     return true;
 }
 
-/* A one-way message with one tensor, on a channel that may say where it lands: its
- * payload first, then the tensor's bytes, in place or into a fresh tensor. The
- * envelope is consumed; false when the connection is over or broken. */
+/* A one-way message with one tensor, on a channel whose module may say where it lands: its
+ * payload first, then the tensor's bytes, in place or into a fresh tensor. The envelope is
+ * consumed; false when the connection is over or broken. */
 static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__module_t *mod,
                          uint64_t body)
 {
@@ -564,6 +741,7 @@ static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__modu
     uint32_t ch = env->channel;
     weft_value_t *v = NULL;
     uint8_t *pl = weft_alloc(env->payload_bytes);
+    int peer = atomic_load(&c->peer);
     bool ok;
 
     if (pl == NULL || weft_value_create(&v) != WEFT_OK) {
@@ -582,7 +760,7 @@ static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__modu
     }
     weft_landing_t l = {0};
     bool deliver = true;
-    if (mod->desc.lander(mod->state, c->peer, pl, env->payload_bytes, (weft_dtype_t)tm->dtype,
+    if (mod->desc.lander(mod->state, peer, pl, env->payload_bytes, (weft_dtype_t)tm->dtype,
                          numel, &l)) {
         ok = land_bytes(c, &l, nb);
         l.done(l.arg, ok);
@@ -593,8 +771,7 @@ static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__modu
             weft_value_push_tensor(v, t) != WEFT_OK) {
             /* No memory: the message is dropped, the connection stays framed. */
             weft_tensor_release(t);
-            WEFT_WARN("direct connection from rank %d: no memory for a message; dropped",
-                      (int)c->peer);
+            WEFT_WARN("direct connection from rank %d: no memory for a message; dropped", peer);
             ok = skip_all(c->fd, nb);
             deliver = false;
         } else {
@@ -603,7 +780,7 @@ static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__modu
     }
     if (ok && deliver && weft_value_take_payload(v, pl, env->payload_bytes) == WEFT_OK) {
         pl = NULL;
-        weft__channel_deliver(a, ch, c->peer, v);
+        weft__channel_deliver(a, ch, peer, v);
         v = NULL;
     }
 out:
@@ -613,10 +790,86 @@ out:
     return ok;
 }
 
-/* Reads one frame; false when the connection is over or broken. */
+/* Reads a frame's body into a new value, each part's memory taken as its bytes begin to arrive.
+ * On an allocation failure the rest of the body is skipped (*skipped_p): the connection stays
+ * framed. False when the connection broke. */
+static bool read_value(conn_in_t *c, const Weft__V1__Envelope *env, uint64_t body,
+                       weft_value_t **v_p, weft_status_t *st_p)
+{
+    weft_value_t *v = NULL;
+    uint64_t done = 0;
+
+    *v_p = NULL;
+    *st_p = weft_value_create(&v);
+    if (*st_p != WEFT_OK) {
+        return skip_all(c->fd, body);
+    }
+    if (env->payload_bytes > 0) {
+        if (!await_bytes(c)) {
+            weft_value_free(v);
+            return false;
+        }
+        void *pl = weft_alloc(env->payload_bytes);
+        if (pl == NULL) {
+            *st_p = weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for a %llu-byte payload",
+                                    (unsigned long long)env->payload_bytes);
+            weft_value_free(v);
+            return skip_all(c->fd, body);
+        }
+        if (!read_all(c->fd, pl, env->payload_bytes)) {
+            weft_free(pl);
+            weft_value_free(v);
+            return false;
+        }
+        done += env->payload_bytes;
+        if (weft_value_take_payload(v, pl, env->payload_bytes) != WEFT_OK) {
+            weft_free(pl);
+        }
+    }
+    for (size_t i = 0; i < env->n_tensors; i++) {
+        const Weft__V1__TensorMeta *tm = env->tensors[i];
+        weft_tensor_t *t = NULL;
+        weft_status_t st;
+        if (tm->nbytes > 0 && !await_bytes(c)) {
+            weft_value_free(v);
+            return false;
+        }
+        if (tm->nbytes >= GROW_MIN) {
+            bool broke = false;
+            st = read_grown(c, tm, &t, &broke);
+            if (broke) {
+                weft_value_free(v);
+                return false;
+            }
+        } else {
+            st = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t);
+            if (st == WEFT_OK && !read_body(c, weft_tensor_data(t), (size_t)tm->nbytes)) {
+                weft_tensor_release(t);
+                weft_value_free(v);
+                return false;
+            }
+        }
+        if (st == WEFT_OK && weft_value_push_tensor(v, t) != WEFT_OK) {
+            weft_tensor_release(t);
+            st = weft__set_error(WEFT_ERR_NO_MEMORY, "no memory");
+        }
+        if (st != WEFT_OK) {
+            *st_p = st;
+            weft_value_free(v);
+            return skip_all(c->fd, body - done);
+        }
+        done += tm->nbytes;
+    }
+    *v_p = v;
+    return true;
+}
+
+/* Reads one frame; false when the connection is over, broken or cannot be framed any more. */
 static bool read_frame(conn_in_t *c)
 {
     weft_agent_t *a = c->agent;
+    int peer = atomic_load(&c->peer);
+    weft__origin_t o = {WEFT__TP_DIRECT, peer, NULL, false};
     uint8_t lenb[4];
 
     set_lowat(c, 1); /* the next frame may be small */
@@ -625,7 +878,8 @@ static bool read_frame(conn_in_t *c)
     }
     uint32_t elen = get_u32(lenb);
     if (elen > WEFT__MAX_ENVELOPE) {
-        WEFT_WARN("direct connection from rank %d: envelope of %u bytes; closing", c->peer, elen);
+        WEFT_WARN("direct connection from rank %d: an envelope of %u bytes (max %u); closing",
+                  peer, elen, WEFT__MAX_ENVELOPE);
         return false;
     }
     uint8_t *ebuf = weft_alloc(elen == 0 ? 1 : elen);
@@ -636,32 +890,28 @@ static bool read_frame(conn_in_t *c)
     Weft__V1__Envelope *env = weft__v1__envelope__unpack(&weft__pb_allocator, elen, ebuf);
     weft_free(ebuf);
     if (env == NULL) {
-        WEFT_WARN("direct connection from rank %d: envelope does not decode; closing", c->peer);
+        WEFT_WARN("direct connection from rank %d: an envelope that does not decode; closing",
+                  peer);
         return false;
     }
     uint64_t body = 0;
-    weft_status_t st = weft__wire_check_frame(env, &body);
+    bool framed = true;
+    weft_status_t st = weft__frame_check(env, elen, a->max_message_bytes, &body, &framed);
     if (st != WEFT_OK) {
-        /* The lengths cannot be trusted: the connection cannot be framed any more. */
-        WEFT_WARN("direct connection from rank %d: %s; closing", c->peer, weft_last_error());
-        if (env->kind == WEFT__V1__KIND__KIND_REQUEST) {
-            refuse(a, c->peer, env, st);
+        /* Refused at once, before any of its body is read: its request is answered, or its
+         * answer fails our call. */
+        bool over = st == WEFT_ERR_TOO_LARGE;
+        char why[WEFT__ERROR_MAX];
+        snprintf(why, sizeof(why), "%s", weft_last_error());
+        bool keep = framed && !over && skip_all(c->fd, body);
+        weft__set_error(st, "%s", why);
+        weft__deliver(a, &o, env, NULL, st);
+        if (!keep) {
+            /* Over the limit the sender was told (its bytes are never waited for), or sizes
+             * that cannot be trusted: the connection cannot go on. */
+            WEFT_WARN("direct connection from rank %d: %s; closing", peer, why);
         }
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        return false;
-    }
-    if (a->max_message_bytes > 0 && 4 + (uint64_t)elen + body > a->max_message_bytes) {
-        st = weft__set_error(
-            WEFT_ERR_TOO_LARGE, "wire: message of %llu bytes exceeds the limit of %llu bytes",
-            (unsigned long long)(4 + elen + body), (unsigned long long)a->max_message_bytes);
-        bool ok = skip_all(c->fd, body);
-        if (env->kind == WEFT__V1__KIND__KIND_REQUEST) {
-            refuse(a, c->peer, env, st);
-        } else if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
-            weft__pending_fail_id(a, c->peer, env->request_id, st, weft_last_error());
-        }
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        return ok;
+        return keep;
     }
     if (env->kind == WEFT__V1__KIND__KIND_ONEWAY && env->n_tensors == 1 && env->payload_bytes > 0 &&
         env->payload_bytes <= LAND_MAX_PAYLOAD && env->channel >= 1 &&
@@ -671,76 +921,22 @@ static bool read_frame(conn_in_t *c)
             return read_landing(c, env, mod, body);
         }
     }
-    /* The body, straight into its destinations: allocate them all first, so that a
-     * failure to allocate leaves the connection framed (the body is skipped). */
     weft_value_t *v = NULL;
-    void *pl = NULL;
-    weft_status_t ast = weft_value_create(&v);
-    if (ast == WEFT_OK && env->payload_bytes > 0) {
-        pl = weft_alloc(env->payload_bytes);
-        if (pl == NULL) {
-            ast = weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for a %llu-byte payload",
-                                  (unsigned long long)env->payload_bytes);
-        }
-    }
-    for (size_t i = 0; ast == WEFT_OK && i < env->n_tensors; i++) {
-        const Weft__V1__TensorMeta *tm = env->tensors[i];
-        weft_tensor_t *t;
-        ast = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t);
-        if (ast == WEFT_OK && weft_value_push_tensor(v, t) != WEFT_OK) {
-            weft_tensor_release(t);
-            ast = weft__set_error(WEFT_ERR_NO_MEMORY, "no memory");
-        }
-    }
-    if (ast != WEFT_OK) {
-        weft_free(pl);
-        weft_value_free(v);
-        bool framed = skip_all(c->fd, body);
-        if (env->kind == WEFT__V1__KIND__KIND_REQUEST) {
-            refuse(a, c->peer, env, ast);
-        } else if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
-            weft__pending_fail_id(a, c->peer, env->request_id, ast, weft_last_error());
-        }
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        return framed;
-    }
-    bool ok = true;
-    if (pl != NULL) {
-        ok = read_all(c->fd, pl, env->payload_bytes);
-        if (weft_value_take_payload(v, pl, env->payload_bytes) != WEFT_OK) {
-            weft_free(pl);
-        }
-    }
-    for (size_t i = 0; ok && i < env->n_tensors; i++) {
-        weft_tensor_t *t = weft_value_tensor(v, i);
-        ok = read_body(c, weft_tensor_data(t), env->tensors[i]->nbytes);
-    }
-    if (!ok) {
-        /* The connection broke mid-frame: the peer is going away. Keep the shutdown
-         * counters whole: the sender counted this request. */
+    weft_status_t vst = WEFT_OK;
+    if (!read_value(c, env, body, &v, &vst)) {
+        /* The connection broke mid-frame: the peer is going away. Keep the shutdown counters
+         * whole: the sender counted this request. */
         if (env->kind == WEFT__V1__KIND__KIND_REQUEST &&
             (env->function == NULL || !weft__fn_internal(env->function))) {
             atomic_fetch_add(&a->requests_received, 1);
         }
-        weft_value_free(v);
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
         return false;
     }
-    if (env->kind == WEFT__V1__KIND__KIND_ONEWAY) {
-        /* An unordered one-way message: straight to its channel (callbacks are quick). */
-        if (env->channel >= 1 && env->channel <= WEFT_CHANNEL_MAX) {
-            weft__channel_deliver(a, env->channel, c->peer, v);
-        } else {
-            weft_value_free(v);
-        }
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        return true;
-    }
-    if (env->kind != WEFT__V1__KIND__KIND_REQUEST && env->kind != WEFT__V1__KIND__KIND_RESPONSE) {
-        WEFT_WARN("direct connection from rank %d: frame of kind %d ignored", c->peer,
-                  (int)env->kind);
-        weft_value_free(v);
-        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+    if (vst != WEFT_OK || env->kind == WEFT__V1__KIND__KIND_ONEWAY) {
+        /* A refusal (no memory), or an unordered one-way message: straight to the delivery
+         * (a module's callback is quick). */
+        weft__deliver(a, &o, env, v, vst);
         return true;
     }
     /* Handlers and completions (whose callbacks may make calls of their own) run on
@@ -748,66 +944,23 @@ static bool read_frame(conn_in_t *c)
     dispatch_t *t = weft_alloc(sizeof(*t));
     if (t != NULL) {
         t->agent = a;
-        t->peer = c->peer;
+        t->peer = peer;
         t->env = env;
-        t->args = v;
+        t->v = v;
         if (a->bulk != NULL && weft__bulk_submit(a->bulk, dispatch_run, t) == WEFT_OK) {
             return true;
         }
         weft_free(t);
     }
-    if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
-        weft__call_response(a, c->peer, env, v);
-    } else {
-        weft__call_dispatch_from(a, NULL, c->peer, env, v);
-    }
+    weft__deliver(a, &o, env, v, WEFT_OK);
     return true;
-}
-
-static bool handshake_in(conn_in_t *c)
-{
-    weft_agent_t *a = c->agent;
-    uint8_t hdr[20];
-    uint8_t status = 1;
-
-    /* Bounded: a connection that says nothing is dropped. */
-    struct timeval tv = {HANDSHAKE_S, 0};
-    setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    if (!read_all(c->fd, hdr, sizeof(hdr))) {
-        return false;
-    }
-    uint32_t magic = get_u32(hdr), version = get_u32(hdr + 4), tlen = get_u32(hdr + 16);
-    int rank = (int)get_u32(hdr + 8);
-    int world = (int)get_u32(hdr + 12);
-    if (magic != DIRECT_MAGIC || version != DIRECT_VERSION || tlen > MAX_TOKEN || rank < 0 ||
-        rank >= a->world_size || world != a->world_size) {
-        WEFT_WARN("refused a direct connection: bad handshake (magic %08x version %u rank %d)",
-                  magic, version, rank);
-        (void)write_all(c->fd, &status, 1);
-        return false;
-    }
-    char token[MAX_TOKEN + 1];
-    if (!read_all(c->fd, token, tlen)) {
-        return false;
-    }
-    token[tlen] = '\0';
-    if (a->auth_token[0] != '\0' && strcmp(token, a->auth_token) != 0) {
-        WEFT_WARN("refused a direct connection from rank %d: wrong token", rank);
-        (void)write_all(c->fd, &status, 1);
-        return false;
-    }
-    status = 0;
-    c->peer = rank;
-    struct timeval none = {0, 0};
-    setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
-    return write_all(c->fd, &status, 1);
 }
 
 static void *reader_main(void *arg)
 {
     conn_in_t *c = arg;
 
-    if (handshake_in(c)) {
+    if (handshake_in(c) >= 0) {
         while (!atomic_load(&c->agent->direct->stop) && read_frame(c)) {
         }
     }
@@ -870,7 +1023,7 @@ static void *acceptor_main(void *arg)
         }
         c->agent = d->agent;
         c->fd = fd;
-        c->peer = -1;
+        atomic_init(&c->peer, -1);
         c->lowat = 1;
         pthread_mutex_lock(&d->mu);
         if (atomic_load(&d->stop) || pthread_create(&c->thread, NULL, reader_main, c) != 0) {
@@ -890,8 +1043,7 @@ static void *acceptor_main(void *arg)
 
 weft_status_t weft__direct_create(weft_agent_t *a, const char *bind_host, const char *adv_host)
 {
-    const char *env = getenv("WEFT_DIRECT");
-    if (env != NULL && strcmp(env, "0") == 0) {
+    if (!a->direct_enabled) {
         return WEFT_OK; /* frames of every size take the stream */
     }
     weft__direct_t *d = weft_calloc(1, sizeof(*d));
@@ -963,7 +1115,7 @@ const char *weft__direct_address(const weft_agent_t *a)
     return a->direct != NULL ? a->direct->address : "";
 }
 
-void weft__direct_stop(weft_agent_t *a)
+static void tp_stop(weft_agent_t *a)
 {
     weft__direct_t *d = a->direct;
     if (d == NULL) {
@@ -989,8 +1141,8 @@ void weft__direct_stop(weft_agent_t *a)
         if (started) {
             pthread_join(c->thread, NULL);
         }
-        /* A caller writing inline (weft__direct_send_ex) finishes first: its socket was
-         * shut down above, so it does not take long. */
+        /* A caller writing inline finishes first: its socket was shut down above, so it does
+         * not take long. */
         pthread_mutex_lock(&c->mu);
         while (c->writing) {
             pthread_cond_wait(&c->cv, &c->mu);
@@ -1029,7 +1181,7 @@ void weft__direct_destroy(weft_agent_t *a)
     if (d == NULL) {
         return;
     }
-    weft__direct_stop(a);
+    tp_stop(a);
     for (int i = 0; i < a->world_size; i++) {
         pthread_mutex_destroy(&d->outs[i].mu);
         pthread_cond_destroy(&d->outs[i].cv);
@@ -1040,3 +1192,11 @@ void weft__direct_destroy(weft_agent_t *a)
     weft_free(d);
     a->direct = NULL;
 }
+
+const weft__transport_t weft__direct_transport = {
+    .name = "its direct connection",
+    .send = tp_send,
+    .usable = tp_usable,
+    .cut = tp_cut,
+    .stop = tp_stop,
+};

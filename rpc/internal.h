@@ -1,4 +1,23 @@
-/* rpc internals: agent, streams, wire codec. Not installed. */
+/* rpc internals. Not installed.
+ *
+ * The parts, each calling only the ones listed after it:
+ *   agent.c      options, the gRPC server and its threads, peers, peer loss, create/join/free
+ *   call.c       the registry, incoming calls and their answers, outgoing calls (pending table,
+ *                deadlines on the agent's timer), the user's call and send functions
+ *   module.c     the module kit: descriptors, channel delivery, timer and message helpers
+ *   shutdown.c   collective shutdown
+ *   rendezvous.c the Join exchange and the world map
+ *   route.c      THE ROUTE (weft__route: every outgoing frame is encoded, limit-checked and handed
+ *                to a transport here) and THE DELIVERY (weft__deliver: every received frame, from
+ *                any transport, is dispatched on its kind here); the transport table
+ *   stream.c     transport: long-lived gRPC streams
+ *   direct.c     transport: direct TCP connections for large frames
+ *   hello.c      identities, the Hello and its one check
+ *   refs.c       references inside values
+ *   wire.c       the frame codec and reader
+ *   bulk.c       the bulk queue (large messages read out off the transport threads)
+ * Transports never call each other: a frame a transport cannot carry goes back through the route
+ * (weft__route_msg), and what a transport receives goes to weft__deliver. */
 #ifndef WEFT_RPC_INTERNAL_H
 #define WEFT_RPC_INTERNAL_H
 
@@ -9,13 +28,13 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
 
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 #include <grpc/support/alloc.h>
-#include <stdio.h>
-#include <string.h>
 
 #include <weft/module.h>
 #include <weft/rpc.h>
@@ -44,7 +63,9 @@ typedef struct weft__op {
     void (*cb)(struct weft__op *op, int ok);
 } weft__op_t;
 
-/* ------------------------------------------------------------------ wire */
+typedef struct weft__stream weft__stream_t;
+
+/* ------------------------------------------------------------------ wire (wire.c) */
 
 /* An encoded message ready to send. */
 typedef struct weft__outmsg {
@@ -57,20 +78,25 @@ typedef struct weft__outmsg {
     char *fin_text;
     struct weft__refs_out *refs; /* its encoded references (refs.c): freed with it, "unsent"
                                     when it is freed with a failure status */
+    weft__stream_t *reply_via;   /* a RESPONSE: the stream its request came on (held), taken if a
+                                    direct connection cannot carry it after all */
 } weft__outmsg_t;
-
-/* A decoded message. */
-typedef struct {
-    Weft__V1__Envelope *env;
-    weft_value_t *value; /* NULL until weft__wire_decode_body */
-} weft__inmsg_t;
-
 
 /* Encodes env + value (tensor bytes as zero-copy slices that hold tensor
  * references). Fills env->payload_bytes and env->tensors itself. */
 weft_status_t weft__wire_encode(Weft__V1__Envelope *env, const weft_value_t *v,
                                 weft__outmsg_t **msg_p);
 void weft__outmsg_free(weft__outmsg_t *m, weft_status_t fail_status, const char *why);
+
+/*
+ * The checks of a frame's envelope, for every transport: the tensor headers (dtype, dims, shape
+ * against nbytes), their count, the message limit. *body_p gets the body length the envelope
+ * declares (payload_bytes plus every tensor's nbytes, as declared). Returns WEFT_OK, or the
+ * refusal (WEFT_ERR_PROTOCOL, WEFT_ERR_TOO_LARGE) with its text; then *framed_p says whether the
+ * declared body length can be trusted to find the next frame (false when the sizes overflow).
+ */
+weft_status_t weft__frame_check(const Weft__V1__Envelope *env, size_t elen, uint64_t max_bytes,
+                                uint64_t *body_p, bool *framed_p);
 
 /* A gRPC message carries one or more frames: [u32 LE envelope length]
  * [Envelope][payload][tensor bytes...]. The reader walks them in order. */
@@ -85,24 +111,28 @@ typedef struct {
     cursor_t c;
     size_t total;
     size_t left;
-    uint64_t body_left; /* of the frame whose envelope was read last */
+    uint64_t body_left; /* of the frame whose envelope was read last and accepted */
 } weft__reader_t;
 
 weft_status_t weft__reader_init(weft__reader_t *r, grpc_byte_buffer *bb);
 void weft__reader_destroy(weft__reader_t *r);
 bool weft__reader_more(const weft__reader_t *r);
-/* Reads and validates the next frame's envelope. On an error found after the
- * envelope decoded, *env_p is still set (the caller answers its request id
- * and frees it); when *env_p is NULL the rest of the message cannot be framed. */
+/*
+ * Reads the next frame's envelope. Three outcomes (docs/protocol.md section 5):
+ *  - WEFT_OK, *env_p set: the frame's body follows (weft__reader_body or weft__reader_skip_body).
+ *  - a refusal, *env_p set: the frame is refused for the status's reason (bad tensor headers, over
+ *    the limit); its declared body was skipped (the next frame starts after it). The caller
+ *    answers its request id and frees the envelope.
+ *  - a refusal, *env_p NULL: the rest of the message cannot be framed (a length past its end, an
+ *    envelope that does not decode, sizes that overflow); the rest is dropped (no more frames).
+ */
 weft_status_t weft__reader_envelope(weft__reader_t *r, uint64_t max_bytes,
                                     Weft__V1__Envelope **env_p);
 /* Copies the frame's payload and tensors into a new value (one copy); a ONEWAY frame's
- * references go in as they came (weft__refs_keep_raw). */
+ * references go in as they came (weft__refs_keep_raw). On failure the body is skipped. */
 weft_status_t weft__reader_body(weft__reader_t *r, const Weft__V1__Envelope *env,
                                 weft_value_t **v_p);
-weft_status_t weft__reader_skip_body(weft__reader_t *r);
-/* Validates a frame's tensor headers; the body length goes to @p body_p. */
-weft_status_t weft__wire_check_frame(const Weft__V1__Envelope *env, uint64_t *body_p);
+void weft__reader_skip_body(weft__reader_t *r);
 /* Packs a standalone protobuf message into a byte buffer (Hello / WorldMap). */
 grpc_byte_buffer *weft__wire_pack(const ProtobufCMessage *m);
 /* Copies a whole byte buffer into one allocation (small control messages). */
@@ -110,9 +140,92 @@ weft_status_t weft__wire_flatten(grpc_byte_buffer *bb, size_t max, uint8_t **buf
 /* grpc status -> weft status, once, at the boundary. */
 weft_status_t weft__grpc_status(grpc_status_code code);
 
-/* ---------------------------------------------------------------- streams */
+/* ------------------------------------------------------------------ route and delivery */
 
-typedef struct weft__stream weft__stream_t;
+/* The transports, by index in the agent's table. */
+typedef enum { WEFT__TP_STREAM = 0, WEFT__TP_DIRECT = 1, WEFT__TP_COUNT } weft__tp_id_t;
+
+/* Where a received frame came from; a REQUEST's answer goes back by it. */
+typedef struct {
+    weft__tp_id_t tp;
+    int peer;               /* the rank the connection proved (its Hello or its handshake) */
+    weft__stream_t *stream; /* the stream it came on (NULL: direct); borrowed */
+    bool client;            /* a stream this rank opened (it carries answers to its requests) */
+} weft__origin_t;
+
+/* A frame to send through the route. */
+typedef struct {
+    Weft__V1__Kind kind; /* REQUEST, RESPONSE or ONEWAY */
+    int to;
+    const weft_value_t *value;      /* borrowed: tensors referenced, payload copied */
+    const char *function;           /* REQUEST (a RESPONSE's too, for its error texts) */
+    uint64_t request_id;            /* REQUEST, RESPONSE */
+    int64_t timeout_ms;             /* REQUEST: time left at sending */
+    weft_status_t status;           /* RESPONSE */
+    const char *error;              /* RESPONSE with a status */
+    uint32_t channel;               /* ONEWAY */
+    uint32_t flags;                 /* ONEWAY: WEFT_SEND_* */
+    const weft__origin_t *reply_to; /* RESPONSE: where its request came from */
+    weft_future_t *sent;            /* ONEWAY: completes once handed over (taken by the route) */
+    bool user_request;              /* counted by shutdown */
+} weft__frame_t;
+
+/* The way a frame went: a request's answer is accepted only back this way. */
+typedef struct {
+    weft__tp_id_t tp;
+    weft__stream_t *stream; /* the client stream (WEFT__TP_STREAM); compared, not held */
+    bool handed;            /* it reached a transport (a failure after is the transport's) */
+} weft__path_t;
+
+/* A transport: an entry of the agent's table. */
+typedef struct {
+    const char *name;
+    /* Hands @p m to the peer (takes it either way: a failure frees it with the status). @p via: the
+     * stream a RESPONSE goes back on (stream transport; NULL: this rank's stream to the peer). */
+    weft_status_t (*send)(weft_agent_t *a, int peer, weft__stream_t *via, weft__outmsg_t *m,
+                          uint32_t flags, weft__path_t *path_p);
+    /* Whether it can carry frames to @p peer now (cheap). */
+    bool (*usable)(weft_agent_t *a, int peer);
+    /* @p peer is lost: nothing more goes to it this way; a reader blocked on it returns. */
+    void (*cut)(weft_agent_t *a, int peer);
+    /* Stops its threads and closes its connections (weft_agent_free). */
+    void (*stop)(weft_agent_t *a);
+} weft__transport_t;
+
+extern const weft__transport_t weft__stream_transport;
+extern const weft__transport_t weft__direct_transport;
+
+/*
+ * THE ROUTE: builds the envelope of @p fr, encodes its references and value, checks the
+ * receiver's limit and gives it to a transport, by one rule (docs/protocol.md section 4):
+ *   - a REQUEST or RESPONSE of WEFT__DIRECT_MIN bytes or more, an unordered ONEWAY of
+ *     WEFT__DIRECT_MIN_UNORDERED or more without references, and every answer to a request that
+ *     came on a direct connection take the direct connection, when the pair has one;
+ *   - every other RESPONSE goes back on the stream its request came on;
+ *   - everything else takes this rank's stream to the peer.
+ * @p path_p (may be NULL) gets the way it went. A status means nothing was handed over (the
+ * references' unsent ran): WEFT_ERR_TOO_LARGE (over the receiver's limit), a codec's status,
+ * WEFT_ERR_PEER_LOST, WEFT_ERR_SHUTDOWN.
+ */
+weft_status_t weft__route(weft_agent_t *a, const weft__frame_t *fr, weft__path_t *path_p);
+/* A message a direct connection could not carry after all (no connection to the peer): takes the
+ * stream instead (a RESPONSE the one its request came on). Takes @p m. */
+void weft__route_fallback(weft_agent_t *a, int peer, weft__outmsg_t *m);
+/*
+ * THE DELIVERY: every frame received on any transport, from the rank @p o proved. @p st is
+ * WEFT_OK with the frame's body in @p v (may be NULL: none), or the refusal of the frame
+ * (weft__reader_envelope, no body; weft_last_error() has its text). Dispatches on the kind:
+ * REQUEST -> the call (or its refusal answered), RESPONSE -> the pending call (accepted only from
+ * the rank and way it was sent), ONEWAY -> its module. Takes @p env and @p v.
+ */
+void weft__deliver(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Envelope *env,
+                   weft_value_t *v, weft_status_t st);
+
+/* ------------------------------------------------------------------ peers and identities */
+
+#define WEFT__ID_KEY_BYTES    32 /* Ed25519 public key */
+#define WEFT__ID_SIG_BYTES    64 /* Ed25519 signature */
+#define WEFT__CHALLENGE_BYTES 32
 
 typedef struct weft__peer {
     int rank;
@@ -120,12 +233,45 @@ typedef struct weft__peer {
     char *address;
     uint64_t max_message_bytes;
     char *direct_address; /* its listener for large frames; "" if none */
+    uint8_t identity_key[WEFT__ID_KEY_BYTES];
+    bool has_key;
     pthread_mutex_t mu;
-    grpc_channel *channel;  /* created on first use */
-    weft__stream_t *stream; /* our client stream to this peer */
+    grpc_channel *channel;          /* created on first use */
+    weft__stream_t *stream;         /* our client stream to this peer */
+    weft__stream_t *server_stream;  /* its stream to us, once its Hello proved it (one at a time) */
     bool lost;
     char *lost_why;
 } weft__peer_t;
+
+/* hello.c */
+/* This rank's identity: an Ed25519 key pair made at agent creation. */
+weft_status_t weft__identity_create(weft_agent_t *a);
+void weft__identity_free(weft_agent_t *a);
+/* Fills a Hello for a Join, a stream or a direct connection (borrowed strings). */
+void weft__hello_fill(weft_agent_t *a, Weft__V1__Hello *h);
+/* Signs the connection's transcript (docs/protocol.md section 3): @p tp 'S' (stream) or 'D'
+ * (direct), the server's @p challenge, this rank and @p server_rank. */
+weft_status_t weft__hello_sign(weft_agent_t *a, char tp, const uint8_t *challenge,
+                               int server_rank, uint8_t sig[WEFT__ID_SIG_BYTES]);
+typedef enum {
+    WEFT__HELLO_JOIN,   /* to rank 0, to join the world (no challenge) */
+    WEFT__HELLO_STREAM, /* opening a stream: proves its rank over @p challenge */
+    WEFT__HELLO_DIRECT, /* opening a direct connection: the same */
+} weft__hello_kind_t;
+/*
+ * THE HELLO CHECK, for a Join, a stream and a direct connection: protocol version, the job's
+ * token (compared in constant time), world size, rank range, and (connections) the proof of the
+ * claimed rank with its key from the world map. A connection that arrives before this rank's own
+ * join finished waits for it. The refusal's text goes to @p why.
+ * WEFT_ERR_VERSION, WEFT_ERR_AUTH, WEFT_ERR_MISMATCH, WEFT_ERR_INVALID_ARG, WEFT_ERR_PROTOCOL.
+ */
+weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h,
+                                weft__hello_kind_t kind, const uint8_t *challenge, char *why,
+                                size_t n);
+/* Constant-time comparison of two secrets (length included). */
+bool weft__secret_equal(const void *x, size_t xlen, const void *y, size_t ylen);
+/* Cryptographically random bytes. */
+weft_status_t weft__random_bytes(uint8_t *buf, size_t n);
 
 /* ------------------------------------------------------------------ agent */
 
@@ -139,10 +285,11 @@ typedef struct weft__fn {
 typedef struct weft__pending {
     uint64_t id;
     int peer;
-    int64_t deadline_ns;
+    uint64_t timer_id; /* its deadline on the agent's timer */
     weft_future_t *f;
     char *fn;
     bool internal;
+    weft__path_t path; /* the way the request went: its answer comes back this way */
     struct weft__pending *next;
 } weft__pending_t;
 
@@ -177,10 +324,14 @@ struct weft_agent {
     char *listen_host;
     char *address; /* host:port others reach us at */
     char *auth_token;
-    int64_t rendezvous_timeout_ms, default_timeout_ms, peer_timeout_ms;
+    int64_t rendezvous_timeout_ms, default_timeout_ms, peer_timeout_ms, handshake_timeout_ms;
     int handler_threads;
     uint64_t max_message_bytes;
     int port;
+    bool direct_enabled;
+    /* the Ed25519 key pair (hello.c) */
+    void *id_key; /* EVP_PKEY */
+    uint8_t id_pub[WEFT__ID_KEY_BYTES];
 
     _Atomic int state;
     _Atomic bool joining;     /* weft_agent_join in progress */
@@ -194,6 +345,8 @@ struct weft_agent {
     grpc_channel_args chan_args_s, server_args_s;
     grpc_arg chan_arg_v[16], server_arg_v[16];
 
+    /* the transports (route.c), by weft__tp_id_t */
+    const weft__transport_t *transports[WEFT__TP_COUNT];
     /* copies large received messages out while the transport thread reads on */
     struct weft__bulk *bulk;
     /* direct TCP connections for large frames */
@@ -204,7 +357,6 @@ struct weft_agent {
     pthread_t pollers[WEFT__MAX_POLLERS];
     int npollers;
     _Atomic int blocked;
-    _Atomic int64_t next_sweep_ns;
     _Atomic int server_requests; /* outstanding grpc_server_request_call */
 
     /* world */
@@ -221,7 +373,7 @@ struct weft_agent {
     pthread_mutex_t chan_mu;
     struct weft__early *early_head, *early_tail;
     int nearly;
-    /* the timer service: call deadlines and every module's timed tasks */
+    /* the timer service: call deadlines, handshake deadlines and every module's timed tasks */
     weft__timer_t *timer;
 
     /* outgoing calls */
@@ -235,11 +387,11 @@ struct weft_agent {
     _Atomic uint64_t requests_sent, requests_received;
     _Atomic int64_t calls_in_progress; /* incoming user calls not yet replied */
     _Atomic int64_t pending_user;      /* outgoing user calls not yet answered */
+    pthread_cond_t passive_cv;         /* signalled (under pend_mu) when either reaches 0 */
 
     /* streams: every live stream, for closing */
     pthread_mutex_t streams_mu;
     pthread_cond_t streams_cv;
-    weft__stream_t *streams;
     int nstreams;
 
     /* rendezvous (rank 0) */
@@ -253,7 +405,7 @@ struct weft_agent {
     _Atomic(struct weft__refs *) refs;
 };
 
-/* A one-way message kept until its channel is registered (at most WEFT__EARLY_MAX). */
+/* A one-way message kept until its channel's module exists (at most WEFT__EARLY_MAX). */
 #define WEFT__EARLY_MAX 65536
 typedef struct weft__early {
     struct weft__early *next;
@@ -261,6 +413,20 @@ typedef struct weft__early {
     int src;
     weft_value_t *v;
 } weft__early_t;
+
+/* agent.c */
+void weft__agent_request_more(weft_agent_t *a);
+bool weft__agent_closing(const weft_agent_t *a);
+void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const char *why);
+void weft__agent_track_stream(weft_agent_t *a, bool add);
+void weft__agent_channel_args(weft_agent_t *a, bool server, grpc_channel_args *out,
+                              grpc_arg *store);
+/* Waits (bounded by the rendezvous timeout) for a join under way to end: WEFT_OK when the agent
+ * is joined (or past it), else WEFT_ERR_INVALID_STATE with a text. Any thread. */
+weft_status_t weft__agent_wait_joined(weft_agent_t *a);
+/* A user call finished on either side: wakes shutdown's wait for passivity. */
+void weft__agent_passive_check(weft_agent_t *a);
+
 /* module.c */
 /* Delivers a one-way message to its channel's module, or keeps it until the module exists. */
 void weft__channel_deliver(weft_agent_t *a, uint32_t channel, int src, weft_value_t *v);
@@ -273,16 +439,9 @@ void weft__modules_shutdown(weft_agent_t *a, int64_t deadline_ms);
 /* Drops the modules' timer tasks and destroys them, last created first (transport closed). */
 void weft__modules_free(weft_agent_t *a);
 
-/* agent.c */
-void weft__agent_request_more(weft_agent_t *a);
-bool weft__agent_closing(const weft_agent_t *a);
-void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const char *why);
-void weft__agent_track_stream(weft_agent_t *a, weft__stream_t *s, bool add);
-void weft__agent_channel_args(weft_agent_t *a, bool server, grpc_channel_args *out,
-                              grpc_arg *store);
-
 /* stream.c */
-weft_status_t weft__stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_t **s_p);
+/* This rank's client stream to @p to, opened on first use (a reference for the caller). */
+weft_status_t weft__peer_stream(weft_agent_t *a, int to, weft__stream_t **s_p);
 void weft__stream_accept(weft_agent_t *a, grpc_call *call);
 /* Queues a message; takes ownership of @p m (freed with a failure if the stream is dead). */
 weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m);
@@ -294,7 +453,6 @@ void weft__stream_close(weft__stream_t *s); /* client: half-close; server: finis
 void weft__stream_uncork_current(void);
 void weft__stream_cancel(weft__stream_t *s);
 int weft__stream_peer(const weft__stream_t *s);
-uint64_t weft__stream_peer_max(const weft__stream_t *s);
 
 /* bulk.c */
 typedef struct weft__bulk weft__bulk_t;
@@ -311,37 +469,26 @@ typedef struct weft__direct weft__direct_t;
 /* Listens for direct connections; on failure large frames simply take the stream. */
 weft_status_t weft__direct_create(weft_agent_t *a, const char *bind_host, const char *adv_host);
 const char *weft__direct_address(const weft_agent_t *a);
-bool weft__direct_usable(weft_agent_t *a, int peer, size_t nbytes);
-/* Whether @p peer can be reached directly at all (frames of any size). */
-bool weft__direct_available(weft_agent_t *a, int peer);
-/* Queues @p m (takes it) for the peer's direct connection. */
-weft_status_t weft__direct_send(weft_agent_t *a, int peer, weft__outmsg_t *m);
-/* The same; with @p write_here, a connection that is open and idle is written from the
- * calling thread (which may block until the bytes are in the socket). */
-weft_status_t weft__direct_send_ex(weft_agent_t *a, int peer, weft__outmsg_t *m, bool write_here);
-/* Stops the threads and closes the sockets (first thing at free); the state stays
- * readable until weft__direct_destroy, after the last thread that may look at it. */
-void weft__direct_stop(weft_agent_t *a);
+/* Frees the state (after weft__direct_transport.stop and the last thread that may look at it). */
 void weft__direct_destroy(weft_agent_t *a);
-/* The peer is lost: nothing more is sent to it directly. */
-void weft__direct_cut(weft_agent_t *a, int peer);
 
 /* call.c */
-/* Takes ownership of @p env and @p args. */
-void weft__call_dispatch(weft_agent_t *a, weft__stream_t *s, Weft__V1__Envelope *env,
+/* A request from @p o's peer: runs its handler (takes @p env and @p args). */
+void weft__call_dispatch(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Envelope *env,
                          weft_value_t *args);
-/* The same for a request that came without a stream (direct): @p peer is the caller. */
-void weft__call_dispatch_from(weft_agent_t *a, weft__stream_t *s, int peer, Weft__V1__Envelope *env,
-                              weft_value_t *args);
-void weft__call_response(weft_agent_t *a, int peer, Weft__V1__Envelope *env, weft_value_t *v);
+/* Answers a request that could not be accepted (@p st, text from weft_last_error()). */
+void weft__call_refuse(weft_agent_t *a, const weft__origin_t *o, const Weft__V1__Envelope *env,
+                       weft_status_t st);
+/* A response from @p o's peer (takes @p env and @p v; @p st: the frame was refused). */
+void weft__call_response(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Envelope *env,
+                         weft_value_t *v, weft_status_t st);
 void weft__pending_fail_peer(weft_agent_t *a, int rank, weft_status_t st, const char *why);
-void weft__pending_sweep(weft_agent_t *a);
-void weft__pending_fail_id(weft_agent_t *a, int peer, uint64_t id, weft_status_t st,
-                           const char *why);
 void weft__pending_fail_all(weft_agent_t *a, weft_status_t st, const char *why);
 weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
                               int64_t timeout_ms, bool internal, weft_future_t **f_p);
-weft_status_t weft__peer_stream(weft_agent_t *a, int to, weft__stream_t **s_p);
+/* A call's timeout argument: > 0 as given (at most 30 days), 0 the agent's default; negative is
+ * WEFT_ERR_INVALID_ARG. */
+weft_status_t weft__call_timeout(const weft_agent_t *a, int64_t timeout_ms, int64_t *ms_p);
 
 /* rendezvous.c */
 void weft__join_init(weft_agent_t *a);

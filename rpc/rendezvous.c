@@ -147,6 +147,10 @@ static void install_world(weft_agent_t *a, Weft__V1__Worker **workers)
         weft_free(p->direct_address);
         p->direct_address =
             weft_strdup(workers[i]->direct_address != NULL ? workers[i]->direct_address : "");
+        p->has_key = workers[i]->identity_key.len == WEFT__ID_KEY_BYTES;
+        if (p->has_key) {
+            memcpy(p->identity_key, workers[i]->identity_key.data, WEFT__ID_KEY_BYTES);
+        }
         pthread_mutex_unlock(&p->mu);
     }
 }
@@ -175,6 +179,7 @@ static void decide_world_locked(weft_agent_t *a)
         w[i].address = jn->hellos[i]->address;
         w[i].max_message_bytes = jn->hellos[i]->max_message_bytes;
         w[i].direct_address = jn->hellos[i]->direct_address;
+        w[i].identity_key = jn->hellos[i]->identity_key;
         wp[i] = &w[i];
     }
     map.protocol_version = WEFT_PROTOCOL_VERSION;
@@ -194,30 +199,9 @@ static weft_status_t check_join(weft_agent_t *a, const Weft__V1__Hello *h, char 
 {
     weft__join_t *jn = a->join;
 
-    if (h->protocol_version != WEFT_PROTOCOL_VERSION) {
-        snprintf(why, n, "rank %d speaks protocol version %u, the master speaks %d", h->rank,
-                 h->protocol_version, WEFT_PROTOCOL_VERSION);
-        return WEFT_ERR_VERSION;
-    }
-    if (a->auth_token[0] != '\0' &&
-        (h->auth_token.len != strlen(a->auth_token) ||
-         memcmp(h->auth_token.data, a->auth_token, h->auth_token.len))) {
-        snprintf(why, n, "rank %d presented the wrong authentication token", h->rank);
-        return WEFT_ERR_AUTH;
-    }
-    if (h->world_size != a->world_size) {
-        snprintf(why, n, "rank %d expects a world of %d, the master one of %d", h->rank,
-                 h->world_size, a->world_size);
-        return WEFT_ERR_MISMATCH;
-    }
-    if (h->rank <= 0 || h->rank >= a->world_size) {
-        snprintf(why, n, "rank %d is out of range 1..%d", h->rank, a->world_size - 1);
-        return WEFT_ERR_INVALID_ARG;
-    }
-    if (h->name == NULL || h->name[0] == '\0' || strlen(h->name) > WEFT__MAX_NAME ||
-        h->address == NULL || h->address[0] == '\0') {
-        snprintf(why, n, "rank %d sent no name or no address", h->rank);
-        return WEFT_ERR_PROTOCOL;
+    weft_status_t st = weft__hello_check(a, h, WEFT__HELLO_JOIN, NULL, why, n);
+    if (st != WEFT_OK) {
+        return st;
     }
     if (jn->decided) {
         snprintf(why, n, "rank %d came after the rendezvous ended (the world formed or timed out)",
@@ -353,19 +337,6 @@ void weft__join_accept(weft_agent_t *a, grpc_call *call)
     }
 }
 
-static void fill_hello(weft_agent_t *a, Weft__V1__Hello *h)
-{
-    h->protocol_version = WEFT_PROTOCOL_VERSION;
-    h->name = a->name;
-    h->rank = a->rank;
-    h->address = a->address;
-    h->world_size = a->world_size;
-    h->auth_token.data = (uint8_t *)a->auth_token;
-    h->auth_token.len = strlen(a->auth_token);
-    h->max_message_bytes = a->max_message_bytes;
-    h->direct_address = (char *)weft__direct_address(a);
-}
-
 static weft_status_t rendezvous_master(weft_agent_t *a)
 {
     weft__join_t *jn = a->join;
@@ -380,7 +351,7 @@ static weft_status_t rendezvous_master(weft_agent_t *a)
         return weft__set_error(WEFT_ERR_NO_MEMORY, "rendezvous: no memory");
     }
     weft__v1__hello__init(me);
-    fill_hello(a, me);
+    weft__hello_fill(a, me);
     /* Keep a copy that free_unpacked can release: pack and unpack it. */
     size_t n = weft__v1__hello__get_packed_size(me);
     uint8_t *buf = weft_alloc(n + 1);
@@ -477,7 +448,7 @@ static weft_status_t rendezvous_join(weft_agent_t *a)
         grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
                                  grpc_slice_from_static_string(WEFT__METHOD_JOIN), NULL, dl, NULL);
     Weft__V1__Hello h = WEFT__V1__HELLO__INIT;
-    fill_hello(a, &h);
+    weft__hello_fill(a, &h);
     grpc_byte_buffer *bb = weft__wire_pack(&h.base);
     grpc_metadata_array_init(&md_in);
     grpc_metadata_array_init(&trailing);
@@ -538,7 +509,8 @@ static weft_status_t rendezvous_join(weft_agent_t *a)
         for (size_t i = 0; i < map->n_workers; i++) {
             if (map->workers[i]->rank != (int32_t)i || map->workers[i]->name == NULL ||
                 map->workers[i]->name[0] == '\0' || map->workers[i]->address == NULL ||
-                map->workers[i]->address[0] == '\0') {
+                map->workers[i]->address[0] == '\0' ||
+                map->workers[i]->identity_key.len != WEFT__ID_KEY_BYTES) {
                 st =
                     weft__set_error(WEFT_ERR_PROTOCOL, "rendezvous: world map entry %zu is bad", i);
                 break;

@@ -7,7 +7,6 @@
  * test); otherwise everyone waits and reports again. Before it, the modules settle their state
  * (their on_shutdown) while the RPC layer still works. */
 #include <string.h>
-#include <unistd.h>
 
 #include "internal.h"
 
@@ -203,20 +202,27 @@ void weft__shutdown_free(weft_agent_t *a)
     a->sd = NULL;
 }
 
-/* Waits until this rank has no call of its own pending and no incoming call unanswered. */
+/* Waits until this rank has no call of its own pending and no incoming call unanswered (woken
+ * when either count reaches 0). */
 static weft_status_t wait_passive(weft_agent_t *a, int64_t deadline_ns)
 {
+    weft_status_t st = WEFT_OK;
+
+    pthread_mutex_lock(&a->pend_mu);
     while (atomic_load(&a->pending_user) > 0 || atomic_load(&a->calls_in_progress) > 0) {
         if (weft__now_ns() >= deadline_ns) {
-            return weft__set_error(WEFT_ERR_TIMEOUT,
-                                   "shutdown: %lld calls of this rank still pending and %lld "
-                                   "incoming calls unanswered at the deadline",
-                                   (long long)atomic_load(&a->pending_user),
-                                   (long long)atomic_load(&a->calls_in_progress));
+            st = weft__set_error(WEFT_ERR_TIMEOUT,
+                                 "shutdown: %lld calls of this rank still pending and %lld "
+                                 "incoming calls unanswered at the deadline",
+                                 (long long)atomic_load(&a->pending_user),
+                                 (long long)atomic_load(&a->calls_in_progress));
+            break;
         }
-        usleep(500);
+        struct timespec ts = {deadline_ns / 1000000000LL, deadline_ns % 1000000000LL};
+        pthread_cond_timedwait(&a->passive_cv, &a->pend_mu, &ts);
     }
-    return WEFT_OK;
+    pthread_mutex_unlock(&a->pend_mu);
+    return st;
 }
 
 weft_status_t weft__shutdown_barrier(weft_agent_t *a, int64_t deadline_ns)

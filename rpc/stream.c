@@ -1,8 +1,16 @@
-/* Long-lived bidirectional streams between peers. A rank opens one client
- * stream to each peer it calls: requests and one-way messages go out on it,
- * responses come back on it. The peer serves the other end (a server stream).
- * Each stream has a send queue (gRPC allows one send op in flight per call)
- * and one receive op that is re-posted after every message. */
+/* The stream transport: long-lived bidirectional gRPC streams between peers. A rank opens one
+ * client stream to each peer it calls: its requests and one-way messages go out on it, the
+ * answers come back on it. The peer serves the other end (a server stream). Each stream has a
+ * send queue (gRPC allows one send op in flight per call) and one receive op, re-posted after
+ * every message.
+ *
+ * Opening (docs/protocol.md section 3): the server sends a CHALLENGE (32 random bytes) as soon as
+ * it accepts the call; the client answers with its Hello, which proves its rank by signing the
+ * challenge; the server checks it (weft__hello_check), accepts at most one proven stream per rank,
+ * answers HELLO_ACK, and closes a stream that sends no Hello within the handshake timeout. The
+ * client queues its requests meanwhile; they leave right behind the Hello.
+ *
+ * Everything received after the Hello goes to weft__deliver. */
 #include <string.h>
 
 #include <grpc/grpc_security.h>
@@ -14,8 +22,6 @@
 
 struct weft__stream {
     weft_agent_t *agent;
-    weft__stream_t *next_all;
-    weft__stream_t *prev_all;
     bool client;
     _Atomic int peer; /* rank; -1 until the server stream's Hello */
     grpc_call *call;
@@ -27,6 +33,7 @@ struct weft__stream {
     weft__outmsg_t *inflight; /* a chain: several frames may go out as one gRPC message */
     grpc_byte_buffer *merged; /* the coalesced buffer of the chain, if any */
     bool sending;
+    bool held;  /* client: nothing leaves before the Hello (it answers the server's challenge) */
     int corked; /* dispatch loops holding the sends: the answers they make leave together */
     bool md_sent;
     bool finishing;
@@ -38,8 +45,11 @@ struct weft__stream {
     /* receive side */
     weft__op_t recv_op;
     grpc_byte_buffer *recv_bb;
-    bool hello_ok;
-    uint64_t peer_max; /* the peer's message limit, from its Hello */
+    bool hello_ok;     /* server: the Hello was accepted; client: HELLO_ACK came */
+    bool challenged;   /* client: the challenge came and the Hello is queued */
+    bool registered;   /* server: it is its peer's proven stream (peers[].server_stream) */
+    uint8_t challenge[WEFT__CHALLENGE_BYTES]; /* server */
+    _Atomic uint64_t hello_timer;             /* server: the handshake deadline's task */
     uint64_t received; /* messages received (numbering; one receive at a time) */
     uint64_t framed;   /* messages whose frames have been read, in order */
     pthread_cond_t turn_cv;
@@ -71,11 +81,6 @@ int weft__stream_peer(const weft__stream_t *s)
     return atomic_load(&s->peer);
 }
 
-uint64_t weft__stream_peer_max(const weft__stream_t *s)
-{
-    return s->peer_max;
-}
-
 void weft__stream_ref(weft__stream_t *s)
 {
     atomic_fetch_add(&s->refs, 1);
@@ -83,7 +88,7 @@ void weft__stream_ref(weft__stream_t *s)
 
 static void stream_destroy(weft__stream_t *s)
 {
-    weft__agent_track_stream(s->agent, s, false);
+    weft__agent_track_stream(s->agent, false);
     if (s->call != NULL) {
         grpc_call_unref(s->call);
     }
@@ -125,9 +130,11 @@ static weft__stream_t *stream_new(weft_agent_t *a, bool client, grpc_call *call)
     grpc_metadata_array_init(&s->md_in);
     grpc_metadata_array_init(&s->trailing);
     s->details = grpc_empty_slice();
-    weft__agent_track_stream(a, s, true);
+    weft__agent_track_stream(a, true);
     return s;
 }
+
+/* ------------------------------------------------------------------ sending */
 
 /* Takes the queue out of a dead stream; the caller fails each message outside the lock. */
 static weft__outmsg_t *mark_dead_locked(weft__stream_t *s, weft_status_t st, const char *why)
@@ -147,7 +154,6 @@ static void fail_queue(weft__outmsg_t *q, weft_status_t st, const char *why)
 {
     while (q != NULL) {
         weft__outmsg_t *next = q->next;
-        weft_free(q->fin_text);
         weft__outmsg_free(q, st, why);
         q = next;
     }
@@ -170,7 +176,7 @@ static weft__outmsg_t *start_next_locked(weft__stream_t *s)
     weft__outmsg_t *m = s->qh;
     grpc_slice details = grpc_empty_slice();
 
-    if (m == NULL || s->dead) {
+    if (m == NULL || s->dead || s->held) {
         s->sending = false;
         return NULL;
     }
@@ -275,14 +281,14 @@ static weft__outmsg_t *start_next_locked(weft__stream_t *s)
     return mark_dead_locked(s, WEFT_ERR_TRANSPORT, "gRPC refused a send");
 }
 
-weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m)
+/* Queues @p m (at the head with @p first). Takes it either way. */
+static weft_status_t enqueue(weft__stream_t *s, weft__outmsg_t *m, bool first)
 {
     pthread_mutex_lock(&s->mu);
     if (s->dead || s->finishing) {
         weft_status_t st = s->dead ? s->dead_status : WEFT_ERR_SHUTDOWN;
         char *why = weft_strdup(s->dead_why != NULL ? s->dead_why : "stream is closing");
         pthread_mutex_unlock(&s->mu);
-        weft_free(m->fin_text);
         weft__outmsg_free(m, st, why);
         weft_status_t ret = weft__set_error(st, "%s", why != NULL ? why : "stream closed");
         weft_free(why);
@@ -291,7 +297,13 @@ weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m)
     if (m->bb == NULL) {
         s->finishing = true;
     }
-    if (s->qt == NULL) {
+    if (first) {
+        m->next = s->qh;
+        s->qh = m;
+        if (s->qt == NULL) {
+            s->qt = m;
+        }
+    } else if (s->qt == NULL) {
         s->qh = s->qt = m;
     } else {
         s->qt->next = m;
@@ -307,6 +319,11 @@ weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m)
         return weft__set_error(WEFT_ERR_TRANSPORT, "rpc: gRPC refused a send");
     }
     return WEFT_OK;
+}
+
+weft_status_t weft__stream_send(weft__stream_t *s, weft__outmsg_t *m)
+{
+    return enqueue(s, m, false);
 }
 
 /* Holds the sends of @p s until weft__stream_uncork_current, on this thread. */
@@ -379,13 +396,14 @@ static bool post_recv(weft__stream_t *s)
     return true;
 }
 
-/* Sends a control envelope (HELLO, HELLO_ACK) with no body. */
-static weft_status_t send_envelope(weft__stream_t *s, Weft__V1__Envelope *env)
+/* Sends a control envelope (CHALLENGE, HELLO, HELLO_ACK) with no body; at the queue's head with
+ * @p first. */
+static weft_status_t send_envelope(weft__stream_t *s, Weft__V1__Envelope *env, bool first)
 {
     weft__outmsg_t *m;
 
     WEFT_CHECK(weft__wire_encode(env, NULL, &m));
-    return weft__stream_send(s, m);
+    return enqueue(s, m, first);
 }
 
 /* Server: ends the stream with a gRPC status after what is queued. */
@@ -402,33 +420,40 @@ static void finish(weft__stream_t *s, grpc_status_code code, const char *text)
     (void)weft__stream_send(s, m);
 }
 
-static weft_status_t check_hello(weft_agent_t *a, const Weft__V1__Hello *h, char *why, size_t n)
+/* ------------------------------------------------------------------ opening */
+
+/* Server: the handshake deadline passed (a task on the agent's timer holding a reference). */
+static void hello_deadline(void *arg, uint64_t data)
 {
-    if (h == NULL) {
-        snprintf(why, n, "first message is not a Hello");
-        return WEFT_ERR_PROTOCOL;
+    weft__stream_t *s = arg;
+    (void)data;
+
+    pthread_mutex_lock(&s->mu);
+    bool ok = s->hello_ok;
+    pthread_mutex_unlock(&s->mu);
+    if (!ok) {
+        char why[160];
+        snprintf(why, sizeof(why), "no Hello within %lld ms of the stream's start",
+                 (long long)s->agent->handshake_timeout_ms);
+        WEFT_WARN("closed a stream: %s", why);
+        grpc_call_cancel_with_status(s->call, GRPC_STATUS_UNAUTHENTICATED, why, NULL);
     }
-    if (h->protocol_version != WEFT_PROTOCOL_VERSION) {
-        snprintf(why, n, "protocol version %u is not supported by %s (speaks version %d)",
-                 h->protocol_version, a->name, WEFT_PROTOCOL_VERSION);
-        return WEFT_ERR_VERSION;
+    weft__stream_unref(s);
+}
+
+static void hello_deadline_drop(void *arg, uint64_t data)
+{
+    (void)data;
+    weft__stream_unref(arg);
+}
+
+/* Server: takes the handshake deadline back (the Hello came, or the stream ended). */
+static void hello_timer_cancel(weft__stream_t *s)
+{
+    uint64_t id = atomic_exchange(&s->hello_timer, 0);
+    if (id != 0 && weft__timer_cancel(s->agent->timer, id)) {
+        weft__stream_unref(s); /* the task's reference */
     }
-    if (strcmp(a->auth_token, "") != 0 &&
-        (h->auth_token.len != strlen(a->auth_token) ||
-         memcmp(h->auth_token.data, a->auth_token, h->auth_token.len) != 0)) {
-        snprintf(why, n, "authentication token of rank %d does not match", h->rank);
-        return WEFT_ERR_AUTH;
-    }
-    if (h->world_size != a->world_size) {
-        snprintf(why, n, "rank %d expects a world of %d, this one has %d", h->rank, h->world_size,
-                 a->world_size);
-        return WEFT_ERR_MISMATCH;
-    }
-    if (h->rank < 0 || h->rank >= a->world_size) {
-        snprintf(why, n, "rank %d is out of range 0..%d", h->rank, a->world_size - 1);
-        return WEFT_ERR_INVALID_ARG;
-    }
-    return WEFT_OK;
 }
 
 /* The Hello that opens a server stream; true if accepted. */
@@ -439,31 +464,88 @@ static bool server_hello(weft__stream_t *s, weft_status_t st, Weft__V1__Envelope
     Weft__V1__Envelope ack = WEFT__V1__ENVELOPE__INIT;
 
     if (st == WEFT_OK && env->kind == WEFT__V1__KIND__KIND_HELLO) {
-        st = check_hello(a, env->hello, why, sizeof(why));
+        st = weft__hello_check(a, env->hello, WEFT__HELLO_STREAM, s->challenge, why, sizeof(why));
     } else if (st == WEFT_OK) {
         st = WEFT_ERR_PROTOCOL;
-        snprintf(why, sizeof(why), "first message of a stream must be a Hello");
+        snprintf(why, sizeof(why), "the first message of a stream must be a Hello");
     } else {
         snprintf(why, sizeof(why), "%s", weft_last_error());
+    }
+    if (st == WEFT_OK) {
+        /* One proven stream per rank: a second one is refused, never believed. */
+        weft__peer_t *p = &a->peers[env->hello->rank];
+        pthread_mutex_lock(&p->mu);
+        if (p->server_stream != NULL) {
+            st = WEFT_ERR_ALREADY_EXISTS;
+            snprintf(why, sizeof(why), "rank %d has a stream to %s already", env->hello->rank,
+                     a->name);
+        } else {
+            p->server_stream = s;
+            s->registered = true;
+        }
+        pthread_mutex_unlock(&p->mu);
     }
     ack.kind = WEFT__V1__KIND__KIND_HELLO_ACK;
     ack.src_rank = a->rank;
     ack.status = st;
+    hello_timer_cancel(s);
     if (st != WEFT_OK) {
         WEFT_WARN("refused a connection: %s", why);
         ack.error = why;
-        (void)send_envelope(s, &ack);
+        (void)send_envelope(s, &ack, false);
         finish(s,
                st == WEFT_ERR_AUTH ? GRPC_STATUS_UNAUTHENTICATED : GRPC_STATUS_FAILED_PRECONDITION,
                why);
         return false;
     }
-    s->peer_max = env->hello->max_message_bytes;
     atomic_store(&s->peer, env->hello->rank);
+    pthread_mutex_lock(&s->mu);
     s->hello_ok = true;
-    (void)send_envelope(s, &ack);
+    pthread_mutex_unlock(&s->mu);
+    (void)send_envelope(s, &ack, false);
     return true;
 }
+
+/* Client: the server's challenge came; the Hello that answers it leaves first, then the queue. */
+static weft_status_t client_challenge(weft__stream_t *s, const Weft__V1__Envelope *env)
+{
+    weft_agent_t *a = s->agent;
+    int peer = weft__stream_peer(s);
+    uint8_t sig[WEFT__ID_SIG_BYTES];
+
+    if (s->challenged) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "rank %d sent a second challenge", peer);
+    }
+    if (env->challenge.len != WEFT__CHALLENGE_BYTES) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "rank %d sent a challenge of %zu bytes (%d)",
+                               peer, env->challenge.len, WEFT__CHALLENGE_BYTES);
+    }
+    WEFT_CHECK(weft__hello_sign(a, 'S', env->challenge.data, peer, sig));
+    Weft__V1__Hello hello = WEFT__V1__HELLO__INIT;
+    Weft__V1__Envelope h = WEFT__V1__ENVELOPE__INIT;
+    weft__hello_fill(a, &hello);
+    hello.proof.data = sig;
+    hello.proof.len = sizeof(sig);
+    h.kind = WEFT__V1__KIND__KIND_HELLO;
+    h.src_rank = a->rank;
+    h.hello = &hello;
+    s->challenged = true;
+    weft_status_t st = send_envelope(s, &h, true);
+    if (st != WEFT_OK) {
+        return st;
+    }
+    weft__outmsg_t *failed = NULL;
+    pthread_mutex_lock(&s->mu);
+    s->held = false;
+    if (!s->sending && s->corked == 0) {
+        failed = start_next_locked(s);
+    }
+    pthread_mutex_unlock(&s->mu);
+    fail_queue(failed, WEFT_ERR_TRANSPORT, "gRPC refused a send");
+    return WEFT_OK;
+}
+
+/* ------------------------------------------------------------------ receiving */
 
 /* Waits until the messages before @p seq on this stream have been framed, so
  * that one-way messages reach their channels in the order they were sent. */
@@ -484,261 +566,199 @@ static void turn_done(weft__stream_t *s)
     pthread_mutex_unlock(&s->mu);
 }
 
-static void answer_refused(weft__stream_t *s, const Weft__V1__Envelope *env, weft_status_t st)
-{
-    Weft__V1__Envelope resp = WEFT__V1__ENVELOPE__INIT;
-    char why[600];
-
-    /* The sender counted it: count it as received, or shutdown never settles. */
-    if (env->function == NULL || !weft__fn_internal(env->function)) {
-        atomic_fetch_add(&s->agent->requests_received, 1);
-    }
-    snprintf(why, sizeof(why), "%s (on %s)", weft_last_error(), s->agent->name);
-    resp.kind = WEFT__V1__KIND__KIND_RESPONSE;
-    resp.request_id = env->request_id;
-    resp.src_rank = s->agent->rank;
-    resp.status = st;
-    resp.error = why;
-    (void)send_envelope(s, &resp);
-}
-
-static void deliver_oneway(weft__stream_t *s, Weft__V1__Envelope *env, weft_value_t *v,
-                           weft_status_t st)
-{
-    weft_agent_t *a = s->agent;
-    uint32_t ch = env->channel;
-
-    if (st != WEFT_OK || ch < 1 || ch > WEFT_CHANNEL_MAX) {
-        WEFT_WARN("dropped a message on channel %u from rank %d: %s", ch, weft__stream_peer(s),
-                  st != WEFT_OK ? weft_last_error() : "no such channel");
-        weft_value_free(v);
-        return;
-    }
-    weft__channel_deliver(a, ch, weft__stream_peer(s), v);
-}
-
 typedef struct {
     Weft__V1__Envelope *env;
-    weft_value_t *args;
-} req_t;
+    weft_value_t *v;
+    weft_status_t st;
+    char *why; /* a refused frame's text, for when it is delivered */
+} frame_t;
 
-/* A gRPC message on a server stream: a Hello first, then requests and one-way frames. */
-static void server_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq, bool first)
+/* Client: a HELLO_ACK. False when it refused us (the stream is dead, the peer lost). */
+static bool client_ack(weft__stream_t *s, const Weft__V1__Envelope *env)
+{
+    weft_agent_t *a = s->agent;
+    int peer = weft__stream_peer(s);
+
+    if (env->status == 0) {
+        s->hello_ok = true;
+        return true;
+    }
+    char why[640];
+    snprintf(why, sizeof(why), "rank %d refused the connection: %s", peer,
+             env->error != NULL ? env->error : "");
+    weft_status_t est = weft_status_valid(env->status) ? (weft_status_t)env->status
+                                                       : WEFT_ERR_PROTOCOL;
+    stream_dead(s, est, why);
+    weft__agent_peer_lost(a, peer, est, why);
+    return false;
+}
+
+/*
+ * One gRPC message: its frames in order. On a server stream the Hello comes first; one-way
+ * messages are delivered in turn (a channel's order), requests and answers after it, their
+ * answers held to leave together. On a client stream: the challenge, the Hello's answer, then
+ * answers. A frame the reader refuses goes to the delivery with its status (its body skipped);
+ * an unframeable rest of the message is dropped (docs/protocol.md section 5).
+ */
+static void read_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq, bool first)
 {
     weft_agent_t *a = s->agent;
     weft__reader_t r;
-    req_t local[16];
-    req_t *reqs = local;
-    size_t nreq = 0, cap = 16;
+    frame_t local[16];
+    frame_t *frames = local;
+    size_t n = 0, cap = 16;
     bool broken = false;
+    bool hello_first = first;
 
+    if (!s->client) {
+        turn_wait(s, seq);
+    }
     if (weft__reader_init(&r, bb) != WEFT_OK) {
+        WEFT_WARN("rank %d sent an unreadable gRPC message; dropped", weft__stream_peer(s));
         grpc_byte_buffer_destroy(bb);
-        finish(s, GRPC_STATUS_INVALID_ARGUMENT, "unreadable message");
-        turn_wait(s, seq); /* keep the turns moving for the messages after it */
-        turn_done(s);
+        if (!s->client) {
+            turn_done(s);
+        }
+        if (!s->client && !s->hello_ok) {
+            finish(s, GRPC_STATUS_INVALID_ARGUMENT, "unreadable message");
+        } else if (first && !post_recv(s)) {
+            stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
+        }
         return;
     }
-    bool hello_first = first;
-    turn_wait(s, seq);
+    weft__origin_t o = {WEFT__TP_STREAM, weft__stream_peer(s), s, s->client};
     while (weft__reader_more(&r)) {
         Weft__V1__Envelope *env = NULL;
-        weft_value_t *args = NULL;
+        weft_value_t *v = NULL;
         weft_status_t st = weft__reader_envelope(&r, a->max_message_bytes, &env);
         if (env == NULL) {
-            /* Not even an envelope: this peer does not speak weft; end its stream. */
-            WEFT_WARN("rank %d sent an unreadable message (%s); closing its stream",
-                      weft__stream_peer(s), weft_last_error());
-            finish(s, GRPC_STATUS_INVALID_ARGUMENT, weft_last_error());
-            broken = true;
+            WEFT_WARN("rank %d sent a message that cannot be framed (%s); the rest of it is "
+                      "dropped",
+                      o.peer, weft_last_error());
+            if (!s->hello_ok && !s->client) {
+                finish(s, GRPC_STATUS_INVALID_ARGUMENT, weft_last_error());
+                broken = true;
+            }
             break;
         }
-        if (!s->hello_ok) {
+        if (!s->client && !s->hello_ok) {
+            /* The first frame of a server stream: the Hello. */
             bool ok = server_hello(s, st, env);
             weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
             if (!ok) {
                 broken = true;
                 break;
             }
-            if (weft__reader_skip_body(&r) != WEFT_OK) {
+            if (st == WEFT_OK) {
+                weft__reader_skip_body(&r);
+            }
+            o.peer = weft__stream_peer(s);
+            continue;
+        }
+        if (s->client && (env->kind == WEFT__V1__KIND__KIND_CHALLENGE ||
+                          env->kind == WEFT__V1__KIND__KIND_HELLO_ACK)) {
+            if (st == WEFT_OK) {
+                weft__reader_skip_body(&r);
+            }
+            bool ok = st == WEFT_OK;
+            if (ok && env->kind == WEFT__V1__KIND__KIND_CHALLENGE) {
+                st = client_challenge(s, env);
+                ok = st == WEFT_OK;
+                if (!ok) {
+                    char why[640];
+                    snprintf(why, sizeof(why), "could not answer rank %d's challenge: %s", o.peer,
+                             weft_last_error());
+                    stream_dead(s, st, why);
+                    weft__agent_peer_lost(a, o.peer, st, why);
+                }
+            } else if (ok) {
+                ok = client_ack(s, env);
+            } else {
+                char why[640];
+                snprintf(why, sizeof(why), "rank %d's answer to the Hello is unreadable: %s",
+                         o.peer, weft_last_error());
+                stream_dead(s, st, why);
+                weft__agent_peer_lost(a, o.peer, st, why);
+            }
+            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            if (!ok) {
                 broken = true;
                 break;
             }
             continue;
         }
-        if (env->kind == WEFT__V1__KIND__KIND_ONEWAY) {
-            weft_value_t *v = NULL;
+        if (s->client && !s->challenged) {
+            WEFT_WARN("rank %d sent a frame of kind %d before its challenge; ignored", o.peer,
+                      (int)env->kind);
             if (st == WEFT_OK) {
-                st = weft__reader_body(&r, env, &v);
-            } else {
-                (void)weft__reader_skip_body(&r);
+                weft__reader_skip_body(&r);
             }
-            deliver_oneway(s, env, v, st);
             weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
             continue;
         }
-        if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
-            /* The answer to a request we sent on a direct connection. */
-            weft_value_t *v = NULL;
-            if (st == WEFT_OK && env->status == 0) {
-                st = weft__reader_body(&r, env, &v);
-            } else {
-                (void)weft__reader_skip_body(&r);
-            }
+        if (st == WEFT_OK &&
+            (env->kind != WEFT__V1__KIND__KIND_RESPONSE || env->status == 0)) {
+            st = weft__reader_body(&r, env, &v);
+        } else if (st == WEFT_OK) {
+            weft__reader_skip_body(&r);
+        }
+        if (env->kind == WEFT__V1__KIND__KIND_ONEWAY && !s->client) {
+            /* In turn: the channel's order. */
             if (st != WEFT_OK) {
-                weft__pending_fail_id(a, weft__stream_peer(s), env->request_id, st,
-                                      weft_last_error());
-                weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-                continue;
+                weft__set_error(st, "%s", weft_last_error());
             }
-            /* Completed after the turn, with the requests: callbacks may take time. */
-            args = v;
-            goto keep;
-        }
-        if (env->kind != WEFT__V1__KIND__KIND_REQUEST) {
-            WEFT_WARN("rank %d sent a frame of kind %d on its request stream; ignored",
-                      weft__stream_peer(s), (int)env->kind);
-            (void)weft__reader_skip_body(&r);
-            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+            weft__deliver(a, &o, env, v, st);
             continue;
         }
-        if (st == WEFT_OK) {
-            st = weft__reader_body(&r, env, &args);
-        } else {
-            (void)weft__reader_skip_body(&r);
-        }
-        if (st != WEFT_OK) {
-            /* A request we cannot accept: answer it with the reason. */
-            answer_refused(s, env, st);
-            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-            continue;
-        }
-    keep:
-        if (nreq == cap) {
-            req_t *bigger = weft_alloc(2 * cap * sizeof(*bigger));
+        if (n == cap) {
+            frame_t *bigger = weft_alloc(2 * cap * sizeof(*bigger));
             if (bigger == NULL) {
-                weft_value_free(args);
-                weft__set_error(WEFT_ERR_NO_MEMORY, "no memory");
-                if (env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
-                    weft__pending_fail_id(a, weft__stream_peer(s), env->request_id,
-                                          WEFT_ERR_NO_MEMORY, "no memory for a response");
-                } else {
-                    answer_refused(s, env, WEFT_ERR_NO_MEMORY);
-                }
-                weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+                weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for the frames of a message");
+                weft_value_free(v);
+                weft__deliver(a, &o, env, NULL, WEFT_ERR_NO_MEMORY);
                 continue;
             }
-            memcpy(bigger, reqs, nreq * sizeof(*bigger));
-            if (reqs != local) {
-                weft_free(reqs);
+            memcpy(bigger, frames, n * sizeof(*bigger));
+            if (frames != local) {
+                weft_free(frames);
             }
-            reqs = bigger;
+            frames = bigger;
             cap *= 2;
         }
-        reqs[nreq].env = env;
-        reqs[nreq].args = args;
-        nreq++;
+        frames[n].env = env;
+        frames[n].v = v;
+        frames[n].st = st;
+        frames[n].why = st != WEFT_OK ? weft__strfmt("%s", weft_last_error()) : NULL;
+        n++;
     }
     weft__reader_destroy(&r);
     grpc_byte_buffer_destroy(bb);
-    turn_done(s);
+    if (!s->client) {
+        turn_done(s);
+    }
     if (hello_first && !broken && !post_recv(s)) {
         stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
     }
     /* The answers to the requests of one message leave together, as one message (a
      * handler that blocks in a weft wait lets them go first: see the agent's block hook). */
-    bool held = nreq > 1 && tl_corked == NULL;
+    bool held = n > 1 && !s->client && tl_corked == NULL;
     if (held) {
         cork(s);
     }
-    for (size_t i = 0; i < nreq; i++) {
-        if (reqs[i].env->kind == WEFT__V1__KIND__KIND_RESPONSE) {
-            weft__call_response(a, weft__stream_peer(s), reqs[i].env, reqs[i].args);
+    for (size_t i = 0; i < n; i++) {
+        if (frames[i].st != WEFT_OK) {
+            weft__set_error(frames[i].st, "%s", frames[i].why != NULL ? frames[i].why : "refused");
+            weft_free(frames[i].why);
+            weft__deliver(a, &o, frames[i].env, frames[i].v, frames[i].st);
         } else {
-            weft__call_dispatch(a, s, reqs[i].env, reqs[i].args);
+            weft__deliver(a, &o, frames[i].env, frames[i].v, WEFT_OK);
         }
     }
     if (held) {
         weft__stream_uncork_current();
     }
-    if (reqs != local) {
-        weft_free(reqs);
-    }
-}
-
-/* A gRPC message on a client stream: the Hello's answer, then responses. */
-static void client_message(weft__stream_t *s, grpc_byte_buffer *bb, bool first)
-{
-    weft_agent_t *a = s->agent;
-    weft__reader_t r;
-    int peer = weft__stream_peer(s);
-
-    if (weft__reader_init(&r, bb) != WEFT_OK) {
-        grpc_byte_buffer_destroy(bb);
-        grpc_call_cancel_with_status(s->call, GRPC_STATUS_INVALID_ARGUMENT, "unreadable message",
-                                     NULL);
-        return;
-    }
-    bool broken = false;
-    while (weft__reader_more(&r)) {
-        Weft__V1__Envelope *env = NULL;
-        weft_status_t st = weft__reader_envelope(&r, a->max_message_bytes, &env);
-        if (env == NULL) {
-            WEFT_WARN("rank %d sent an unreadable response (%s); closing the stream", peer,
-                      weft_last_error());
-            grpc_call_cancel_with_status(s->call, GRPC_STATUS_INVALID_ARGUMENT,
-                                         "unreadable message", NULL);
-            broken = true;
-            break;
-        }
-        if (env->kind == WEFT__V1__KIND__KIND_HELLO_ACK) {
-            (void)weft__reader_skip_body(&r);
-            if (env->status != 0) {
-                char why[640];
-                snprintf(why, sizeof(why), "rank %d refused the connection: %s", peer,
-                         env->error != NULL ? env->error : "");
-                weft_status_t est =
-                    weft_status_valid(env->status) ? (weft_status_t)env->status : WEFT_ERR_PROTOCOL;
-                stream_dead(s, est, why);
-                weft__agent_peer_lost(a, peer, est, why);
-                broken = true;
-            } else {
-                s->hello_ok = true;
-            }
-            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-            if (broken) {
-                break;
-            }
-            continue;
-        }
-        weft_value_t *v = NULL;
-        if (env->kind != WEFT__V1__KIND__KIND_RESPONSE) {
-            WEFT_WARN("rank %d sent a frame of kind %d on a response stream; ignored", peer,
-                      (int)env->kind);
-            (void)weft__reader_skip_body(&r);
-            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-            continue;
-        }
-        if (st == WEFT_OK && env->status == 0) {
-            st = weft__reader_body(&r, env, &v);
-        } else {
-            (void)weft__reader_skip_body(&r);
-        }
-        if (st != WEFT_OK) {
-            char why[600];
-            snprintf(why, sizeof(why), "response from rank %d could not be read: %s", peer,
-                     weft_last_error());
-            WEFT_WARN("%s", why);
-            weft__pending_fail_id(a, peer, env->request_id, st, why);
-            weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-            continue;
-        }
-        weft__call_response(a, peer, env, v);
-    }
-    weft__reader_destroy(&r);
-    grpc_byte_buffer_destroy(bb);
-    if (first && !broken && !post_recv(s)) {
-        stream_dead(s, WEFT_ERR_PEER_LOST, "stream ended");
+    if (frames != local) {
+        weft_free(frames);
     }
 }
 
@@ -748,22 +768,32 @@ typedef struct {
     uint64_t seq;
 } bulk_task_t;
 
-static void process_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq, bool first)
-{
-    if (s->client) {
-        client_message(s, bb, first);
-    } else {
-        server_message(s, bb, seq, first);
-    }
-}
-
 static void bulk_run(void *arg)
 {
     bulk_task_t *t = arg;
 
-    process_message(t->s, t->bb, t->seq, false);
+    read_message(t->s, t->bb, t->seq, false);
     weft__stream_unref(t->s);
     weft_free(t);
+}
+
+/* Server: the stream stops speaking for its peer (it ends); true if it did until now. */
+static bool server_unregister(weft__stream_t *s)
+{
+    int peer = weft__stream_peer(s);
+    bool was = false;
+
+    if (peer < 0 || !s->registered) {
+        return false;
+    }
+    weft__peer_t *p = &s->agent->peers[peer];
+    pthread_mutex_lock(&p->mu);
+    if (p->server_stream == s) {
+        p->server_stream = NULL;
+        was = true;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return was;
 }
 
 static void recv_done(weft__op_t *op, int ok)
@@ -778,7 +808,9 @@ static void recv_done(weft__op_t *op, int ok)
             grpc_byte_buffer_destroy(bb);
         }
         if (!s->client && ok) {
-            /* The client half-closed: finish our side once our sends are out. */
+            /* The client half-closed: the stream no longer speaks for it (a new one may come at
+             * once), and our side finishes once our sends are out. */
+            (void)server_unregister(s);
             finish(s, GRPC_STATUS_OK, "");
         }
         weft__stream_unref(s);
@@ -786,7 +818,9 @@ static void recv_done(weft__op_t *op, int ok)
     }
     /* Only one receive is outstanding at a time: messages are numbered in order. */
     uint64_t seq = s->received++;
-    bool first = !s->hello_ok;
+    /* Until the handshake is done (server: the Hello; client: the challenge), one message at a
+     * time: the next receive is posted once it is read. */
+    bool first = s->client ? !s->challenged : !s->hello_ok;
     if (!first) {
         /* Receive the next message while this one is read and served. */
         if (!post_recv(s)) {
@@ -807,7 +841,7 @@ static void recv_done(weft__op_t *op, int ok)
             }
         }
     }
-    process_message(s, bb, seq, first);
+    read_message(s, bb, seq, first);
     weft__stream_unref(s);
 }
 
@@ -834,7 +868,7 @@ static void client_end(weft__op_t *op, int ok)
     if (st == WEFT_OK || st == WEFT_ERR_CANCELLED || st == WEFT_ERR_TRANSPORT) {
         st = WEFT_ERR_PEER_LOST;
     }
-    if (st == WEFT_ERR_PROTOCOL && s->dead) {
+    if ((st == WEFT_ERR_PROTOCOL || st == WEFT_ERR_AUTH) && s->dead) {
         st = s->dead_status;
     }
     stream_dead(s, st, why);
@@ -860,8 +894,12 @@ static void server_end(weft__op_t *op, int ok)
     int peer = weft__stream_peer(s);
 
     (void)ok;
+    hello_timer_cancel(s);
     stream_dead(s, WEFT_ERR_PEER_LOST, "stream from the peer ended");
-    if (s->cancelled && peer >= 0 && !weft__agent_closing(a)) {
+    /* Only the peer's proven stream speaks for it: losing any other stream (one that never
+     * proved a rank, a refused second one, one its peer closed) never evicts the rank. */
+    bool proven = server_unregister(s);
+    if (proven && s->cancelled && !weft__agent_closing(a)) {
         char why[256];
         snprintf(why, sizeof(why), "stream from %s (rank %d) was cut off",
                  a->peers[peer].name != NULL ? a->peers[peer].name : "?", peer);
@@ -889,12 +927,24 @@ void weft__stream_accept(weft_agent_t *a, grpc_call *call)
         weft__stream_unref(s);
         return;
     }
-    if (!post_recv(s)) {
+    /* The challenge first: the client's Hello signs it. A stream that does not answer within the
+     * handshake timeout is closed. */
+    Weft__V1__Envelope ch = WEFT__V1__ENVELOPE__INIT;
+    ch.kind = WEFT__V1__KIND__KIND_CHALLENGE;
+    ch.src_rank = a->rank;
+    ch.challenge.data = s->challenge;
+    ch.challenge.len = sizeof(s->challenge);
+    weft__stream_ref(s); /* the handshake deadline's */
+    uint64_t tid = weft__timer_add(a->timer, weft__now_ns() + a->handshake_timeout_ms * 1000000,
+                                   hello_deadline, hello_deadline_drop, s, 0, NULL);
+    atomic_store(&s->hello_timer, tid);
+    if (weft__random_bytes(s->challenge, sizeof(s->challenge)) != WEFT_OK ||
+        send_envelope(s, &ch, false) != WEFT_OK || !post_recv(s)) {
         grpc_call_cancel(call, NULL);
     }
 }
 
-weft_status_t weft__stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_t **s_p)
+static weft_status_t stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_t **s_p)
 {
     grpc_op ops[2];
     weft__stream_t *s;
@@ -922,6 +972,7 @@ weft_status_t weft__stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_t
     }
     atomic_store(&s->peer, p->rank);
     atomic_store(&s->refs, 1); /* the peer's reference */
+    s->held = true;            /* until the challenge is answered */
     s->md_op.cb = client_md;
     s->end_op.cb = client_end;
 
@@ -944,39 +995,38 @@ weft_status_t weft__stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_t
     if (e2 != GRPC_CALL_OK) {
         weft__stream_unref(s);
     }
-    if (e1 != GRPC_CALL_OK || e2 != GRPC_CALL_OK) {
+    if (e1 != GRPC_CALL_OK || e2 != GRPC_CALL_OK || !post_recv(s)) {
         grpc_call_cancel(call, NULL);
         weft__stream_unref(s);
         return weft__set_error(WEFT_ERR_TRANSPORT, "rpc: gRPC refused to start a stream to %s",
                                p->address);
     }
-
-    Weft__V1__Hello hello = WEFT__V1__HELLO__INIT;
-    Weft__V1__Envelope env = WEFT__V1__ENVELOPE__INIT;
-    hello.protocol_version = WEFT_PROTOCOL_VERSION;
-    hello.name = a->name;
-    hello.rank = a->rank;
-    hello.address = a->address;
-    hello.world_size = a->world_size;
-    hello.auth_token.data = (uint8_t *)a->auth_token;
-    hello.auth_token.len = strlen(a->auth_token);
-    hello.max_message_bytes = a->max_message_bytes;
-    hello.direct_address = (char *)weft__direct_address(a);
-    env.kind = WEFT__V1__KIND__KIND_HELLO;
-    env.src_rank = a->rank;
-    env.hello = &hello;
-    (void)send_envelope(s, &env);
-    /* The first receive waits for the Hello's answer; requests may follow the Hello at once. */
-    weft__stream_ref(s);
-    grpc_op rop;
-    memset(&rop, 0, sizeof(rop));
-    rop.op = GRPC_OP_RECV_MESSAGE;
-    rop.data.recv_message.recv_message = &s->recv_bb;
-    if (grpc_call_start_batch(call, &rop, 1, &s->recv_op, NULL) != GRPC_CALL_OK) {
-        weft__stream_unref(s);
-    }
     *s_p = s;
     return WEFT_OK;
+}
+
+weft_status_t weft__peer_stream(weft_agent_t *a, int to, weft__stream_t **s_p)
+{
+    weft_status_t st = WEFT_OK;
+    weft__peer_t *p = &a->peers[to];
+
+    if (atomic_load(&a->state) >= WEFT__AGENT_CLOSED) {
+        /* The queue is shut down: no stream can be opened any more. */
+        return weft__set_error(WEFT_ERR_SHUTDOWN, "rpc: the agent is closed");
+    }
+    pthread_mutex_lock(&p->mu);
+    if (p->lost) {
+        st = weft__set_error(WEFT_ERR_PEER_LOST, "%s (rank %d) was lost: %s", p->name, to,
+                             p->lost_why != NULL ? p->lost_why : "");
+    } else if (p->stream == NULL) {
+        st = stream_open(a, p, &p->stream);
+    }
+    if (st == WEFT_OK) {
+        weft__stream_ref(p->stream);
+        *s_p = p->stream;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return st;
 }
 
 void weft__stream_close(weft__stream_t *s)
@@ -995,3 +1045,68 @@ void weft__stream_cancel(weft__stream_t *s)
 {
     grpc_call_cancel_with_status(s->call, GRPC_STATUS_UNAVAILABLE, "weft agent closed", NULL);
 }
+
+/* ------------------------------------------------------------------ the transport's entry */
+
+static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, weft__outmsg_t *m,
+                             uint32_t flags, weft__path_t *path_p)
+{
+    (void)flags;
+    if (via != NULL) {
+        /* An answer goes back on the stream its request came on. */
+        return weft__stream_send(via, m);
+    }
+    weft__stream_t *s;
+    weft_status_t st = weft__peer_stream(a, peer, &s);
+    if (st != WEFT_OK) {
+        char why[WEFT__ERROR_MAX];
+        snprintf(why, sizeof(why), "%s", weft_last_error());
+        weft__outmsg_free(m, st, why);
+        return weft__set_error(st, "%s", why);
+    }
+    if (path_p != NULL) {
+        path_p->stream = s;
+    }
+    st = weft__stream_send(s, m);
+    weft__stream_unref(s);
+    return st;
+}
+
+static bool tp_usable(weft_agent_t *a, int peer)
+{
+    weft__peer_t *p = &a->peers[peer];
+    pthread_mutex_lock(&p->mu);
+    bool ok = !p->lost;
+    pthread_mutex_unlock(&p->mu);
+    return ok;
+}
+
+static void tp_cut(weft_agent_t *a, int peer)
+{
+    /* The stream ends by itself (its peer is gone); pending calls were failed by the agent. */
+    (void)a;
+    (void)peer;
+}
+
+static void tp_stop(weft_agent_t *a)
+{
+    for (int i = 0; a->peers != NULL && i < a->world_size; i++) {
+        weft__peer_t *p = &a->peers[i];
+        pthread_mutex_lock(&p->mu);
+        weft__stream_t *s = p->stream;
+        p->stream = NULL;
+        pthread_mutex_unlock(&p->mu);
+        if (s != NULL) {
+            weft__stream_cancel(s);
+            weft__stream_unref(s);
+        }
+    }
+}
+
+const weft__transport_t weft__stream_transport = {
+    .name = "its gRPC stream",
+    .send = tp_send,
+    .usable = tp_usable,
+    .cut = tp_cut,
+    .stop = tp_stop,
+};

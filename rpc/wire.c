@@ -163,27 +163,6 @@ err_free:
     return status;
 }
 
-void weft__outmsg_free(weft__outmsg_t *m, weft_status_t fail_status, const char *why)
-{
-    if (m == NULL) {
-        return;
-    }
-    if (m->bb != NULL) {
-        grpc_byte_buffer_destroy(m->bb);
-    }
-    /* Freed with a failure status: the message never left this process. */
-    weft__refs_out_free(m->refs, fail_status == WEFT_OK);
-    if (m->sent != NULL) {
-        if (fail_status == WEFT_OK) {
-            weft_future_complete(m->sent, WEFT_OK, NULL, NULL);
-        } else {
-            weft_future_complete(m->sent, fail_status, why, NULL);
-        }
-        weft_future_release(m->sent);
-    }
-    weft_free(m);
-}
-
 static bool cursor_init(cursor_t *c, grpc_byte_buffer *bb)
 {
     c->has = false;
@@ -253,10 +232,26 @@ static weft_status_t check_meta(const Weft__V1__TensorMeta *tm, size_t i, uint64
     return WEFT_OK;
 }
 
-weft_status_t weft__wire_check_frame(const Weft__V1__Envelope *env, uint64_t *body_p)
+weft_status_t weft__frame_check(const Weft__V1__Envelope *env, size_t elen, uint64_t max_bytes,
+                                uint64_t *body_p, bool *framed_p)
 {
+    /* The declared body first, from the raw nbytes fields: it says where the next frame starts
+     * even when the headers are refused. */
     uint64_t body = env->payload_bytes;
-
+    bool framed = true;
+    for (size_t i = 0; i < env->n_tensors; i++) {
+        uint64_t nb = env->tensors[i]->nbytes;
+        if (body + nb < body) {
+            framed = false;
+            break;
+        }
+        body += nb;
+    }
+    *framed_p = framed;
+    *body_p = framed ? body : 0;
+    if (!framed) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: the frame's sizes overflow");
+    }
     if (env->n_tensors > WEFT__MAX_TENSORS) {
         return weft__set_error(WEFT_ERR_PROTOCOL, "wire: %zu tensors (max %d)", env->n_tensors,
                                WEFT__MAX_TENSORS);
@@ -264,12 +259,12 @@ weft_status_t weft__wire_check_frame(const Weft__V1__Envelope *env, uint64_t *bo
     for (size_t i = 0; i < env->n_tensors; i++) {
         uint64_t nb = 0;
         WEFT_CHECK(check_meta(env->tensors[i], i, &nb));
-        if (body + nb < body) {
-            return weft__set_error(WEFT_ERR_PROTOCOL, "wire: sizes overflow");
-        }
-        body += nb;
     }
-    *body_p = body;
+    if (max_bytes > 0 && (4 + (uint64_t)elen + body < body || 4 + (uint64_t)elen + body > max_bytes)) {
+        return weft__set_error(
+            WEFT_ERR_TOO_LARGE, "wire: message of %llu bytes exceeds the limit of %llu bytes",
+            (unsigned long long)(4 + elen + body), (unsigned long long)max_bytes);
+    }
     return WEFT_OK;
 }
 
@@ -302,6 +297,14 @@ static bool reader_read(weft__reader_t *r, void *dst, size_t n)
     return true;
 }
 
+/* Drops what is left of the message: it cannot be framed. */
+static void reader_drop_rest(weft__reader_t *r)
+{
+    (void)cursor_read(&r->c, NULL, r->left);
+    r->left = 0;
+    r->body_left = 0;
+}
+
 weft_status_t weft__reader_envelope(weft__reader_t *r, uint64_t max_bytes,
                                     Weft__V1__Envelope **env_p)
 {
@@ -312,62 +315,67 @@ weft_status_t weft__reader_envelope(weft__reader_t *r, uint64_t max_bytes,
     Weft__V1__Envelope *env;
 
     *env_p = NULL;
+    r->body_left = 0;
     if (!reader_read(r, lenb, 4)) {
-        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: frame header cut short (%zu bytes left)",
-                               r->left);
+        status = weft__set_error(WEFT_ERR_PROTOCOL,
+                                 "wire: frame header cut short (%zu bytes left)", r->left);
+        reader_drop_rest(r);
+        return status;
     }
     size_t elen = (size_t)lenb[0] | ((size_t)lenb[1] << 8) | ((size_t)lenb[2] << 16) |
                   ((size_t)lenb[3] << 24);
     if (elen > WEFT__MAX_ENVELOPE || elen > r->left) {
-        return weft__set_error(WEFT_ERR_PROTOCOL,
-                               "wire: envelope length %zu does not fit the %zu bytes left", elen,
-                               r->left);
+        status = weft__set_error(WEFT_ERR_PROTOCOL,
+                                 "wire: envelope length %zu does not fit the %zu bytes left", elen,
+                                 r->left);
+        reader_drop_rest(r);
+        return status;
     }
     if (elen > sizeof(stackbuf)) {
         ebuf = weft_alloc(elen);
         if (ebuf == NULL) {
-            return weft__set_error(WEFT_ERR_NO_MEMORY, "wire: no memory for an envelope");
+            status = weft__set_error(WEFT_ERR_NO_MEMORY, "wire: no memory for an envelope");
+            reader_drop_rest(r);
+            return status;
         }
     }
     if (!reader_read(r, ebuf, elen)) {
         status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated envelope");
+        reader_drop_rest(r);
         goto out_free_buf;
     }
     env = weft__v1__envelope__unpack(&weft__pb_allocator, elen, ebuf);
     if (env == NULL) {
         status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: envelope does not decode");
+        reader_drop_rest(r);
+        goto out_free_buf;
+    }
+    uint64_t body = 0;
+    bool framed = true;
+    status = weft__frame_check(env, elen, max_bytes, &body, &framed);
+    if (framed && body > r->left) {
+        if (status == WEFT_OK) {
+            status = weft__set_error(WEFT_ERR_PROTOCOL,
+                                     "wire: envelope announces %llu body bytes, %zu are left",
+                                     (unsigned long long)body, r->left);
+        }
+        framed = false;
+    }
+    if (!framed) {
+        /* Where the next frame starts is unknown: nothing more of this message is read (its
+         * payload or tensor bytes are never taken for frames). */
+        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+        reader_drop_rest(r);
         goto out_free_buf;
     }
     *env_p = env;
-    uint64_t body = env->payload_bytes;
-    if (env->n_tensors > WEFT__MAX_TENSORS) {
-        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: %zu tensors (max %d)", env->n_tensors,
-                                 WEFT__MAX_TENSORS);
-        goto out_free_buf;
-    }
-    for (size_t i = 0; i < env->n_tensors; i++) {
-        uint64_t nb = 0;
-        WEFT_CHECK_GOTO(check_meta(env->tensors[i], i, &nb), status, out_free_buf);
-        if (body + nb < body) {
-            status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: sizes overflow");
-            goto out_free_buf;
-        }
-        body += nb;
-    }
-    if (body > r->left) {
-        status = weft__set_error(WEFT_ERR_PROTOCOL,
-                                 "wire: envelope announces %llu body bytes, %zu are left",
-                                 (unsigned long long)body, r->left);
+    if (status != WEFT_OK) {
+        /* Refused: skip exactly its declared body; the next frame starts after it. */
+        bool ok = reader_read(r, NULL, (size_t)body);
+        (void)ok; /* it fits: checked above */
         goto out_free_buf;
     }
     r->body_left = body;
-    if (max_bytes > 0 && 4 + elen + body > max_bytes) {
-        status = weft__set_error(
-            WEFT_ERR_TOO_LARGE, "wire: message of %llu bytes exceeds the limit of %llu bytes",
-            (unsigned long long)(4 + elen + body), (unsigned long long)max_bytes);
-        goto out_free_buf;
-    }
-    status = WEFT_OK;
 out_free_buf:
     if (ebuf != stackbuf) {
         weft_free(ebuf);
@@ -375,15 +383,14 @@ out_free_buf:
     return status;
 }
 
-weft_status_t weft__reader_skip_body(weft__reader_t *r)
+void weft__reader_skip_body(weft__reader_t *r)
 {
     uint64_t n = r->body_left;
 
     r->body_left = 0;
-    if (!reader_read(r, NULL, n)) {
-        return weft__set_error(WEFT_ERR_PROTOCOL, "wire: truncated body");
+    if (!reader_read(r, NULL, (size_t)n)) {
+        reader_drop_rest(r); /* cannot happen: the body was checked to fit */
     }
-    return WEFT_OK;
 }
 
 weft_status_t weft__reader_body(weft__reader_t *r, const Weft__V1__Envelope *env,
@@ -439,7 +446,7 @@ weft_status_t weft__reader_body(weft__reader_t *r, const Weft__V1__Envelope *env
 
 err_free_value:
     weft_value_free(v);
-    (void)weft__reader_skip_body(r);
+    weft__reader_skip_body(r);
     return status;
 }
 

@@ -22,7 +22,7 @@ extern "C" {
 #endif
 
 /** Wire protocol version carried in every Hello. */
-#define WEFT_PROTOCOL_VERSION 1
+#define WEFT_PROTOCOL_VERSION 2
 
 typedef struct weft_agent weft_agent_t;
 typedef struct weft_call weft_call_t;

@@ -1,19 +1,69 @@
-/* A raw peer that speaks (or mis-speaks) weft's wire protocol with plain gRPC:
- * conformance checks of the refusal paths. */
+/* A raw peer that speaks (or mis-speaks) weft's wire protocol with plain gRPC and plain TCP,
+ * written from docs/protocol.md: conformance checks of the refusal paths. */
 #ifndef WEFT_TEST_RAWPEER_H
 #define WEFT_TEST_RAWPEER_H
 
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
-/* Opens a stream to @p address, sends a Hello with @p version, @p rank,
- * @p world and @p token, reads the answer. Returns the HELLO_ACK status
- * (0 = accepted), or 1000 + gRPC status if the stream ended without one.
- * The error text goes to @p why. If @p garbage, sends junk after an accepted
- * Hello and returns the gRPC status the server ends the stream with (+1000). */
+#include <weft/weft.h>
+
+#include "wire.pb-c.h"
+
+/* ---- streams, step by step */
+
+typedef struct rawpeer rawpeer_t;
+/* An answer (or any frame) the raw peer received. */
+typedef struct {
+    int kind;
+    uint64_t request_id;
+    int status; /* RESPONSE / HELLO_ACK status; 1000 + gRPC status if the stream ended instead */
+    char why[512];
+    uint8_t payload[256];
+    size_t payload_len;
+} rawpeer_reply_t;
+
+/* Opens a stream to @p address and reads the server's CHALLENGE (10 s at most). NULL when the
+ * connection failed; rawpeer_challenge is NULL when no challenge came. */
+rawpeer_t *rawpeer_open(const char *address);
+const uint8_t *rawpeer_challenge(const rawpeer_t *p);
+/* The server's rank, from its challenge (-1 if none came). */
+int rawpeer_server_rank(const rawpeer_t *p);
+/* Sends a Hello (@p version, @p rank, @p world, @p token) whose proof is signed with the key of
+ * agent @p as (which must be of @p rank to be accepted; NULL: a proof of zeros), and reads the
+ * HELLO_ACK: its status, or 1000 + the gRPC status if the stream ended without one. */
+int rawpeer_say_hello(rawpeer_t *p, uint32_t version, int rank, int world, const char *token,
+                      weft_agent_t *as, char *why, size_t why_len);
+/* One gRPC message of these bytes, as they are. 0 on success. */
+int rawpeer_send_bytes(rawpeer_t *p, const void *bytes, size_t len);
+/* Writes one frame (u32 LE envelope length, envelope, @p body) at @p out; returns its length
+ * (0 if it does not fit in @p cap). */
+size_t rawpeer_frame(uint8_t *out, size_t cap, const Weft__V1__Envelope *env, const void *body,
+                     size_t body_len);
+/* Receives one gRPC message and reads every frame in it into @p replies (at most @p max);
+ * returns how many (0: the stream ended or nothing came within @p timeout_ms). */
+int rawpeer_recv(rawpeer_t *p, rawpeer_reply_t *replies, int max, int timeout_ms);
+/* Receives until the answers to @p n requests (by their ids) are in @p replies[i] for ids[i]; 0
+ * when all came within @p timeout_ms. Other frames are ignored. */
+int rawpeer_answers(rawpeer_t *p, const uint64_t *ids, size_t n, rawpeer_reply_t *replies,
+                    int timeout_ms);
+/* Half-closes and waits for the server to end the stream: its gRPC status (details in @p why). */
+int rawpeer_close(rawpeer_t *p, char *why, size_t why_len);
+/* Waits (@p timeout_ms) for the server to end the stream without half-closing: its gRPC status,
+ * or -1 if it did not end in time. */
+int rawpeer_wait_end(rawpeer_t *p, int timeout_ms, char *why, size_t why_len);
+void rawpeer_free(rawpeer_t *p);
+
+/* ---- streams, in one call */
+
+/* Opens a stream, answers the challenge with a Hello (proof signed by @p as, NULL: none) and
+ * returns the HELLO_ACK status (0 = accepted), or 1000 + gRPC status if the stream ended without
+ * one; then half-closes. The error text goes to @p why. */
 int rawpeer_hello(const char *address, uint32_t version, int rank, int world, const char *token,
-                  int garbage, char *why, size_t why_len);
-/* Sends a Join to the rendezvous master with @p version; returns the WorldMap
- * status (or 1000 + gRPC status). */
+                  weft_agent_t *as, char *why, size_t why_len);
+/* Sends a Join to the rendezvous master with @p version; returns the WorldMap status (or 1000 +
+ * gRPC status). */
 int rawpeer_join(const char *address, uint32_t version, int rank, int world, const char *token,
                  char *why, size_t why_len);
 /* A reference as a raw peer sends it (Envelope.refs). */
@@ -32,20 +82,27 @@ typedef struct {
     const rawpeer_ref_t *refs;
     size_t nrefs;
 } rawpeer_frame_t;
-/* The answer to a REQUEST frame. */
-typedef struct {
-    int status; /* RESPONSE status, or 1000 + gRPC status if none came */
-    char why[512];
-    uint8_t payload[256];
-    size_t payload_len;
-} rawpeer_reply_t;
-/* Opens a stream to @p address with an accepted Hello (as @p rank of @p world, @p token), sends
- * the @p n frames in order, one gRPC message each, waiting for the RESPONSE of each REQUEST
- * (into replies[i]; 10 s at most each), then half-closes and waits for the server to end the
- * stream. Returns the HELLO_ACK status (0 = accepted; then the frames were sent). */
-int rawpeer_frames(const char *address, int rank, int world, const char *token,
+/* Opens a stream with an accepted Hello (as @p rank of @p world, @p token, proven by @p as), sends
+ * the @p n frames in order, one gRPC message each (request ids 1..n), waiting for the RESPONSE of
+ * each REQUEST (into replies[i]; 10 s at most each), then half-closes and waits for the server to
+ * end the stream. Returns the HELLO_ACK status (0 = accepted; then the frames were sent). */
+int rawpeer_frames(const char *address, int rank, int world, const char *token, weft_agent_t *as,
                    const rawpeer_frame_t *frames, size_t n, rawpeer_reply_t *replies);
+
+/* ---- plain TCP */
+
 /* Connects with TCP and writes @p n random bytes, then closes. 0 on success. */
 int rawpeer_garbage_tcp(const char *address, size_t n);
+/* Connects to a direct listener and reads its challenge; the socket, or -1. */
+int rawpeer_direct_open(const char *address, uint8_t challenge[32]);
+/* Sends a direct connection's Hello (proof signed by @p as for a server of rank @p server_rank;
+ * NULL: none) and reads the answer: its status (text in @p why), or 1000 if the connection
+ * ended first. */
+int rawpeer_direct_hello(int fd, const uint8_t challenge[32], int server_rank, int rank, int world,
+                         const char *token, weft_agent_t *as, char *why, size_t why_len);
+/* Writes @p len bytes; 0 on success. */
+int rawpeer_write(int fd, const void *bytes, size_t len);
+/* Whether the peer closed the connection within @p ms (reads and drops what comes). */
+bool rawpeer_closed_within(int fd, int ms);
 
 #endif

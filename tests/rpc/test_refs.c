@@ -812,7 +812,7 @@ static int raw_body(weft_agent_t *a, int rank, int world, void *arg)
     size_t n = sizeof(frames) / sizeof(frames[0]);
     rawpeer_reply_t replies[8];
     int st =
-        rawpeer_frames(weft_agent_worker_address(a, 0), 1, world, "secret", frames, n, replies);
+        rawpeer_frames(weft_agent_worker_address(a, 0), 1, world, "secret", a, frames, n, replies);
     RANK_CHECK(st == 0, "raw hello refused: %d", st);
     const char *texts[5] = {"kind 9", "kind 0", "kind 2", "max 4096", "kind 9"};
     for (int i = 0; i < 5; i++) {
