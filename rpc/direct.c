@@ -964,8 +964,9 @@ static void *reader_main(void *arg)
         while (!atomic_load(&c->agent->direct->stop) && read_frame(c)) {
         }
     }
-    shutdown(c->fd, SHUT_RDWR);
+    /* Done before the peer can see the end: a new connection of the same rank is then allowed. */
     atomic_store(&c->done, true);
+    shutdown(c->fd, SHUT_RDWR);
     return NULL;
 }
 
