@@ -15,7 +15,6 @@
 
 #include "../core/internal.h"
 #include "collectives.pb-c.h"
-#include "weft_pb.h"
 
 #define COLL_VERSION 1
 
@@ -35,7 +34,8 @@ typedef struct coll_precv {
     weft_tensor_t *dst; /* reference held until completion */
     weft_future_t *f;
     struct coll_group *g;
-    int64_t deadline_ns; /* the group's timeout from the call (the timer fails it then) */
+    uint64_t id;    /* what its deadline task looks it up by (never its address) */
+    uint64_t timer; /* that task on the agent's timer (weft_agent_timer_add) */
 } coll_precv_t;
 
 typedef struct coll_abort {
@@ -79,12 +79,7 @@ typedef struct coll_ctx {
     struct coll_group *world; /* the world group, shared by every handle to it */
     int world_refs;
     struct coll_group *groups; /* the member groups alive, by gnext */
-    /* The timer: fails posted receives at their deadline. */
-    pthread_t timer;
-    pthread_cond_t timer_cv;
-    int64_t timer_wake; /* when it wakes next (INT64_MAX: when told) */
-    bool timer_started;
-    bool timer_stop;
+    uint64_t next_precv;       /* the last posted receive's id */
 } coll_ctx_t;
 
 typedef enum {
@@ -211,6 +206,10 @@ size_t coll__mailbox_count(const weft_pg_t *pg);
 long coll__held_pieces(void);
 /* Received pieces that landed in place (coll__slot_post), in this process. */
 long coll__landed_pieces(void);
+/* Deadline tasks of posted receives queued on the agent's timer (not yet run, cancelled or
+ * dropped), and the receives they failed, in this process. */
+long coll__recv_deadlines_armed(void);
+long coll__recv_deadlines_fired(void);
 
 void coll__op_free(coll_op_t *op, int size);
 

@@ -1134,6 +1134,69 @@ Test(collectives, irecv_fails_at_the_deadline, .timeout = 120)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* Receive deadlines are tasks on the agent's timer: a receive that is matched takes its task
+ * back at once (none is left queued, and it never fires), one that is not fails by its task.
+ * Rank 0 posts A (300 ms) and lets rank 1 send it; then posts B (300 ms, later than A's
+ * deadline), which nobody sends: B's failure shows the timer has passed A's deadline too. */
+static int body_recv_deadline_tasks(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    int64_t n = 3;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    if (rank == 0) {
+        long fired = coll__recv_deadlines_fired();
+        RANK_CHECK(coll__recv_deadlines_armed() == 0, "%ld tasks queued before any receive",
+                   coll__recv_deadlines_armed());
+        weft_pg_set_timeout(pg, 300);
+        weft_future_t *fa, *fb;
+        RANK_CHECK(weft_coll_recv(pg, t, 1, 5, &fa, NULL) == WEFT_OK, "irecv A");
+        weft_pg_set_timeout(pg, 60000);
+        RANK_CHECK(coll__recv_deadlines_armed() == 1, "A's deadline task is not queued (%ld)",
+                   coll__recv_deadlines_armed());
+        if (signal_rank(pg, 0, 1, 1, NULL) != 0) {
+            return 1;
+        }
+        RANK_CHECK(weft_future_wait(fa, 10000) == WEFT_OK, "A: %s", weft_future_error(fa));
+        RANK_CHECK(coll__recv_deadlines_armed() == 0, "A's deadline task is still queued");
+        RANK_CHECK(((float *)weft_tensor_data(t))[2] == 42.0f, "A's data");
+        weft_pg_set_timeout(pg, 300);
+        RANK_CHECK(weft_coll_recv(pg, t, 1, 6, &fb, NULL) == WEFT_OK, "irecv B");
+        weft_pg_set_timeout(pg, 60000);
+        weft_status_t st = weft_future_wait(fb, 20000);
+        RANK_CHECK(st == WEFT_ERR_TIMEOUT, "B gave %s", weft_strerror(st));
+        RANK_CHECK(coll__recv_deadlines_fired() == fired + 1,
+                   "%ld receives failed at their deadline, only B should have",
+                   coll__recv_deadlines_fired() - fired);
+        RANK_CHECK(weft_future_status(fa) == WEFT_OK, "A changed after its deadline");
+        RANK_CHECK(coll__recv_deadlines_armed() == 0, "tasks left queued");
+        weft_future_release(fa);
+        weft_future_release(fb);
+    } else {
+        if (signal_rank(pg, 0, 1, 1, NULL) != 0) {
+            return 1;
+        }
+        ((float *)weft_tensor_data(t))[2] = 42.0f;
+        RANK_CHECK(weft_coll_send(pg, t, 0, 5, NULL) == WEFT_OK, "send A: %s",
+                   weft_last_error());
+    }
+    weft_tensor_release(t);
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, recv_deadlines_are_agent_timer_tasks, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_recv_deadline_tasks);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 /* ------------------------------------------------------------ callbacks on the worker */
 
 typedef struct {
