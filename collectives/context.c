@@ -308,8 +308,8 @@ static void on_lost(void *state, int rank, const char *why)
     }
 }
 
-static bool on_land(void *state, int src_world, const void *payload, size_t len,
-                    weft_dtype_t dtype, int64_t numel, weft_landing_t *l);
+static bool on_land(void *state, int src_world, const void *payload, size_t len, weft_dtype_t dtype,
+                    int64_t numel, weft_landing_t *l);
 
 static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
 {
@@ -588,8 +588,8 @@ static void slot_done(void *arg, bool landed)
 
 /* The direct connection's reader asks where a piece lands: into its posted slot when
  * the piece is the one expected there, with the operation's view. */
-static bool on_land(void *state, int src_world, const void *payload, size_t len,
-                    weft_dtype_t dtype, int64_t numel, weft_landing_t *l)
+static bool on_land(void *state, int src_world, const void *payload, size_t len, weft_dtype_t dtype,
+                    int64_t numel, weft_landing_t *l)
 {
     coll_ctx_t *ctx = state;
     ProtobufCMessage *hm;
@@ -763,6 +763,48 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
 out:
     pthread_mutex_unlock(&ctx->mu);
     return st;
+}
+
+/* Waits until the transport has let go of the sent pieces @p rel (and releases them). An
+ * operation may not end while the transport still reads its buffers, deadline or not: one
+ * still held at the deadline makes it fail with WEFT_ERR_TIMEOUT, once let go (a stalled
+ * write ends when written, or when its connection fails). */
+weft_status_t coll__wait_released(weft_future_t **rel, size_t n, int64_t deadline_ns)
+{
+    weft_status_t st = WEFT_OK;
+    for (size_t i = 0; i < n; i++) {
+        if (rel[i] == NULL) {
+            continue;
+        }
+        int64_t left = (deadline_ns - weft__now_ns()) / 1000000;
+        weft_status_t s = weft_future_wait(rel[i], left > 0 ? left : 0);
+        if (s != WEFT_OK) {
+            (void)weft_future_wait(rel[i], -1);
+            if (st == WEFT_OK) {
+                st = weft__set_error(WEFT_ERR_TIMEOUT, "the transport did not release a sent "
+                                                       "buffer before the deadline");
+            }
+        }
+        weft_future_release(rel[i]);
+        rel[i] = NULL;
+    }
+    return st;
+}
+
+/* Copies a received piece into @p dst after checking its size and dtype. */
+weft_status_t coll__take_piece(coll_msg_t *m, void *dst, size_t count, weft_dtype_t dtype, int src)
+{
+    weft_tensor_t *t = coll__msg_tensor(m);
+    size_t nb = count * weft_dtype_size(dtype);
+    if (count == 0) {
+        return WEFT_OK;
+    }
+    if (t == NULL || weft_tensor_dtype(t) != dtype || (size_t)weft_tensor_numel(t) != count) {
+        return weft__set_error(WEFT_ERR_PROTOCOL,
+                               "collectives: group rank %d sent a piece of the wrong size", src);
+    }
+    memcpy(dst, weft_tensor_data(t), nb);
+    return WEFT_OK;
 }
 
 /* ------------------------------------------------------------ point to point */

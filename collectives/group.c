@@ -271,26 +271,6 @@ static weft_status_t check_tensor(const weft_tensor_t *t, coll_kind_t kind)
     return WEFT_OK;
 }
 
-static void op_free(coll_op_t *op, int size)
-{
-    weft_tensor_release(op->t);
-    weft_tensor_release(op->out);
-    if (op->outs != NULL) {
-        for (int i = 0; i < size; i++) {
-            weft_tensor_release(op->outs[i]);
-        }
-        weft_free(op->outs);
-    }
-    weft_free(op->in_splits);
-    weft_free(op->out_splits);
-    weft_free(op);
-}
-
-void coll__op_free(coll_op_t *op, int size)
-{
-    op_free(op, size);
-}
-
 /* A member's call that fails its checks still takes its place in the group's
  * sequence, and tells the others, so that they fail that operation too rather
  * than wait for it, and later operations stay in step. Returns @p st. */
@@ -369,7 +349,7 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
         st = weft_future_create(&f);
     }
     if (st != WEFT_OK) {
-        op_free(op, g->size);
+        coll__op_free(op, g->size);
         return g->rank < 0 ? st : reject(g, st);
     }
     op->f = weft_future_retain(f);

@@ -1,9 +1,25 @@
-/* collectives internals: per-agent context, mailbox, groups, operations. Not installed. */
+/*
+ * collectives internals: per-agent context, mailbox, groups, operations. Not installed.
+ *
+ * The files call each other one way only, each using the ones below it (never above):
+ *
+ *   group.c       process groups, the public calls, the group's worker, submitting operations
+ *   ops.c         the operation runner (coll__run) and the operations' lifecycle
+ *   all_reduce.c  all_reduce algorithms over the connections: direct and ring
+ *   cma.c         all_reduce by cross-memory reads between ranks of one host
+ *   basic.c       the algorithm of every other collective
+ *   reduce.c      working buffers in the accumulation dtype, and the end of reductions
+ *   context.c     the per-agent context (the module): channel, mailbox, pieces, slots where
+ *                 pieces land, aborts, lost ranks, point-to-point delivery and deadlines
+ *
+ * The declarations below follow that order, from the bottom up.
+ */
 #ifndef WEFT_COLLECTIVES_INTERNAL_H
 #define WEFT_COLLECTIVES_INTERNAL_H
 
 #if defined(WEFT_BUILDING) && !defined(WEFT_IN_COLLECTIVES)
-#error "collectives/internal.h is internal to collectives: other modules use its public or module API"
+#error                                                                                             \
+    "collectives/internal.h is internal to collectives: other modules use its public or module API"
 #endif
 
 #include <pthread.h>
@@ -140,16 +156,6 @@ typedef struct coll_group {
     _Atomic uint64_t cma_epoch;
 } coll_group_t;
 
-struct weft_pg {
-    coll_group_t *g;
-};
-
-/* context.c */
-weft_status_t coll__ctx(weft_agent_t *a, coll_ctx_t **ctx_p);
-/* Fails the posted receives of a group that is going away (its operations are over), and
- * drops its pieces and aborts. */
-void coll__ctx_drop_group(coll_ctx_t *ctx, coll_group_t *g);
-
 /* The sender's view of an operation, carried by every message of it. */
 typedef struct coll_desc {
     coll_kind_t kind;
@@ -159,6 +165,20 @@ typedef struct coll_desc {
     int root;
     uint64_t count;
 } coll_desc_t;
+
+struct weft_pg {
+    coll_group_t *g;
+};
+
+/* ------------------------------------------------------------ context.c */
+
+weft_status_t coll__ctx(weft_agent_t *a, coll_ctx_t **ctx_p);
+/* Adds @p g to the groups whose late pieces are dropped; coll__ctx_drop_group removes it. */
+void coll__ctx_add_group(coll_ctx_t *ctx, coll_group_t *g);
+/* Fails the posted receives of a group that is going away (its operations are over), and
+ * drops its pieces and aborts. */
+void coll__ctx_drop_group(coll_ctx_t *ctx, coll_group_t *g);
+const char *coll__kind_name(coll_kind_t k);
 
 /* Sends one piece of an operation to group rank @p dst. @p data may be NULL;
  * its bytes are sent without copying: *released_p (if not NULL) completes when
@@ -171,6 +191,13 @@ weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
 weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
                          int64_t deadline_ns, coll_msg_t **m_p);
 void coll__msg_free(coll_msg_t *m);
+/* The data tensor of a received message (NULL if none). */
+weft_tensor_t *coll__msg_tensor(const coll_msg_t *m);
+/* Copies a received piece into @p dst after checking its size and dtype. */
+weft_status_t coll__take_piece(coll_msg_t *m, void *dst, size_t count, weft_dtype_t dtype, int src);
+/* Waits until the transport has let go of the sent pieces @p rel (releasing them), past
+ * the deadline if need be (a late one makes it WEFT_ERR_TIMEOUT). */
+weft_status_t coll__wait_released(weft_future_t **rel, size_t n, int64_t deadline_ns);
 /* Posts @p s (the caller's, zeroed or ended) as the destination of piece @p step from
  * group rank @p src: @p count elements of @p dtype at @p dst, copied, or reduced into it
  * with @p rop when @p reduce. @p d must outlive the slot. A piece that lands there comes
@@ -184,20 +211,15 @@ bool coll__slot_landed(const coll_slot_t *s);
 void coll__slot_end(coll_group_t *g, coll_slot_t *s);
 /* Tells every member that operation @p seq failed here: they fail it too, with @p st. */
 void coll__abort(coll_group_t *g, uint64_t seq, weft_status_t st, const char *why);
-/* The data tensor of a received message (NULL if none). */
-weft_tensor_t *coll__msg_tensor(const coll_msg_t *m);
+/* Marks operation @p seq finished on this rank: drops its pieces nobody took and its
+ * aborts, and those that arrive later. */
+void coll__seq_done(coll_group_t *g, uint64_t seq);
 
-/* p2p (context.c: delivery happens in the channel callback) */
+/* Point to point (delivery happens in the channel callback). */
 weft_status_t coll__p2p_send(coll_group_t *g, const weft_tensor_t *t, int dst, int tag,
                              weft_future_t **f_p);
 weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag,
                              weft_future_t **f_p);
-
-/* Marks operation @p seq finished on this rank: drops its pieces nobody took and its
- * aborts, and those that arrive later. */
-void coll__seq_done(coll_group_t *g, uint64_t seq);
-/* Adds @p g to the groups whose late pieces are dropped; coll__ctx_drop_group removes it. */
-void coll__ctx_add_group(coll_ctx_t *ctx, coll_group_t *g);
 
 /* White-box counters for tests: the pieces and aborts held in the mailbox for operations of
  * @p pg's group that this rank has issued (pieces of later ones may come early), and the
@@ -211,16 +233,41 @@ long coll__landed_pieces(void);
 long coll__recv_deadlines_armed(void);
 long coll__recv_deadlines_fired(void);
 
-void coll__op_free(coll_op_t *op, int size);
+/* ------------------------------------------------------------ reduce.c */
 
-/* ops.c */
-/* Waits until the transport has let go of the sent pieces @p rel (releasing them), past
- * the deadline if need be (a late one makes it WEFT_ERR_TIMEOUT). */
-weft_status_t coll__wait_released(weft_future_t **rel, size_t n, int64_t deadline_ns);
+bool coll__is_half(weft_dtype_t dt);
+/* A working copy of @p t's @p count elements in the accumulation dtype *wt_p (f32 for
+ * f16/bf16: *owned_p, freed by the caller), or t's data itself (*owned_p NULL). */
+weft_status_t coll__widen(const weft_tensor_t *t, size_t count, weft_dtype_t *wt_p,
+                          uint8_t **work_p, float **owned_p);
+/* Completes a reduction of @p size contributions accumulated in @p acc (in @p wt) and writes
+ * its @p count elements into @p t, in t's dtype, rounding f16/bf16 once. @p acc may be t's
+ * data; it is modified. */
+void coll__finish(weft_tensor_t *t, uint8_t *acc, size_t count, weft_dtype_t wt,
+                  weft_reduce_op_t rop, int size);
 
-/* cma.c */
+/* ------------------------------------------------------------ basic.c */
+
+weft_status_t coll__barrier(coll_group_t *g, const coll_desc_t *d, int64_t deadline);
+weft_status_t coll__broadcast(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *t,
+                              int64_t deadline);
+weft_status_t coll__reduce(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *t,
+                           int64_t deadline);
+weft_status_t coll__gather(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
+                           weft_tensor_t *out, int64_t deadline);
+weft_status_t coll__scatter(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
+                            weft_tensor_t *out, int64_t deadline);
+weft_status_t coll__all_gather(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
+                               weft_tensor_t *out, weft_tensor_t **outs, int64_t deadline);
+weft_status_t coll__reduce_scatter(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
+                                   weft_tensor_t *out, int64_t deadline);
+weft_status_t coll__all_to_all(coll_group_t *g, const coll_desc_t *d0, coll_op_t *op,
+                               int64_t deadline);
+
+/* ------------------------------------------------------------ cma.c */
+
 /* all_reduce by reading the other members' buffers (one host): the raw reduction (before
- * weft_reduce_finish) of @p count elements of @p wt in @p work, the same on every rank.
+ * coll__finish) of @p count elements of @p wt in @p work, the same on every rank.
  * *declined_p: the members agreed not to (a member cannot read another, or is told not
  * to by WEFT_COLL_CMA=0); nothing happened, and the caller runs another algorithm. */
 weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
@@ -228,8 +275,19 @@ weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_
                                    bool *declined_p);
 /* The all_reduce operations of this process that ran by cross-memory reads (tests). */
 long coll__cma_ops(void);
+
+/* ------------------------------------------------------------ all_reduce.c */
+
+/* The raw reduction (before coll__finish) of @p count elements of @p wt in @p work. */
+weft_status_t coll__all_reduce_direct(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
+                                      size_t count, weft_dtype_t wt, int64_t deadline);
+weft_status_t coll__all_reduce_ring(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
+                                    size_t count, weft_dtype_t wt, int64_t deadline);
+
+/* ------------------------------------------------------------ ops.c */
+
 /* Runs @p op, completes its future and frees it. */
 void coll__run(coll_group_t *g, coll_op_t *op);
-const char *coll__kind_name(coll_kind_t k);
+void coll__op_free(coll_op_t *op, int size);
 
 #endif

@@ -1180,8 +1180,7 @@ static int body_recv_deadline_tasks(weft_agent_t *a, int rank, int world, void *
             return 1;
         }
         ((float *)weft_tensor_data(t))[2] = 42.0f;
-        RANK_CHECK(weft_coll_send(pg, t, 0, 5, NULL) == WEFT_OK, "send A: %s",
-                   weft_last_error());
+        RANK_CHECK(weft_coll_send(pg, t, 0, 5, NULL) == WEFT_OK, "send A: %s", weft_last_error());
     }
     weft_tensor_release(t);
     RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
