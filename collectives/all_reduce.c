@@ -14,14 +14,19 @@
  * rank order: one round, identical results everywhere. The reduction runs in
  * place, once our own sends have let go of the buffer: the ranks before us are
  * folded into rank 0's received buffer, which is then combined with ours. */
-weft_status_t coll__all_reduce_direct(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
-                                      size_t count, weft_dtype_t wt, int64_t deadline)
+weft_status_t coll__all_reduce_direct(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                      bool *declined_p)
 {
+    const coll_desc_t *d = a->d;
+    uint8_t *work = a->work;
+    size_t count = a->count;
+    weft_dtype_t wt = a->wt;
     int n = g->size, me = g->rank;
     weft_future_t **rel = weft_calloc((size_t)n, sizeof(*rel));
     coll_msg_t **msgs = weft_calloc((size_t)n, sizeof(*msgs));
     weft_status_t st = WEFT_OK;
 
+    (void)declined_p; /* never declines */
     if (rel == NULL || msgs == NULL) {
         weft_free(rel);
         weft_free(msgs);
@@ -76,9 +81,13 @@ weft_status_t coll__all_reduce_direct(coll_group_t *g, const coll_desc_t *d, uin
  * and a segment goes on to the next step as soon as it is reduced (or, in the
  * all-gather, received), so sending, receiving and reducing overlap. Step t of
  * the 2(n-1) steps carries chunk (me - t) mod n from each rank to its right. */
-weft_status_t coll__all_reduce_ring(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
-                                    size_t count, weft_dtype_t wt, int64_t deadline)
+weft_status_t coll__all_reduce_ring(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                    bool *declined_p)
 {
+    const coll_desc_t *d = a->d;
+    uint8_t *work = a->work;
+    size_t count = a->count;
+    weft_dtype_t wt = a->wt;
     int n = g->size, me = g->rank;
     int right = (me + 1) % n, left = (me - 1 + n) % n;
     size_t es = weft_dtype_size(wt);
@@ -86,6 +95,7 @@ weft_status_t coll__all_reduce_ring(coll_group_t *g, const coll_desc_t *d, uint8
     size_t *off = weft_calloc((size_t)n + 1, sizeof(size_t));
     weft_status_t st = WEFT_OK;
 
+    (void)declined_p; /* never declines */
     if (off == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
     }

@@ -8,8 +8,12 @@
 /* The step of the messages that carry only a rank's view of the operation. */
 #define VERIFY_STEP 0xffff0000u
 
-weft_status_t coll__barrier(coll_group_t *g, const coll_desc_t *d, int64_t deadline)
+weft_status_t coll__barrier(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                            bool *declined_p)
 {
+    const coll_desc_t *d = a->d;
+
+    (void)declined_p;
     for (int r = 0; r < g->size; r++) {
         if (r != g->rank) {
             WEFT_CHECK(coll__send(g, d, 0, r, NULL, 0, WEFT_U8, NULL));
@@ -26,9 +30,11 @@ weft_status_t coll__barrier(coll_group_t *g, const coll_desc_t *d, int64_t deadl
     return WEFT_OK;
 }
 
-weft_status_t coll__broadcast(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *t,
-                              int64_t deadline)
+weft_status_t coll__broadcast(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                              bool *declined_p)
 {
+    const coll_desc_t *d = a->d;
+    weft_tensor_t *t = a->op->t;
     int n = g->size, root = d->root;
     int vr = (g->rank - root + n) % n;
     size_t count = (size_t)weft_tensor_numel(t);
@@ -37,6 +43,7 @@ weft_status_t coll__broadcast(coll_group_t *g, const coll_desc_t *d, weft_tensor
     int nrel = 0;
     weft_status_t st = WEFT_OK;
 
+    (void)declined_p; /* never declines */
     /* Every rank's view of the operation goes to every other, alongside the tree: the
      * tree alone lets a rank that wrongly believes it is the root finish unnoticed. */
     for (int r = 0; r < n; r++) {
@@ -142,9 +149,11 @@ static weft_status_t reduce_from_all(coll_group_t *g, const coll_desc_t *d, uint
     return WEFT_OK;
 }
 
-weft_status_t coll__reduce(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *t,
-                           int64_t deadline)
+weft_status_t coll__reduce(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                           bool *declined_p)
 {
+    const coll_desc_t *d = a->d;
+    weft_tensor_t *t = a->op->t;
     size_t count = (size_t)weft_tensor_numel(t);
     weft_dtype_t wt;
     uint8_t *work;
@@ -152,6 +161,7 @@ weft_status_t coll__reduce(coll_group_t *g, const coll_desc_t *d, weft_tensor_t 
     weft_future_t *rel = NULL;
     weft_status_t st;
 
+    (void)declined_p; /* never declines */
     WEFT_CHECK(coll__widen(t, count, &wt, &work, &owned));
     st = verify_send(g, d);
     if (st == WEFT_OK && g->rank != d->root) {
@@ -176,15 +186,18 @@ weft_status_t coll__reduce(coll_group_t *g, const coll_desc_t *d, weft_tensor_t 
     return st != WEFT_OK ? st : w;
 }
 
-weft_status_t coll__gather(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
-                           weft_tensor_t *out, int64_t deadline)
+weft_status_t coll__gather(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                           bool *declined_p)
 {
+    const coll_desc_t *d = a->d;
+    weft_tensor_t *in = a->op->t, *out = a->op->out;
     size_t count = (size_t)weft_tensor_numel(in);
     weft_dtype_t dt = weft_tensor_dtype(in);
     size_t nb = count * weft_dtype_size(dt);
     weft_future_t *rel = NULL;
     weft_status_t st = verify_send(g, d);
 
+    (void)declined_p; /* never declines */
     if (st == WEFT_OK && g->rank != d->root) {
         st = coll__send(g, d, 0, d->root, count > 0 ? weft_tensor_data(in) : NULL, count, dt, &rel);
     } else if (st == WEFT_OK) {
@@ -211,15 +224,18 @@ weft_status_t coll__gather(coll_group_t *g, const coll_desc_t *d, weft_tensor_t 
     return st != WEFT_OK ? st : w;
 }
 
-weft_status_t coll__scatter(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
-                            weft_tensor_t *out, int64_t deadline)
+weft_status_t coll__scatter(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                            bool *declined_p)
 {
+    const coll_desc_t *d = a->d;
+    weft_tensor_t *in = a->op->t, *out = a->op->out;
     size_t count = (size_t)weft_tensor_numel(out);
     weft_dtype_t dt = weft_tensor_dtype(out);
     size_t nb = count * weft_dtype_size(dt);
     weft_future_t **rel = weft_calloc((size_t)g->size, sizeof(*rel));
     weft_status_t st;
 
+    (void)declined_p; /* never declines */
     if (rel == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "scatter: no memory");
     }
@@ -254,15 +270,18 @@ weft_status_t coll__scatter(coll_group_t *g, const coll_desc_t *d, weft_tensor_t
 
 /* Every rank sends its input to every other: each sends and receives (n-1) pieces,
  * the same bytes as a ring, in one round. */
-weft_status_t coll__all_gather(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
-                               weft_tensor_t *out, weft_tensor_t **outs, int64_t deadline)
+weft_status_t coll__all_gather(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                               bool *declined_p)
 {
+    const coll_desc_t *d = a->d;
+    weft_tensor_t *in = a->op->t, *out = a->op->out, **outs = a->op->outs;
     size_t count = (size_t)weft_tensor_numel(in);
     weft_dtype_t dt = weft_tensor_dtype(in);
     size_t nb = count * weft_dtype_size(dt);
     weft_future_t **rel = weft_calloc((size_t)g->size, sizeof(*rel));
     weft_status_t st = WEFT_OK;
 
+    (void)declined_p; /* never declines */
     if (rel == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "all_gather: no memory");
     }
@@ -294,9 +313,11 @@ weft_status_t coll__all_gather(coll_group_t *g, const coll_desc_t *d, weft_tenso
 }
 
 /* Part r of every rank's input goes to rank r, which reduces the parts in rank order. */
-weft_status_t coll__reduce_scatter(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
-                                   weft_tensor_t *out, int64_t deadline)
+weft_status_t coll__reduce_scatter(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                   bool *declined_p)
 {
+    const coll_desc_t *d = a->d;
+    weft_tensor_t *in = a->op->t, *out = a->op->out;
     size_t count = (size_t)weft_tensor_numel(out);
     weft_dtype_t wt;
     uint8_t *work;
@@ -304,6 +325,7 @@ weft_status_t coll__reduce_scatter(coll_group_t *g, const coll_desc_t *d, weft_t
     weft_future_t **rel = weft_calloc((size_t)g->size, sizeof(*rel));
     weft_status_t st = WEFT_OK;
 
+    (void)declined_p; /* never declines */
     if (rel == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "reduce_scatter: no memory");
     }
@@ -374,9 +396,11 @@ static weft_status_t all_to_all_check(coll_group_t *g, const coll_desc_t *dv, in
     return WEFT_OK;
 }
 
-weft_status_t coll__all_to_all(coll_group_t *g, const coll_desc_t *d0, coll_op_t *op,
-                               int64_t deadline)
+weft_status_t coll__all_to_all(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                               bool *declined_p)
 {
+    const coll_desc_t *d0 = a->d;
+    coll_op_t *op = a->op;
     int n = g->size;
     weft_dtype_t dt = weft_tensor_dtype(op->t);
     size_t es = weft_dtype_size(dt);
@@ -390,6 +414,7 @@ weft_status_t coll__all_to_all(coll_group_t *g, const coll_desc_t *d0, coll_op_t
     int64_t *all = weft_alloc((size_t)n * row * sizeof(int64_t));
     weft_status_t st = WEFT_OK;
 
+    (void)declined_p; /* never declines */
     if (rel == NULL || all == NULL) {
         weft_free(rel);
         weft_free(all);

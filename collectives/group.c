@@ -6,8 +6,6 @@
 
 #include "internal.h"
 
-#define DEFAULT_TIMEOUT_MS 60000
-
 static uint64_t hash_members(const int *world, int n)
 {
     uint64_t h = 1469598103934665603ull; /* FNV-1a over the member list */
@@ -21,18 +19,30 @@ static uint64_t hash_members(const int *world, int n)
     return h ^ (uint64_t)n;
 }
 
-static int64_t default_timeout(void)
+/* What a group reads of the configuration, once, when it is created: later changes of the
+ * environment do not change it (the table reads each variable once per process anyway). */
+static void read_config(coll_group_t *g)
 {
-    const char *e = getenv("WEFT_COLL_TIMEOUT_MS");
-    if (e != NULL) {
-        char *end;
-        long long v = strtoll(e, &end, 10);
-        if (*end == '\0' && v > 0) {
-            return v;
-        }
+    g->default_timeout_ms = weft__cfg_int(WEFT__CFG_COLL_TIMEOUT_MS);
+    g->cma_allowed = weft__cfg_bool(WEFT__CFG_COLL_CMA);
+    atomic_init(&g->timeout_ms, g->default_timeout_ms);
+    for (int k = 0; k < COLL_KINDS; k++) {
+        g->env_algo[k] = -1;
     }
-    return DEFAULT_TIMEOUT_MS;
+    const char *algo = weft__cfg_str(WEFT__CFG_COLL_ALGO);
+    if (strcmp(algo, "auto") != 0) {
+        /* One of the table's all_reduce entries: the table validated it. */
+        g->env_algo[OP_ALL_REDUCE] = coll__algo_find(OP_ALL_REDUCE, algo);
+    }
+    for (int k = 0; k < COLL_KINDS; k++) {
+        g->algo[k] = g->env_algo[k];
+        g->algo_from[k] = g->env_algo[k] >= 0 ? COLL_FROM_ENV : COLL_FROM_DEFAULT;
+    }
 }
+
+_Static_assert(WEFT_COLL_BARRIER == (int)OP_BARRIER && WEFT_COLL_ALL_TO_ALL == (int)OP_ALL_TO_ALL &&
+                   WEFT_COLL_ALL_REDUCE == (int)OP_ALL_REDUCE,
+               "weft_coll_op_t follows the wire's CollOp");
 
 static void *worker_main(void *arg);
 
@@ -53,7 +63,7 @@ static weft_status_t group_new(coll_ctx_t *ctx, uint32_t id, const int *world, i
     g->size = n;
     g->rank = rank;
     g->hash = hash_members(world, n);
-    atomic_init(&g->timeout_ms, default_timeout());
+    read_config(g);
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
     if (rank >= 0) {
@@ -184,9 +194,75 @@ int weft_pg_world_rank(const weft_pg_t *pg, int r)
 
 void weft_pg_set_timeout(weft_pg_t *pg, int64_t timeout_ms)
 {
-    if (timeout_ms > 0) {
+    if (timeout_ms == 0) {
+        atomic_store(&pg->g->timeout_ms, pg->g->default_timeout_ms);
+    } else if (timeout_ms > 0) {
         atomic_store(&pg->g->timeout_ms, timeout_ms);
     }
+}
+
+static bool valid_kind(weft_coll_op_t op)
+{
+    return op >= WEFT_COLL_BARRIER && op <= WEFT_COLL_ALL_TO_ALL;
+}
+
+weft_status_t weft_pg_set_algorithm(weft_pg_t *pg, weft_coll_op_t op, const char *name)
+{
+    if (pg == NULL || !valid_kind(op)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "set_algorithm: NULL group or operation %d",
+                               (int)op);
+    }
+    coll_group_t *g = pg->g;
+    coll_kind_t kind = (coll_kind_t)op;
+    int i = -1;
+    coll_from_t from = COLL_FROM_CALL;
+    if (name == NULL) {
+        i = g->env_algo[kind]; /* as read when the group was created */
+        from = i >= 0 ? COLL_FROM_ENV : COLL_FROM_DEFAULT;
+    } else if (strcmp(name, "auto") != 0) {
+        i = coll__algo_find(kind, name);
+        if (i < 0) {
+            char known[256] = "";
+            size_t len = 0;
+            coll__algo_names(kind, known, sizeof(known), &len);
+            return weft__set_error(WEFT_ERR_NOT_FOUND,
+                                   "set_algorithm: %s has no algorithm '%s' (it has auto, %s)",
+                                   coll__kind_name(kind), name, known);
+        }
+    }
+    pthread_mutex_lock(&g->mu);
+    g->algo[kind] = i;
+    g->algo_from[kind] = from;
+    pthread_mutex_unlock(&g->mu);
+    return WEFT_OK;
+}
+
+size_t weft_pg_describe(const weft_pg_t *pg, char *buf, size_t n)
+{
+    size_t len = 0;
+
+    if (buf == NULL) {
+        n = 0;
+    } else if (n > 0) {
+        buf[0] = '\0';
+    }
+    if (pg == NULL) {
+        return 0;
+    }
+    coll_group_t *g = pg->g;
+    coll__appendf(buf, n, &len, "group %u: ", g->id);
+    if (g->rank >= 0) {
+        coll__appendf(buf, n, &len, "rank %d of %d", g->rank, g->size);
+    } else {
+        coll__appendf(buf, n, &len, "not a member (%d members)", g->size);
+    }
+    coll__appendf(buf, n, &len, ", timeout %lld ms (default %lld ms), cross-memory reads %s\n",
+                  (long long)atomic_load(&g->timeout_ms), (long long)g->default_timeout_ms,
+                  g->cma_allowed ? "allowed" : "refused here (WEFT_COLL_CMA=0)");
+    pthread_mutex_lock(&g->mu);
+    coll__algo_describe(g, buf, n, &len);
+    pthread_mutex_unlock(&g->mu);
+    return len;
 }
 
 void weft_pg_free(weft_pg_t *pg)
@@ -356,6 +432,7 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
     op->deadline_ns = deadline;
     pthread_mutex_lock(&g->mu);
     op->seq = g->next_seq++;
+    op->algo = g->algo[kind]; /* what the group says when the operation is issued */
     if (work_p == NULL && tls_worker == g) {
         /* On the worker itself (a callback of the group's futures): it is busy with the
          * operation that completed, so nobody else takes ops off the queue. */

@@ -110,6 +110,16 @@ typedef enum {
     OP_ALL_TO_ALL = WEFT__V1__COLL_OP__COLL_OP_ALL_TO_ALL,
 } coll_kind_t;
 
+/* Kinds index per-kind arrays (0, the wire's P2P, is not an operation of the table). */
+#define COLL_KINDS (OP_ALL_TO_ALL + 1)
+
+/* Where a group's algorithm of an operation kind comes from (weft_pg_describe says). */
+typedef enum {
+    COLL_FROM_DEFAULT, /* chosen by size */
+    COLL_FROM_ENV,     /* WEFT_COLL_ALGO, read when the group was created */
+    COLL_FROM_CALL,    /* weft_pg_set_algorithm */
+} coll_from_t;
+
 /* One queued collective operation. */
 typedef struct coll_op {
     struct coll_op *next;
@@ -123,6 +133,7 @@ typedef struct coll_op {
     weft_reduce_op_t rop;
     weft_future_t *f;
     int64_t deadline_ns; /* the group's timeout from the call that issued it */
+    int algo;            /* the group's algorithm when it was issued (-1: by size) */
 } coll_op_t;
 
 /* Shared state of a group; handles point at it. */
@@ -134,6 +145,17 @@ typedef struct coll_group {
     int rank;   /* -1: not a member */
     int *world; /* group rank -> world rank */
     _Atomic int64_t timeout_ms;
+    /* Read once, when the group was created (the configuration table, core/config_vars.h):
+     * WEFT_COLL_TIMEOUT_MS (the timeout weft_pg_set_timeout(0) goes back to) and
+     * WEFT_COLL_CMA (whether this rank lets the members read its memory). */
+    int64_t default_timeout_ms;
+    bool cma_allowed;
+    /* The algorithm of each operation kind: an index in the table (ops.c), or -1 to choose
+     * by size; and where that comes from. Under mu. env_algo: WEFT_COLL_ALGO's choice,
+     * which weft_pg_set_algorithm(NULL) goes back to. */
+    int algo[COLL_KINDS];
+    coll_from_t algo_from[COLL_KINDS];
+    int env_algo[COLL_KINDS];
     /* the worker */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -169,6 +191,39 @@ typedef struct coll_desc {
 struct weft_pg {
     coll_group_t *g;
 };
+
+/* What an algorithm works on. */
+typedef struct coll_args {
+    coll_op_t *op;        /* the operation: tensors, root, reduce op, split lists */
+    const coll_desc_t *d; /* its view, carried by every piece */
+    /* all_reduce: the buffer reduced in place, in the accumulation dtype (f32 for f16 and
+     * bf16), @p count elements; the runner finishes it into the tensor. */
+    uint8_t *work;
+    size_t count;
+    weft_dtype_t wt;
+} coll_args_t;
+
+/*
+ * An algorithm: an entry of the table in ops.c. When a group chooses by size, the entries
+ * of the operation's kind that apply to its size (bytes per member, in the accumulation
+ * dtype) compete and the highest score runs; a group may also force one (WEFT_COLL_ALGO,
+ * weft_pg_set_algorithm).
+ */
+typedef struct coll_algo {
+    const char *name; /* "ring" */
+    coll_kind_t kind;
+    int score;
+    /* It applies from this many bytes in @p g (NULL: from 0). */
+    size_t (*min_bytes)(const coll_group_t *g);
+    /* When it may decline (weft_pg_describe prints it; NULL: it never does). */
+    const char *declines;
+    /*
+     * Runs it on the group's worker. Sets *declined_p (false on entry) when the members
+     * agreed, having changed nothing, that it cannot run here: the runner then runs the
+     * choice by size among the other entries of the kind, as every member does.
+     */
+    weft_status_t (*run)(coll_group_t *g, const coll_args_t *a, int64_t deadline, bool *declined_p);
+} coll_algo_t;
 
 /* ------------------------------------------------------------ context.c */
 
@@ -248,46 +303,61 @@ void coll__finish(weft_tensor_t *t, uint8_t *acc, size_t count, weft_dtype_t wt,
 
 /* ------------------------------------------------------------ basic.c */
 
-weft_status_t coll__barrier(coll_group_t *g, const coll_desc_t *d, int64_t deadline);
-weft_status_t coll__broadcast(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *t,
-                              int64_t deadline);
-weft_status_t coll__reduce(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *t,
-                           int64_t deadline);
-weft_status_t coll__gather(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
-                           weft_tensor_t *out, int64_t deadline);
-weft_status_t coll__scatter(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
-                            weft_tensor_t *out, int64_t deadline);
-weft_status_t coll__all_gather(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
-                               weft_tensor_t *out, weft_tensor_t **outs, int64_t deadline);
-weft_status_t coll__reduce_scatter(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *in,
-                                   weft_tensor_t *out, int64_t deadline);
-weft_status_t coll__all_to_all(coll_group_t *g, const coll_desc_t *d0, coll_op_t *op,
-                               int64_t deadline);
+/* The algorithm of each collective other than all_reduce (entries of the table). */
+weft_status_t coll__barrier(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                            bool *declined_p);
+weft_status_t coll__broadcast(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                              bool *declined_p);
+weft_status_t coll__reduce(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                           bool *declined_p);
+weft_status_t coll__gather(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                           bool *declined_p);
+weft_status_t coll__scatter(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                            bool *declined_p);
+weft_status_t coll__all_gather(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                               bool *declined_p);
+weft_status_t coll__reduce_scatter(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                   bool *declined_p);
+weft_status_t coll__all_to_all(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                               bool *declined_p);
 
 /* ------------------------------------------------------------ cma.c */
 
-/* all_reduce by reading the other members' buffers (one host): the raw reduction (before
- * coll__finish) of @p count elements of @p wt in @p work, the same on every rank.
- * *declined_p: the members agreed not to (a member cannot read another, or is told not
- * to by WEFT_COLL_CMA=0); nothing happened, and the caller runs another algorithm. */
-weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
-                                   size_t count, weft_dtype_t wt, int64_t deadline,
+/* all_reduce by reading the other members' buffers (one host): the raw reduction of
+ * a->work, the same on every rank. *declined_p: the members agreed not to (a member cannot
+ * read another, or does not let them: WEFT_COLL_CMA=0 when its group was created); nothing
+ * happened. */
+weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
                                    bool *declined_p);
 /* The all_reduce operations of this process that ran by cross-memory reads (tests). */
 long coll__cma_ops(void);
 
 /* ------------------------------------------------------------ all_reduce.c */
 
-/* The raw reduction (before coll__finish) of @p count elements of @p wt in @p work. */
-weft_status_t coll__all_reduce_direct(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
-                                      size_t count, weft_dtype_t wt, int64_t deadline);
-weft_status_t coll__all_reduce_ring(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
-                                    size_t count, weft_dtype_t wt, int64_t deadline);
+/* The raw reduction (the runner finishes it) of a->work, the same on every rank. */
+weft_status_t coll__all_reduce_direct(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                      bool *declined_p);
+weft_status_t coll__all_reduce_ring(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                    bool *declined_p);
 
 /* ------------------------------------------------------------ ops.c */
 
 /* Runs @p op, completes its future and frees it. */
 void coll__run(coll_group_t *g, coll_op_t *op);
 void coll__op_free(coll_op_t *op, int size);
+/* The table entry of @p kind named @p name, or -1. */
+int coll__algo_find(coll_kind_t kind, const char *name);
+/* Appends to @p buf (@p n bytes, at *len_p, which grows by what the whole text needs, as
+ * snprintf counts) one line per operation kind saying how @p g chooses its algorithm, with
+ * the sizes from which each applies. Called with g->mu held. */
+void coll__algo_describe(const coll_group_t *g, char *buf, size_t n, size_t *len_p);
+/* Appends the names of @p kind's algorithms ("direct, ring, cma") as coll__algo_describe
+ * appends. */
+void coll__algo_names(coll_kind_t kind, char *buf, size_t n, size_t *len_p);
+/* snprintf at buf + *len_p (when it fits in @p n) and *len_p += what the text needs. */
+void coll__appendf(char *buf, size_t n, size_t *len_p, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* The operations of @p kind that algorithm @p name ran in this process (tests). */
+long coll__algo_runs(coll_kind_t kind, const char *name);
 
 #endif

@@ -1,13 +1,16 @@
-/* The operation runner: runs an operation of a group with its algorithm (all_reduce: chosen
- * by size), tells the other members when it failed here, and completes its future. */
+/* The operation runner and the algorithm table: runs an operation of a group with the
+ * algorithm the group forced or the one its size calls for, tells the other members when it
+ * failed here, and completes its future. */
+#include <stdarg.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
 
-/* Direct exchange below this many bytes (latency: one round), ring above (2 ranks: from
- * RING2_MIN_BYTES). */
+/* all_reduce: the direct exchange up to 64 KiB (latency: one round), the ring above; with
+ * two ranks the direct exchange moves the same bytes as the ring in one round, and the ring
+ * wins from 1 MiB: each rank reduces half the tensor, as it arrives, and its pieces (>= 256
+ * KiB each, on the direct connections) land in place. */
 #define DIRECT_MAX_BYTES (64u << 10)
 #define RING2_MIN_BYTES  (1u << 20)
 /* From these sizes ranks on one host read each other's buffers (cma.c): three short
@@ -16,54 +19,219 @@
 #define CMA_MIN_BYTES  (256u << 10)
 #define CMA2_MIN_BYTES (2u << 20)
 
-static weft_status_t run_all_reduce(coll_group_t *g, const coll_desc_t *d, weft_tensor_t *t,
-                                    int64_t deadline)
+static size_t ring_min_bytes(const coll_group_t *g)
 {
-    weft_dtype_t dt = weft_tensor_dtype(t);
+    return g->size > 2 ? DIRECT_MAX_BYTES + 1 : RING2_MIN_BYTES;
+}
+
+static size_t cma_min_bytes(const coll_group_t *g)
+{
+    return g->size == 2 ? CMA2_MIN_BYTES : CMA_MIN_BYTES;
+}
+
+/* ------------------------------------------------------------ the algorithm table */
+
+/* Every algorithm of every operation. An operation chosen by size runs the entry of its kind
+ * with the highest score among those whose min_bytes it reaches. */
+static const coll_algo_t algos[] = {
+    {"direct", OP_ALL_REDUCE, 1, NULL, NULL, coll__all_reduce_direct},
+    {"ring", OP_ALL_REDUCE, 2, ring_min_bytes, NULL, coll__all_reduce_ring},
+    {"cma", OP_ALL_REDUCE, 3, cma_min_bytes,
+     "unless a member cannot read the others' memory or does not let them (WEFT_COLL_CMA=0)",
+     coll__all_reduce_cma},
+    {"direct", OP_BARRIER, 1, NULL, NULL, coll__barrier},
+    {"tree", OP_BROADCAST, 1, NULL, NULL, coll__broadcast},
+    {"direct", OP_REDUCE, 1, NULL, NULL, coll__reduce},
+    {"direct", OP_GATHER, 1, NULL, NULL, coll__gather},
+    {"direct", OP_SCATTER, 1, NULL, NULL, coll__scatter},
+    {"direct", OP_ALL_GATHER, 1, NULL, NULL, coll__all_gather},
+    {"direct", OP_REDUCE_SCATTER, 1, NULL, NULL, coll__reduce_scatter},
+    {"direct", OP_ALL_TO_ALL, 1, NULL, NULL, coll__all_to_all},
+};
+#define NALGOS (sizeof(algos) / sizeof(algos[0]))
+
+/* The operations each entry ran, in this process (tests). */
+static _Atomic long algo_runs[NALGOS];
+
+int coll__algo_find(coll_kind_t kind, const char *name)
+{
+    for (size_t i = 0; i < NALGOS; i++) {
+        if (algos[i].kind == kind && strcmp(algos[i].name, name) == 0) {
+            return (int)i;
+        }
+    }
+    return -1;
+}
+
+long coll__algo_runs(coll_kind_t kind, const char *name)
+{
+    int i = coll__algo_find(kind, name);
+    return i < 0 ? 0 : atomic_load(&algo_runs[i]);
+}
+
+static size_t min_bytes(const coll_group_t *g, int i)
+{
+    return algos[i].min_bytes != NULL ? algos[i].min_bytes(g) : 0;
+}
+
+/* The choice by size: the best entry of @p kind for @p bytes other than @p except. Every
+ * kind has an entry that applies from 0 bytes. */
+static int choose(const coll_group_t *g, coll_kind_t kind, size_t bytes, int except)
+{
+    int best = -1;
+    for (size_t i = 0; i < NALGOS; i++) {
+        if (algos[i].kind == kind && (int)i != except && bytes >= min_bytes(g, (int)i) &&
+            (best < 0 || algos[i].score > algos[best].score)) {
+            best = (int)i;
+        }
+    }
+    return best;
+}
+
+/* Runs the operation's algorithm: the one the group had when it was issued, or the choice
+ * by size; when that one declines, the choice by size among the others. */
+static weft_status_t run_algo(coll_group_t *g, const coll_args_t *a, size_t bytes, int64_t deadline)
+{
+    coll_kind_t kind = a->op->kind;
+    int i = a->op->algo >= 0 ? a->op->algo : choose(g, kind, bytes, -1);
+    bool declined = false;
+
+    if (i < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: no algorithm", coll__kind_name(kind));
+    }
+    weft_status_t st = algos[i].run(g, a, deadline, &declined);
+    if (declined) {
+        i = choose(g, kind, bytes, i);
+        if (i < 0) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: no algorithm", coll__kind_name(kind));
+        }
+        st = algos[i].run(g, a, deadline, &declined);
+    }
+    atomic_fetch_add(&algo_runs[i], 1);
+    return st;
+}
+
+/* ------------------------------------------------------------ describing a group's choice */
+
+void coll__appendf(char *buf, size_t n, size_t *len_p, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(*len_p < n ? buf + *len_p : NULL, *len_p < n ? n - *len_p : 0, fmt, ap);
+    va_end(ap);
+    if (k > 0) {
+        *len_p += (size_t)k;
+    }
+}
+
+/* "2 MiB", "256 KiB", "above 64 KiB" (from 64 KiB + 1), "1000 bytes". */
+static void append_size(char *buf, size_t n, size_t *len_p, size_t b)
+{
+    const char *verb = "from ";
+    if (b > 1024 && (b - 1) % 1024 == 0) {
+        verb = "above ";
+        b--;
+    }
+    if (b >= (1u << 20) && b % (1u << 20) == 0) {
+        coll__appendf(buf, n, len_p, "%s%zu MiB", verb, b >> 20);
+    } else if (b >= 1024 && b % 1024 == 0) {
+        coll__appendf(buf, n, len_p, "%s%zu KiB", verb, b >> 10);
+    } else {
+        coll__appendf(buf, n, len_p, "%s%zu bytes", verb, b);
+    }
+}
+
+/* The choice by size among the entries of @p kind but @p except: "cma from 2 MiB (unless
+ * ...), else ring from 1 MiB, else direct". */
+static void append_by_size(const coll_group_t *g, coll_kind_t kind, int except, char *buf, size_t n,
+                           size_t *len_p)
+{
+    int last = INT32_MAX; /* entries by falling score */
+    bool first = true;
+    for (;;) {
+        int next = -1;
+        for (size_t i = 0; i < NALGOS; i++) {
+            if (algos[i].kind == kind && (int)i != except && algos[i].score < last &&
+                (next < 0 || algos[i].score > algos[next].score)) {
+                next = (int)i;
+            }
+        }
+        if (next < 0) {
+            return;
+        }
+        last = algos[next].score;
+        coll__appendf(buf, n, len_p, "%s%s", first ? "" : ", else ", algos[next].name);
+        first = false;
+        if (min_bytes(g, next) > 0) {
+            coll__appendf(buf, n, len_p, " ");
+            append_size(buf, n, len_p, min_bytes(g, next));
+        }
+        if (algos[next].declines != NULL) {
+            coll__appendf(buf, n, len_p, " (%s)", algos[next].declines);
+        }
+        if (min_bytes(g, next) == 0) {
+            return; /* it takes every size: the entries below never run */
+        }
+    }
+}
+
+void coll__algo_names(coll_kind_t kind, char *buf, size_t n, size_t *len_p)
+{
+    bool first = true;
+    for (size_t i = 0; i < NALGOS; i++) {
+        if (algos[i].kind == kind) {
+            coll__appendf(buf, n, len_p, "%s%s", first ? "" : ", ", algos[i].name);
+            first = false;
+        }
+    }
+}
+
+void coll__algo_describe(const coll_group_t *g, char *buf, size_t n, size_t *len_p)
+{
+    for (int k = OP_BARRIER; k < COLL_KINDS; k++) {
+        int i = g->algo[k];
+        coll__appendf(buf, n, len_p, "%s: ", coll__kind_name((coll_kind_t)k));
+        int entries = 0;
+        for (size_t j = 0; j < NALGOS; j++) {
+            entries += algos[j].kind == (coll_kind_t)k;
+        }
+        if (i < 0 && entries == 1) {
+            append_by_size(g, (coll_kind_t)k, -1, buf, n, len_p); /* its one algorithm */
+        } else if (i < 0) {
+            coll__appendf(buf, n, len_p, "by size: ");
+            append_by_size(g, (coll_kind_t)k, -1, buf, n, len_p);
+        } else {
+            coll__appendf(buf, n, len_p, "%s (%s)", algos[i].name,
+                          g->algo_from[k] == COLL_FROM_ENV    ? "WEFT_COLL_ALGO"
+                          : g->algo_from[k] == COLL_FROM_CALL ? "weft_pg_set_algorithm"
+                                                              : "default");
+            if (algos[i].declines != NULL) {
+                coll__appendf(buf, n, len_p, " %s; else by size: ", algos[i].declines);
+                append_by_size(g, (coll_kind_t)k, i, buf, n, len_p);
+            }
+        }
+        coll__appendf(buf, n, len_p, "\n");
+    }
+}
+
+/* ------------------------------------------------------------ running an operation */
+
+/* all_reduce: works in the accumulation dtype, runs the algorithm (none with one member),
+ * then writes the result into the tensor, rounded once. */
+static weft_status_t run_all_reduce(coll_group_t *g, coll_args_t *a, int64_t deadline)
+{
+    weft_tensor_t *t = a->op->t;
     size_t count = (size_t)weft_tensor_numel(t);
-    weft_dtype_t wt = coll__is_half(dt) ? WEFT_F32 : dt;
-    uint8_t *work = weft_tensor_data(t);
     float *wide = NULL;
     weft_status_t st = WEFT_OK;
 
-    if (coll__is_half(dt) && count > 0) {
-        wide = weft_alloc(count * sizeof(float));
-        if (wide == NULL) {
-            return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
-        }
-        weft_reduce_widen(wide, weft_tensor_data(t), count, dt);
-        work = (uint8_t *)wide;
-    }
-    const char *algo = getenv("WEFT_COLL_ALGO");
-    /* With two ranks the direct exchange moves the same bytes as the ring in one round;
-     * from 1 MiB the ring wins: each rank reduces half the tensor, as it arrives, and
-     * its pieces (>= 256 KiB each, on the direct connections) land in place. */
-    size_t bytes = count * weft_dtype_size(wt);
-    bool ring = bytes > DIRECT_MAX_BYTES && (g->size > 2 || bytes >= RING2_MIN_BYTES);
-    if (algo != NULL && strcmp(algo, "ring") == 0) {
-        ring = true;
-    } else if (algo != NULL && strcmp(algo, "direct") == 0) {
-        ring = false;
-    }
-    bool cma = bytes >= (g->size == 2 ? CMA2_MIN_BYTES : CMA_MIN_BYTES);
-    if (algo != NULL && strcmp(algo, "cma") == 0) {
-        cma = true;
-    } else if (algo != NULL && (strcmp(algo, "ring") == 0 || strcmp(algo, "direct") == 0)) {
-        cma = false;
-    }
-    bool declined = false;
-    if (g->size > 1 && cma) {
-        st = coll__all_reduce_cma(g, d, work, count, wt, deadline, &declined);
-    }
-    if (g->size == 1 || (cma && !declined)) {
-        st = g->size == 1 ? WEFT_OK : st;
-    } else if (ring) {
-        st = coll__all_reduce_ring(g, d, work, count, wt, deadline);
-    } else {
-        st = coll__all_reduce_direct(g, d, work, count, wt, deadline);
+    WEFT_CHECK(coll__widen(t, count, &a->wt, &a->work, &wide));
+    a->count = count;
+    if (g->size > 1) {
+        st = run_algo(g, a, count * weft_dtype_size(a->wt), deadline);
     }
     if (st == WEFT_OK && count > 0) {
-        coll__finish(t, work, count, wt, d->rop, g->size);
+        coll__finish(t, a->work, count, a->wt, a->d->rop, g->size);
     }
     weft_free(wide);
     return st;
@@ -92,37 +260,11 @@ void coll__run(coll_group_t *g, coll_op_t *op)
                              "deadline",
                              coll__kind_name(op->kind), (unsigned long long)op->seq, g->id);
     } else {
-        switch (op->kind) {
-        case OP_REDUCE:
-            st = coll__reduce(g, &d, op->t, deadline);
-            break;
-        case OP_GATHER:
-            st = coll__gather(g, &d, op->t, op->out, deadline);
-            break;
-        case OP_SCATTER:
-            st = coll__scatter(g, &d, op->t, op->out, deadline);
-            break;
-        case OP_ALL_GATHER:
-            st = coll__all_gather(g, &d, op->t, op->out, op->outs, deadline);
-            break;
-        case OP_REDUCE_SCATTER:
-            st = coll__reduce_scatter(g, &d, op->t, op->out, deadline);
-            break;
-        case OP_ALL_TO_ALL:
-            st = coll__all_to_all(g, &d, op, deadline);
-            break;
-        case OP_BARRIER:
-            st = coll__barrier(g, &d, deadline);
-            break;
-        case OP_BROADCAST:
-            st = coll__broadcast(g, &d, op->t, deadline);
-            break;
-        case OP_ALL_REDUCE:
-            st = run_all_reduce(g, &d, op->t, deadline);
-            break;
-        default:
-            st = weft__set_error(WEFT_ERR_INVALID_ARG, "collectives: unknown operation");
-            break;
+        coll_args_t a = {op, &d, NULL, 0, WEFT_U8};
+        if (op->kind == OP_ALL_REDUCE) {
+            st = run_all_reduce(g, &a, deadline);
+        } else {
+            st = run_algo(g, &a, d.count * weft_dtype_size(d.dtype), deadline);
         }
     }
     char why[800] = "";

@@ -9,6 +9,7 @@
 #error "weft/collectives.h is above the module being built: dependencies point downward only"
 #endif
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include <weft/future.h>
@@ -49,12 +50,61 @@ WEFT_API int weft_pg_size(const weft_pg_t *pg);
 /** World rank of group rank @p r (-1 if out of range). */
 WEFT_API int weft_pg_world_rank(const weft_pg_t *pg, int r);
 /**
- * Timeout of each operation of the group (default WEFT_COLL_TIMEOUT_MS or 60000), counted from
- * the call that issues it, as torch's: time queued behind the group's earlier operations counts.
- * Applies to operations (and receives) issued after it; @p timeout_ms <= 0 is ignored.
- * Thread-safe.
+ * Timeout of each operation of the group, counted from the call that issues it, as torch's:
+ * time queued behind the group's earlier operations counts. Applies to operations (and
+ * receives) issued after it. @p timeout_ms 0 sets the group's default again: WEFT_COLL_TIMEOUT_MS
+ * as read when the group was created (60000 when unset), which is also its timeout until this is
+ * called; a negative one is ignored. Every handle to the world shares its timeout. Thread-safe.
  */
 WEFT_API void weft_pg_set_timeout(weft_pg_t *pg, int64_t timeout_ms);
+
+/** The collective operations (values as `CollOp` on the wire, docs/protocol.md §6.8). */
+typedef enum {
+    WEFT_COLL_BARRIER = 1,
+    WEFT_COLL_BROADCAST = 2,
+    WEFT_COLL_ALL_REDUCE = 3,
+    WEFT_COLL_REDUCE = 4,
+    WEFT_COLL_GATHER = 5,
+    WEFT_COLL_SCATTER = 6,
+    WEFT_COLL_ALL_GATHER = 7,
+    WEFT_COLL_REDUCE_SCATTER = 8,
+    WEFT_COLL_ALL_TO_ALL = 9,
+} weft_coll_op_t;
+
+/**
+ * Forces the algorithm of @p op in the group, for the operations issued after it returns.
+ * A group chooses by size unless told otherwise: all_reduce runs "direct" up to 64 KiB and
+ * "ring" above (with two members: "ring" from 1 MiB), and "cma" (cross-memory reads between
+ * ranks of one host) from 256 KiB (two members: from 2 MiB); the other operations have one
+ * algorithm each ("tree" for broadcast, "direct" for the others). WEFT_COLL_ALGO
+ * (auto|direct|ring|cma), read when the group is created, forces all_reduce's for that group.
+ * weft_pg_describe prints the choice.
+ *
+ * Every member must force the same algorithm at the same point of the group's sequence of
+ * operations: the algorithms do not interoperate, and their pieces do not say which one sent
+ * them, so members that differ fail the operation (WEFT_ERR_PROTOCOL for a piece of the wrong
+ * size, or WEFT_ERR_TIMEOUT at its deadline). A forced "cma" that the members cannot use (another
+ * host, reads not permitted, WEFT_COLL_CMA=0 on a member) falls back, on every member, to the
+ * choice by size among the others. Every handle to the world shares its choice.
+ * @param[in] name the algorithm; "auto": choose by size; NULL: back to the choice the group
+ *            had when it was created (WEFT_COLL_ALGO). Borrowed for the call.
+ * Thread-safe.
+ * @return WEFT_ERR_INVALID_ARG (NULL group, an op outside weft_coll_op_t), WEFT_ERR_NOT_FOUND
+ *         (@p op has no algorithm of that name; the text lists those it has).
+ */
+WEFT_API weft_status_t weft_pg_set_algorithm(weft_pg_t *pg, weft_coll_op_t op, const char *name);
+
+/**
+ * Writes a description of the group into @p buf (at most @p n bytes, NUL-terminated when
+ * @p n > 0, as snprintf does): its id, this rank's rank and size, its timeout and default,
+ * whether cross-memory reads are allowed here, then one line per operation with how its
+ * algorithm is chosen, e.g. "all_reduce: by size: cma from 256 KiB (unless ...), else ring
+ * above 64 KiB, else direct" or "all_reduce: ring (weft_pg_set_algorithm)".
+ * @param[out] buf may be NULL when @p n is 0.
+ * Thread-safe.
+ * @return the length of the whole text (without the NUL): a result >= @p n means it was cut.
+ */
+WEFT_API size_t weft_pg_describe(const weft_pg_t *pg, char *buf, size_t n);
 /**
  * Waits for the group's operations to end (each by its deadline, and once the transport has let
  * go of its buffers), fails its posted receives, then frees it. Not from a callback of the
@@ -104,7 +154,7 @@ WEFT_API void weft_pg_free(weft_pg_t *pg);
  * WEFT_ERR_TIMEOUT if that was past the group's timeout.
  */
 WEFT_API weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int dst, int tag,
-                             weft_future_t **work_p);
+                                      weft_future_t **work_p);
 /**
  * Receives into @p t (same dtype and element count as sent) from group rank
  * @p src or WEFT_ANY_SOURCE, with @p tag. The future's value carries the
@@ -114,7 +164,7 @@ WEFT_API weft_status_t weft_coll_send(weft_pg_t *pg, const weft_tensor_t *t, int
  * WEFT_ERR_TIMEOUT (asynchronous ones too) and @p t is left unwritten.
  */
 WEFT_API weft_status_t weft_coll_recv(weft_pg_t *pg, weft_tensor_t *t, int src, int tag,
-                             weft_future_t **work_p, int *src_p);
+                                      weft_future_t **work_p, int *src_p);
 
 /** One operation of a batch of point-to-point operations. */
 typedef struct {
@@ -130,60 +180,63 @@ typedef struct {
  * an error none was started.
  */
 WEFT_API weft_status_t weft_coll_batch_p2p(weft_pg_t *pg, const weft_p2p_op_t *ops, size_t n,
-                                  weft_future_t **works);
+                                           weft_future_t **works);
 
 /** Every member waits until all members have called it. */
 WEFT_API weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p);
 
 /** Copies @p t of group rank @p root into @p t on every member. */
 WEFT_API weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
-                                  weft_future_t **work_p);
+                                           weft_future_t **work_p);
 
 /**
  * Reduces @p t element-wise over the members with @p op; every member ends with
  * the same result, bit for bit, in @p t (in place). f16 and bf16 accumulate
  * in f32 and round once at the end (AVG: the exact quotient of the f32 sum,
- * rounded once). Algorithm by size (WEFT_COLL_ALGO=direct|ring overrides): direct
- * exchange for small tensors, ring reduce-scatter + all-gather for large ones.
+ * rounded once). Algorithm by size (see weft_pg_set_algorithm): direct exchange for small
+ * tensors, ring reduce-scatter + all-gather for large ones, and cross-memory reads between
+ * ranks of one host for large ones when they can.
  */
 WEFT_API weft_status_t weft_coll_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
-                                   weft_future_t **work_p);
+                                            weft_future_t **work_p);
 
 /**
  * Reduces @p t over the members with @p op into @p t on @p root (in place);
  * other members' @p t is left unchanged.
  */
-WEFT_API weft_status_t weft_coll_reduce(weft_pg_t *pg, weft_tensor_t *t, int root, weft_reduce_op_t op,
-                               weft_future_t **work_p);
+WEFT_API weft_status_t weft_coll_reduce(weft_pg_t *pg, weft_tensor_t *t, int root,
+                                        weft_reduce_op_t op, weft_future_t **work_p);
 
 /**
  * Gathers @p in of every member into @p out on @p root, member r's at element
  * offset r * numel(in). @p out: size * numel(in) elements of in's dtype on the
  * root; ignored (may be NULL) elsewhere.
  */
-WEFT_API weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out, int root,
-                               weft_future_t **work_p);
+WEFT_API weft_status_t weft_coll_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
+                                        int root, weft_future_t **work_p);
 
 /**
  * Splits @p in (size * numel(out) elements, on @p root only; may be NULL
  * elsewhere) and sends part r to member r's @p out.
  */
 WEFT_API weft_status_t weft_coll_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
-                                int root, weft_future_t **work_p);
+                                         int root, weft_future_t **work_p);
 
 /** Every member gets every member's @p in in @p out (flat: size * numel(in) elements). */
-WEFT_API weft_status_t weft_coll_all_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
-                                   weft_future_t **work_p);
+WEFT_API weft_status_t weft_coll_all_gather(weft_pg_t *pg, const weft_tensor_t *in,
+                                            weft_tensor_t *out, weft_future_t **work_p);
 /** As weft_coll_all_gather into a list: @p outs[r] (numel(in) elements each) gets member r's. */
 WEFT_API weft_status_t weft_coll_all_gather_list(weft_pg_t *pg, const weft_tensor_t *in,
-                                        weft_tensor_t *const *outs, weft_future_t **work_p);
+                                                 weft_tensor_t *const *outs,
+                                                 weft_future_t **work_p);
 
 /**
  * Reduces @p in (size * numel(out) elements) over the members with @p op and
  * gives member r the reduced part r in @p out.
  */
-WEFT_API weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
-                                       weft_reduce_op_t op, weft_future_t **work_p);
+WEFT_API weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor_t *in,
+                                                weft_tensor_t *out, weft_reduce_op_t op,
+                                                weft_future_t **work_p);
 
 /**
  * Member r sends the r-th part of @p in to member r and receives its parts in
@@ -193,9 +246,9 @@ WEFT_API weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor
  * pair: when s sends r another size than r expects from s, every member fails
  * with WEFT_ERR_MISMATCH naming s, r and both sizes.
  */
-WEFT_API weft_status_t weft_coll_all_to_all(weft_pg_t *pg, const weft_tensor_t *in, weft_tensor_t *out,
-                                   const int64_t *in_splits, const int64_t *out_splits,
-                                   weft_future_t **work_p);
+WEFT_API weft_status_t weft_coll_all_to_all(weft_pg_t *pg, const weft_tensor_t *in,
+                                            weft_tensor_t *out, const int64_t *in_splits,
+                                            const int64_t *out_splits, weft_future_t **work_p);
 
 #ifdef __cplusplus
 }

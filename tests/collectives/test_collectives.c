@@ -166,6 +166,15 @@ static weft_tensor_t *make(weft_dtype_t dt, size_t count, int r, size_t base)
     return t;
 }
 
+static weft_tensor_t *scalar_f32(float v)
+{
+    int64_t one = 1;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &one, &t);
+    *(float *)weft_tensor_data(t) = v;
+    return t;
+}
+
 static int check_others(weft_pg_t *pg, int world, weft_dtype_t dt, size_t count)
 {
     int me = weft_pg_rank(pg);
@@ -557,15 +566,23 @@ Test(collectives, cma_chosen_by_size, .timeout = 240)
 }
 
 /* One rank may not take part (WEFT_COLL_CMA=0): every rank runs the ring instead, with the
- * right results, on the first operation and the later ones. */
-static int body_cma_declined(weft_agent_t *a, int rank, int world, void *arg)
+ * right results, on the first operation and the later ones. The variable is set in rank 1
+ * before its groups are created (a group reads it once, when it is created). */
+static void cma_declined_setup(weft_agent_t *a, int rank, void *arg)
 {
+    (void)a;
     (void)arg;
-    weft_pg_t *pg;
-    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
     if (rank == 1) {
         setenv("WEFT_COLL_CMA", "0", 1);
     }
+}
+
+static int body_cma_declined(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
     long before = coll__cma_ops();
     for (int i = 0; i < 3; i++) {
         RANK_CHECK(check_all_reduce(pg, world, (1u << 20) + 7, WEFT_F32, WEFT_SUM) == 0, "%d", i);
@@ -580,6 +597,7 @@ Test(collectives, cma_declined_by_one_rank, .timeout = 120)
     ranks_opts_t o;
     int codes[3];
     ranks_opts_init(&o, 3, body_cma_declined);
+    o.setup = cma_declined_setup;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -608,6 +626,321 @@ Test(collectives, cma_mismatch_fails_everywhere, .timeout = 120)
     ranks_opts_t o;
     int codes[2];
     ranks_opts_init(&o, 2, body_cma_mismatch);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* ------------------------------------------------ the algorithm table */
+
+/* Runs of all_reduce by each algorithm in this process. */
+static long runs(const char *name)
+{
+    return coll__algo_runs(OP_ALL_REDUCE, name);
+}
+
+/* An all_reduce of @p count f32 on @p pg that must be run by @p algo (exact result). */
+static int check_ran(weft_pg_t *pg, int world, size_t count, const char *algo)
+{
+    long d = runs("direct"), r = runs("ring"), c = runs("cma"), cma_ops = coll__cma_ops();
+    if (check_all_reduce(pg, world, count, WEFT_F32, WEFT_SUM) != 0) {
+        return 1;
+    }
+    long want_d = strcmp(algo, "direct") == 0, want_r = strcmp(algo, "ring") == 0,
+         want_c = strcmp(algo, "cma") == 0;
+    RANK_CHECK(runs("direct") - d == want_d && runs("ring") - r == want_r &&
+                   runs("cma") - c == want_c && coll__cma_ops() - cma_ops == want_c,
+               "%zu floats: %s should have run; ran direct %ld, ring %ld, cma %ld", count, algo,
+               runs("direct") - d, runs("ring") - r, runs("cma") - c);
+    return 0;
+}
+
+/* Each group has its own algorithm: three groups of the same members force ring, direct and
+ * cma, and run a small all_reduce (by size: direct) and a large one (by size: cma) each;
+ * every result is exact and each ran the algorithm its group forced. The choice is taken when
+ * an operation is issued: one issued before a change keeps the old choice. "auto" and NULL
+ * go back to the choice by size. */
+static int body_forced(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    const char *names[] = {"ring", "direct", "cma"};
+    int all[3] = {0, 1, 2};
+    weft_pg_t *pgs[3];
+    for (int i = 0; i < 3; i++) {
+        RANK_CHECK(weft_pg_new(a, all, world, &pgs[i]) == WEFT_OK, "new_group");
+        RANK_CHECK(weft_pg_set_algorithm(pgs[i], WEFT_COLL_ALL_REDUCE, names[i]) == WEFT_OK,
+                   "set %s: %s", names[i], weft_last_error());
+    }
+    const size_t small = 1000, large = (1u << 20) / 4 + 3; /* 4000 bytes; 1 MiB + 12 */
+    for (int i = 0; i < 3; i++) {
+        if (check_ran(pgs[i], world, small, names[i]) != 0 ||
+            check_ran(pgs[i], world, large, names[i]) != 0) {
+            return 1;
+        }
+    }
+    /* Back to the choice by size. */
+    RANK_CHECK(weft_pg_set_algorithm(pgs[0], WEFT_COLL_ALL_REDUCE, "auto") == WEFT_OK, "auto");
+    RANK_CHECK(weft_pg_set_algorithm(pgs[1], WEFT_COLL_ALL_REDUCE, NULL) == WEFT_OK, "NULL");
+    for (int i = 0; i < 2; i++) {
+        if (check_ran(pgs[i], world, small, "direct") != 0 ||
+            check_ran(pgs[i], world, large, "cma") != 0) {
+            return 1;
+        }
+    }
+    /* Issued before the change: the algorithm of its issue. */
+    long r = runs("ring"), d = runs("direct");
+    weft_pg_set_algorithm(pgs[2], WEFT_COLL_ALL_REDUCE, "ring");
+    weft_tensor_t *t1 = scalar_f32(1.0f), *t2 = scalar_f32(2.0f);
+    weft_future_t *f1;
+    RANK_CHECK(weft_coll_all_reduce(pgs[2], t1, WEFT_SUM, &f1) == WEFT_OK, "async");
+    weft_pg_set_algorithm(pgs[2], WEFT_COLL_ALL_REDUCE, "direct");
+    RANK_CHECK(weft_coll_all_reduce(pgs[2], t2, WEFT_SUM, NULL) == WEFT_OK, "blocking: %s",
+               weft_last_error());
+    RANK_CHECK(weft_future_wait(f1, 30000) == WEFT_OK, "async: %s", weft_future_error(f1));
+    weft_future_release(f1);
+    RANK_CHECK(*(float *)weft_tensor_data(t1) == (float)world &&
+                   *(float *)weft_tensor_data(t2) == 2.0f * (float)world,
+               "results %f %f", *(float *)weft_tensor_data(t1), *(float *)weft_tensor_data(t2));
+    RANK_CHECK(runs("ring") - r == 1 && runs("direct") - d == 1, "ring %ld, direct %ld",
+               runs("ring") - r, runs("direct") - d);
+    weft_tensor_release(t1);
+    weft_tensor_release(t2);
+    /* The other operations have one algorithm each, which can be named too. */
+    RANK_CHECK(weft_pg_set_algorithm(pgs[2], WEFT_COLL_BROADCAST, "tree") == WEFT_OK, "tree");
+    RANK_CHECK(weft_pg_set_algorithm(pgs[2], WEFT_COLL_BARRIER, "direct") == WEFT_OK, "barrier");
+    long tree = coll__algo_runs(OP_BROADCAST, "tree");
+    RANK_CHECK(check_broadcast(pgs[2], 100, WEFT_I32, 1) == 0, "broadcast");
+    RANK_CHECK(coll__algo_runs(OP_BROADCAST, "tree") == tree + 1, "the tree did not run");
+    for (int i = 0; i < 3; i++) {
+        weft_pg_free(pgs[i]);
+    }
+    return 0;
+}
+
+Test(collectives, algorithm_forced_per_group, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_forced);
+    o.deadline_ms = 110000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* The choice by size, at its thresholds (bytes in the accumulation dtype: f16 counts as f32):
+ * direct up to 64 KiB, ring above (two members: from 1 MiB), cma from 256 KiB (two members:
+ * from 2 MiB). */
+static int body_thresholds(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    size_t ring = world == 2 ? (1u << 20) : (64u << 10) + 4,
+           cma = world == 2 ? 2u << 20 : 256u << 10;
+    if (check_ran(pg, world, ring / 4 - 1, "direct") != 0 ||
+        check_ran(pg, world, ring / 4, "ring") != 0 ||
+        check_ran(pg, world, cma / 4 - 1, "ring") != 0 ||
+        check_ran(pg, world, cma / 4, "cma") != 0) {
+        return 1;
+    }
+    long d = runs("direct"), r = runs("ring");
+    RANK_CHECK(check_all_reduce(pg, world, ring / 4 - 1, WEFT_F16, WEFT_SUM) == 0, "f16 below");
+    RANK_CHECK(check_all_reduce(pg, world, ring / 4, WEFT_BF16, WEFT_SUM) == 0, "bf16 at");
+    RANK_CHECK(runs("direct") == d + 1 && runs("ring") == r + 1, "halves: direct %ld, ring %ld",
+               runs("direct") - d, runs("ring") - r);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, algorithm_thresholds_by_size, .timeout = 120)
+{
+    for (int world = 2; world <= 3; world++) {
+        ranks_opts_t o;
+        int codes[3];
+        ranks_opts_init(&o, world, body_thresholds);
+        o.deadline_ms = 55000;
+        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
+    }
+}
+
+/* Names a group does not have are refused (the text lists those it has), and so are
+ * operations outside the enum; the group keeps its choice. */
+static int body_unknown_algo(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    RANK_CHECK(weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "ring") == WEFT_OK, "ring");
+    weft_status_t st = weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "tree");
+    RANK_CHECK(st == WEFT_ERR_NOT_FOUND, "tree for all_reduce gave %s", weft_strerror(st));
+    RANK_CHECK(strstr(weft_last_error(), "'tree'") != NULL &&
+                   strstr(weft_last_error(), "direct, ring, cma") != NULL,
+               "text: %s", weft_last_error());
+    st = weft_pg_set_algorithm(pg, WEFT_COLL_BROADCAST, "ring");
+    RANK_CHECK(st == WEFT_ERR_NOT_FOUND, "ring for broadcast gave %s", weft_strerror(st));
+    st = weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "");
+    RANK_CHECK(st == WEFT_ERR_NOT_FOUND, "an empty name gave %s", weft_strerror(st));
+    st = weft_pg_set_algorithm(pg, (weft_coll_op_t)0, "direct");
+    RANK_CHECK(st == WEFT_ERR_INVALID_ARG, "operation 0 gave %s", weft_strerror(st));
+    st = weft_pg_set_algorithm(pg, (weft_coll_op_t)10, "direct");
+    RANK_CHECK(st == WEFT_ERR_INVALID_ARG, "operation 10 gave %s", weft_strerror(st));
+    RANK_CHECK(weft_pg_set_algorithm(NULL, WEFT_COLL_ALL_REDUCE, "ring") == WEFT_ERR_INVALID_ARG,
+               "NULL group");
+    if (check_ran(pg, world, 10, "ring") != 0) { /* still the ring */
+        return 1;
+    }
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, unknown_algorithm_is_refused, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_unknown_algo);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* Whether @p text has @p line as one of its lines. */
+static bool has_line(const char *text, const char *line)
+{
+    size_t n = strlen(line);
+    for (const char *p = text; p != NULL && *p != '\0'; p = strchr(p, '\n'), p = p ? p + 1 : p) {
+        if (strncmp(p, line, n) == 0 && (p[n] == '\n' || p[n] == '\0')) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* The description of a group: its members, timeout and every operation's choice, with the
+ * thresholds for its size, as forced; cut to a small buffer, with the whole length returned. */
+static int body_describe(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg, *pair;
+    char buf[4096];
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    int two[] = {0, 1};
+    RANK_CHECK(weft_pg_new(a, two, 2, &pair) == WEFT_OK, "new_group");
+    size_t len = weft_pg_describe(pg, buf, sizeof(buf));
+    RANK_CHECK(len == strlen(buf) && len < sizeof(buf), "length %zu", len);
+    char first[128];
+    snprintf(first, sizeof(first),
+             "group 0: rank %d of %d, timeout 60000 ms (default 60000 ms), cross-memory reads "
+             "allowed",
+             rank, world);
+    RANK_CHECK(has_line(buf, first), "world:\n%s", buf);
+    RANK_CHECK(has_line(buf, "all_reduce: by size: cma from 256 KiB (unless a member cannot read "
+                             "the others' memory or does not let them (WEFT_COLL_CMA=0)), else "
+                             "ring above 64 KiB, else direct"),
+               "world:\n%s", buf);
+    const char *others[] = {"barrier: direct",        "broadcast: tree",   "reduce: direct",
+                            "gather: direct",         "scatter: direct",   "all_gather: direct",
+                            "reduce_scatter: direct", "all_to_all: direct"};
+    for (int i = 0; i < 8; i++) {
+        RANK_CHECK(has_line(buf, others[i]), "no line '%s' in:\n%s", others[i], buf);
+    }
+    /* Two members: other thresholds; forced; another timeout. */
+    weft_pg_describe(pair, buf, sizeof(buf));
+    if (rank < 2) {
+        RANK_CHECK(has_line(buf, "all_reduce: by size: cma from 2 MiB (unless a member cannot "
+                                 "read the others' memory or does not let them "
+                                 "(WEFT_COLL_CMA=0)), else ring from 1 MiB, else direct"),
+                   "pair:\n%s", buf);
+    } else {
+        RANK_CHECK(strncmp(buf, "group 1: not a member (2 members)", 33) == 0, "pair:\n%s", buf);
+    }
+    weft_pg_set_algorithm(pair, WEFT_COLL_ALL_REDUCE, "cma");
+    weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "direct");
+    weft_pg_set_timeout(pg, 1234);
+    weft_pg_describe(pair, buf, sizeof(buf));
+    RANK_CHECK(has_line(buf, "all_reduce: cma (weft_pg_set_algorithm) unless a member cannot read "
+                             "the others' memory or does not let them (WEFT_COLL_CMA=0); else by "
+                             "size: ring from 1 MiB, else direct"),
+               "pair forced:\n%s", buf);
+    weft_pg_describe(pg, buf, sizeof(buf));
+    RANK_CHECK(has_line(buf, "all_reduce: direct (weft_pg_set_algorithm)"), "world forced:\n%s",
+               buf);
+    RANK_CHECK(strstr(buf, "timeout 1234 ms (default 60000 ms)") != NULL, "timeout:\n%s", buf);
+    weft_pg_set_timeout(pg, 0); /* the default again */
+    size_t whole = weft_pg_describe(pg, buf, sizeof(buf));
+    RANK_CHECK(strstr(buf, "timeout 60000 ms (default 60000 ms)") != NULL, "timeout 0:\n%s", buf);
+    weft_pg_set_timeout(pg, -5); /* ignored */
+    weft_pg_describe(pg, buf, sizeof(buf));
+    RANK_CHECK(strstr(buf, "timeout 60000 ms") != NULL, "timeout -5:\n%s", buf);
+    /* Cut short: NUL-terminated, the whole length returned. */
+    char small[16];
+    memset(small, 'x', sizeof(small));
+    RANK_CHECK(weft_pg_describe(pg, small, sizeof(small)) == whole && small[15] == '\0' &&
+                   strncmp(small, buf, 15) == 0,
+               "cut: '%.16s'", small);
+    RANK_CHECK(weft_pg_describe(pg, NULL, 0) == whole, "length only");
+    weft_pg_free(pair);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, group_description, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_describe);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* The configuration is read once per process and each group takes it when it is created: a
+ * group created after the environment changed (in the same process) keeps the values read at
+ * the start (WEFT_COLL_ALGO=ring and WEFT_COLL_TIMEOUT_MS=45000 from the test's environment,
+ * cross-memory reads allowed), and so does a group created before. */
+static int body_env_once(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg, *later;
+    char buf[4096];
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    setenv("WEFT_COLL_ALGO", "direct", 1);
+    setenv("WEFT_COLL_TIMEOUT_MS", "1000", 1);
+    setenv("WEFT_COLL_CMA", "0", 1);
+    int all[] = {0, 1};
+    RANK_CHECK(weft_pg_new(a, all, world, &later) == WEFT_OK, "new_group");
+    weft_pg_t *both[] = {pg, later};
+    for (int i = 0; i < 2; i++) {
+        weft_pg_describe(both[i], buf, sizeof(buf));
+        RANK_CHECK(has_line(buf, "all_reduce: ring (WEFT_COLL_ALGO)") &&
+                       strstr(buf, "timeout 45000 ms (default 45000 ms), cross-memory reads "
+                                   "allowed") != NULL,
+                   "group %d:\n%s", i, buf);
+        /* A small all_reduce runs the ring (by size it would be direct). */
+        if (check_ran(both[i], world, 10, "ring") != 0) {
+            return 1;
+        }
+    }
+    /* Back to the values the group was created with. */
+    weft_pg_set_algorithm(later, WEFT_COLL_ALL_REDUCE, "direct");
+    weft_pg_set_timeout(later, 500);
+    weft_pg_set_algorithm(later, WEFT_COLL_ALL_REDUCE, NULL);
+    weft_pg_set_timeout(later, 0);
+    weft_pg_describe(later, buf, sizeof(buf));
+    RANK_CHECK(has_line(buf, "all_reduce: ring (WEFT_COLL_ALGO)") &&
+                   strstr(buf, "timeout 45000 ms") != NULL,
+               "reset:\n%s", buf);
+    if (check_ran(later, world, 10, "ring") != 0) {
+        return 1;
+    }
+    weft_pg_free(later);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, environment_read_once_per_group, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    setenv("WEFT_COLL_ALGO", "ring", 1);
+    setenv("WEFT_COLL_TIMEOUT_MS", "45000", 1);
+    ranks_opts_init(&o, 2, body_env_once);
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -1214,15 +1547,6 @@ static void nested_cb(weft_future_t *f, void *arg)
     n->st = weft_coll_all_reduce(n->pg, n->t, WEFT_SUM, NULL);
     snprintf(n->why, sizeof(n->why), "%s", n->st == WEFT_OK ? "" : weft_last_error());
     weft_future_complete(n->done, WEFT_OK, NULL, NULL);
-}
-
-static weft_tensor_t *scalar_f32(float v)
-{
-    int64_t one = 1;
-    weft_tensor_t *t;
-    weft_tensor_create(WEFT_F32, 1, &one, &t);
-    *(float *)weft_tensor_data(t) = v;
-    return t;
 }
 
 /* Rank 0 issues A and B asynchronously; A's callback, on the group's worker, makes a blocking
