@@ -21,6 +21,7 @@ weft_status_t coll__all_reduce_direct(coll_group_t *g, const coll_args_t *a, int
     uint8_t *work = a->work;
     size_t count = a->count;
     weft_dtype_t wt = a->wt;
+    const coll_kern_t *kern = &a->op->kern;
     int n = g->size, me = g->rank;
     weft_future_t **rel = weft_calloc((size_t)n, sizeof(*rel));
     coll_msg_t **msgs = weft_calloc((size_t)n, sizeof(*msgs));
@@ -59,12 +60,12 @@ weft_status_t coll__all_reduce_direct(coll_group_t *g, const coll_args_t *a, int
         if (me > 0) {
             uint8_t *left = PIECE(0); /* ours to write: a fresh receive buffer */
             for (int r = 1; r < me; r++) {
-                weft_reduce_into(left, PIECE(r), count, wt, d->rop);
+                coll__reduce_into(kern, left, PIECE(r), count, wt, d->rop);
             }
-            weft_reduce_to(work, left, work, count, wt, d->rop);
+            coll__reduce_to(kern, work, left, work, count, wt, d->rop);
         }
         for (int r = me + 1; r < n; r++) {
-            weft_reduce_into(work, PIECE(r), count, wt, d->rop);
+            coll__reduce_into(kern, work, PIECE(r), count, wt, d->rop);
         }
 #undef PIECE
     }
@@ -88,6 +89,7 @@ weft_status_t coll__all_reduce_ring(coll_group_t *g, const coll_args_t *a, int64
     uint8_t *work = a->work;
     size_t count = a->count;
     weft_dtype_t wt = a->wt;
+    const coll_kern_t *kern = &a->op->kern;
     int n = g->size, me = g->rank;
     int right = (me + 1) % n, left = (me - 1 + n) % n;
     size_t es = weft_dtype_size(wt);
@@ -135,7 +137,7 @@ weft_status_t coll__all_reduce_ring(coll_group_t *g, const coll_args_t *a, int64
             if (len > 0) {
                 coll__slot_post(g, d, &slots[(size_t)t * nseg + k],
                                 (uint32_t)((size_t)t * nseg + k), left, work + SEG_LO(ri, k) * es,
-                                len, wt, t < n - 1, d->rop);
+                                len, wt, t < n - 1 ? kern : NULL, d->rop);
             }
         }
     }
@@ -168,7 +170,7 @@ weft_status_t coll__all_reduce_ring(coll_group_t *g, const coll_args_t *a, int64
                                      left);
             } else if (len > 0 && t < n - 1) {
                 /* Reduce-scatter: reduce straight from the received buffer. */
-                weft_reduce_into(dst, weft_tensor_data(tt), len, wt, d->rop);
+                coll__reduce_into(kern, dst, weft_tensor_data(tt), len, wt, d->rop);
             } else if (len > 0) {
                 /* All-gather: the final value. The region may still be read by an
                  * earlier send of ours: wait until the transport has let go of it. */

@@ -117,8 +117,8 @@ static weft_status_t verify_recv(coll_group_t *g, const coll_desc_t *d, int64_t 
 
 /* Receives one piece from every other rank at @p step and reduces all pieces, own
  * included, in rank order into @p acc: identical results wherever it runs. */
-static weft_status_t reduce_from_all(coll_group_t *g, const coll_desc_t *d, uint32_t step,
-                                     const uint8_t *own, uint8_t *acc, size_t count,
+static weft_status_t reduce_from_all(coll_group_t *g, const coll_desc_t *d, const coll_kern_t *k,
+                                     uint32_t step, const uint8_t *own, uint8_t *acc, size_t count,
                                      weft_dtype_t wt, int64_t deadline)
 {
     size_t nb = count * weft_dtype_size(wt);
@@ -141,7 +141,7 @@ static weft_status_t reduce_from_all(coll_group_t *g, const coll_desc_t *d, uint
             if (r == 0) {
                 memcpy(acc, c, nb);
             } else {
-                weft_reduce_into(acc, c, count, wt, d->rop);
+                coll__reduce_into(k, acc, c, count, wt, d->rop);
             }
         }
         coll__msg_free(m);
@@ -162,7 +162,7 @@ weft_status_t coll__reduce(coll_group_t *g, const coll_args_t *a, int64_t deadli
     weft_status_t st;
 
     (void)declined_p; /* never declines */
-    WEFT_CHECK(coll__widen(t, count, &wt, &work, &owned));
+    WEFT_CHECK(coll__widen(&a->op->kern, t, count, &wt, &work, &owned));
     st = verify_send(g, d);
     if (st == WEFT_OK && g->rank != d->root) {
         st = coll__send(g, d, 0, d->root, count > 0 ? work : NULL, count, wt, &rel);
@@ -171,9 +171,9 @@ weft_status_t coll__reduce(coll_group_t *g, const coll_args_t *a, int64_t deadli
         if (acc == NULL) {
             st = weft__set_error(WEFT_ERR_NO_MEMORY, "reduce: no memory");
         } else {
-            st = reduce_from_all(g, d, 0, work, acc, count, wt, deadline);
+            st = reduce_from_all(g, d, &a->op->kern, 0, work, acc, count, wt, deadline);
             if (st == WEFT_OK) {
-                coll__finish(t, acc, count, wt, d->rop, g->size);
+                coll__finish(&a->op->kern, t, acc, count, wt, d->rop, g->size);
             }
             weft_free(acc);
         }
@@ -329,7 +329,7 @@ weft_status_t coll__reduce_scatter(coll_group_t *g, const coll_args_t *a, int64_
     if (rel == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "reduce_scatter: no memory");
     }
-    st = coll__widen(in, count * (size_t)g->size, &wt, &work, &owned);
+    st = coll__widen(&a->op->kern, in, count * (size_t)g->size, &wt, &work, &owned);
     size_t nb = count * weft_dtype_size(wt);
     for (int r = 0; r < g->size && st == WEFT_OK; r++) {
         if (r != g->rank) {
@@ -342,14 +342,15 @@ weft_status_t coll__reduce_scatter(coll_group_t *g, const coll_args_t *a, int64_
         if (acc == NULL) {
             st = weft__set_error(WEFT_ERR_NO_MEMORY, "reduce_scatter: no memory");
         } else {
-            st = reduce_from_all(g, d, 0, work + (size_t)g->rank * nb, acc, count, wt, deadline);
+            st = reduce_from_all(g, d, &a->op->kern, 0, work + (size_t)g->rank * nb, acc, count, wt,
+                                 deadline);
             /* out may overlap the input: write it once the sends have let go of it. */
             weft_status_t w0 = coll__wait_released(rel, (size_t)g->size, deadline);
             if (st == WEFT_OK) {
                 st = w0;
             }
             if (st == WEFT_OK) {
-                coll__finish(out, acc, count, wt, d->rop, g->size);
+                coll__finish(&a->op->kern, out, acc, count, wt, d->rop, g->size);
             }
             weft_free(acc);
         }

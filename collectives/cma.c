@@ -189,9 +189,9 @@ static uint64_t epoch_of(const coll_group_t *g, uint64_t seq)
 }
 
 /* Reduces chunk elements [lo, lo + len) from every rank, in rank order, into @p work. */
-static weft_status_t reduce_chunk(coll_group_t *g, const coll_desc_t *d, const cma_peer_t *peers,
-                                  uint8_t *work, size_t lo, size_t len, weft_dtype_t wt,
-                                  uint8_t *acc, uint8_t *tmp)
+static weft_status_t reduce_chunk(coll_group_t *g, const coll_desc_t *d, const coll_kern_t *k,
+                                  const cma_peer_t *peers, uint8_t *work, size_t lo, size_t len,
+                                  weft_dtype_t wt, uint8_t *acc, uint8_t *tmp)
 {
     int n = g->size, me = g->rank;
     size_t es = weft_dtype_size(wt), seg = CMA_SEG_BYTES / es;
@@ -206,13 +206,13 @@ static weft_status_t reduce_chunk(coll_group_t *g, const coll_desc_t *d, const c
             WEFT_CHECK(PULL(0, acc));
             for (int q = 1; q < me; q++) {
                 WEFT_CHECK(PULL(q, tmp));
-                weft_reduce_into(acc, tmp, m, wt, d->rop);
+                coll__reduce_into(k, acc, tmp, m, wt, d->rop);
             }
-            weft_reduce_to(mine, acc, mine, m, wt, d->rop);
+            coll__reduce_to(k, mine, acc, mine, m, wt, d->rop);
         }
         for (int q = me + 1; q < n; q++) {
             WEFT_CHECK(PULL(q, tmp));
-            weft_reduce_into(mine, tmp, m, wt, d->rop);
+            coll__reduce_into(k, mine, tmp, m, wt, d->rop);
         }
 #undef PULL
     }
@@ -375,7 +375,7 @@ weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_args_t *a, int64_
     atomic_fetch_add(&cma_ops, 1);
 
     /* Our chunk, from everyone. */
-    st = reduce_chunk(g, d, peers, work, off[me], off[me + 1] - off[me], wt, bounce,
+    st = reduce_chunk(g, d, &a->op->kern, peers, work, off[me], off[me + 1] - off[me], wt, bounce,
                       bounce + CMA_SEG_BYTES);
     for (int r = 0; r < n && st == WEFT_OK; r++) {
         if (r != me) {

@@ -562,7 +562,8 @@ static void slot_sink(void *arg, size_t off, const void *bytes, size_t n)
 {
     coll_slot_t *s = arg;
     size_t es = weft_dtype_size(s->dtype);
-    weft_reduce_into(s->dst + off, bytes, n / es, s->dtype, s->rop);
+    /* Through the device's reduce ops, as every reduction of the collectives. */
+    s->kern->ops->reduce_into(s->kern->device, s->dst + off, bytes, n / es, s->dtype, s->rop);
 }
 
 /* Pieces that landed in place (white-box tests). */
@@ -614,7 +615,7 @@ static bool on_land(void *state, int src_world, const void *payload, size_t len,
                 same_op(s->g, s->d, h, false, why, sizeof(why))) {
                 atomic_store(&s->state, COLL_SLOT_CLAIMED);
                 l->dst = s->dst;
-                l->sink = s->reduce ? slot_sink : NULL;
+                l->sink = s->kern != NULL ? slot_sink : NULL;
                 l->done = slot_done;
                 l->arg = s;
                 taken = true;
@@ -628,7 +629,8 @@ static bool on_land(void *state, int src_world, const void *payload, size_t len,
 }
 
 void coll__slot_post(coll_group_t *g, const coll_desc_t *d, coll_slot_t *s, uint32_t step, int src,
-                     void *dst, size_t count, weft_dtype_t dtype, bool reduce, weft_reduce_op_t rop)
+                     void *dst, size_t count, weft_dtype_t dtype, const coll_kern_t *kern,
+                     weft_reduce_op_t rop)
 {
     coll_ctx_t *ctx = g->ctx;
 
@@ -640,7 +642,7 @@ void coll__slot_post(coll_group_t *g, const coll_desc_t *d, coll_slot_t *s, uint
     s->count = count;
     s->dtype = dtype;
     s->rop = rop;
-    s->reduce = reduce;
+    s->kern = kern;
     atomic_store(&s->state, COLL_SLOT_POSTED);
     pthread_mutex_lock(&ctx->mu);
     s->next = ctx->slots;

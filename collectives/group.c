@@ -333,18 +333,59 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-/* Checks what every operation needs of a tensor. */
+static bool reduces(coll_kind_t kind)
+{
+    return kind == OP_ALL_REDUCE || kind == OP_REDUCE || kind == OP_REDUCE_SCATTER;
+}
+
+/* Checks what every operation needs of a tensor. Tensors of another device than the CPU are
+ * only reduced (with their device's kernels, see find_kernels): the collectives move host
+ * memory. */
 static weft_status_t check_tensor(const weft_tensor_t *t, coll_kind_t kind)
 {
-    if (weft_tensor_device(t).type != WEFT_DEVICE_CPU) {
-        return weft__set_error(WEFT_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported here",
-                               coll__kind_name(kind));
+    weft_device_t dev = weft_tensor_device(t);
+    if (dev.type != WEFT_DEVICE_CPU && !reduces(kind)) {
+        return weft__set_error(WEFT_ERR_UNSUPPORTED,
+                               "%s: %s tensors are not supported (the collectives move host "
+                               "memory; only reductions take other devices, with their reduce ops)",
+                               coll__kind_name(kind),
+                               dev.type == WEFT_DEVICE_CUDA ? "cuda" : "non-cpu");
     }
     if (weft_tensor_dtype(t) == WEFT_BOOL) {
         return weft__set_error(WEFT_ERR_DTYPE, "%s: bool tensors are not supported",
                                coll__kind_name(kind));
     }
     return WEFT_OK;
+}
+
+/* The reduction kernels of a reducing operation: those of its tensors' device (one device for
+ * the input and the output). */
+static weft_status_t find_kernels(coll_op_t *op)
+{
+    weft_device_t dev = weft_tensor_device(op->t);
+    if (op->out != NULL) {
+        weft_device_t odev = weft_tensor_device(op->out);
+        if (odev.type != dev.type || odev.index != dev.index) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG,
+                                   "%s: the input and the output are on different devices",
+                                   coll__kind_name(op->kind));
+        }
+    }
+    const weft_reduce_ops_t *ops;
+    weft_status_t st = weft_reduce_ops_for(dev, &ops);
+    if (st != WEFT_OK) {
+        return weft__set_error(st, "%s: %s", coll__kind_name(op->kind), weft_last_error());
+    }
+    op->kern.ops = ops;
+    op->kern.device = dev;
+    return WEFT_OK;
+}
+
+/* The deadline @p timeout_ms from now (never past INT64_MAX). */
+static int64_t deadline_after(int64_t timeout_ms)
+{
+    int64_t now = weft__now_ns();
+    return timeout_ms > (INT64_MAX - now) / 1000000 ? INT64_MAX : now + timeout_ms * 1000000;
 }
 
 /* A member's call that fails its checks still takes its place in the group's
@@ -395,7 +436,7 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
     weft_status_t st = WEFT_OK;
     /* The deadline counts from the call, as torch's timeout does: time spent queued
      * behind the group's earlier operations counts. */
-    int64_t deadline = weft__now_ns() + atomic_load(&g->timeout_ms) * 1000000LL;
+    int64_t deadline = deadline_after(atomic_load(&g->timeout_ms));
 
     if (g->rank < 0) {
         st = weft__set_error(WEFT_ERR_INVALID_STATE, "%s: this rank is not a member of group %u",
@@ -413,9 +454,11 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
                              weft_dtype_name(weft_tensor_dtype(op->t)),
                              weft_dtype_name(weft_tensor_dtype(op->out)));
     }
-    if (st == WEFT_OK &&
-        (kind == OP_ALL_REDUCE || kind == OP_REDUCE || kind == OP_REDUCE_SCATTER)) {
+    if (st == WEFT_OK && reduces(kind)) {
         st = weft_reduce_check(op->rop, weft_tensor_dtype(op->t));
+    }
+    if (st == WEFT_OK && reduces(kind)) {
+        st = find_kernels(op);
     }
     if (st == WEFT_OK && (op->root < 0 || op->root >= g->size)) {
         st = weft__set_error(WEFT_ERR_INVALID_ARG, "%s: root %d is not in the group of %d",

@@ -41,6 +41,13 @@ typedef struct coll_msg {
     weft_value_t *value;       /* owned; its tensor 0 is the data, if any */
 } coll_msg_t;
 
+/* The reduction kernels of an operation's tensors: their device and its entry in the reduce
+ * ops table (weft_reduce_ops_for, looked up when the operation is issued). */
+typedef struct coll_kern {
+    const weft_reduce_ops_t *ops;
+    weft_device_t device;
+} coll_kern_t;
+
 /* A posted point-to-point receive. */
 typedef struct coll_precv {
     struct coll_precv *next;
@@ -73,8 +80,8 @@ typedef struct coll_slot {
     uint8_t *dst;
     size_t count;
     weft_dtype_t dtype;
-    weft_reduce_op_t rop; /* when reduce */
-    bool reduce;
+    const coll_kern_t *kern; /* reduced into dst with it and rop; NULL: copied */
+    weft_reduce_op_t rop;
     _Atomic int state; /* COLL_SLOT_* */
 } coll_slot_t;
 
@@ -134,6 +141,7 @@ typedef struct coll_op {
     weft_future_t *f;
     int64_t deadline_ns; /* the group's timeout from the call that issued it */
     int algo;            /* the group's algorithm when it was issued (-1: by size) */
+    coll_kern_t kern;    /* reducing operations: the kernels of their tensors' device */
 } coll_op_t;
 
 /* Shared state of a group; handles point at it. */
@@ -255,10 +263,11 @@ weft_status_t coll__take_piece(coll_msg_t *m, void *dst, size_t count, weft_dtyp
 weft_status_t coll__wait_released(weft_future_t **rel, size_t n, int64_t deadline_ns);
 /* Posts @p s (the caller's, zeroed or ended) as the destination of piece @p step from
  * group rank @p src: @p count elements of @p dtype at @p dst, copied, or reduced into it
- * with @p rop when @p reduce. @p d must outlive the slot. A piece that lands there comes
- * to coll__recv without its tensor, and coll__slot_landed says so. */
+ * with @p rop by @p kern's kernels (when not NULL). @p d and @p kern must outlive the slot.
+ * A piece that lands there comes to coll__recv without its tensor, and coll__slot_landed
+ * says so. */
 void coll__slot_post(coll_group_t *g, const coll_desc_t *d, coll_slot_t *s, uint32_t step, int src,
-                     void *dst, size_t count, weft_dtype_t dtype, bool reduce,
+                     void *dst, size_t count, weft_dtype_t dtype, const coll_kern_t *kern,
                      weft_reduce_op_t rop);
 /* Whether the piece of @p s landed in place (call after coll__recv returned it). */
 bool coll__slot_landed(const coll_slot_t *s);
@@ -290,16 +299,22 @@ long coll__recv_deadlines_fired(void);
 
 /* ------------------------------------------------------------ reduce.c */
 
-bool coll__is_half(weft_dtype_t dt);
+/* Every reduction of the collectives goes through these: the kernels of the operation's
+ * device (@p k), with the arithmetic of weft_reduce_into, weft_reduce_to, ... */
+void coll__reduce_into(const coll_kern_t *k, void *dst, const void *src, size_t n,
+                       weft_dtype_t dtype, weft_reduce_op_t op);
+void coll__reduce_to(const coll_kern_t *k, void *dst, const void *a, const void *b, size_t n,
+                     weft_dtype_t dtype, weft_reduce_op_t op);
 /* A working copy of @p t's @p count elements in the accumulation dtype *wt_p (f32 for
- * f16/bf16: *owned_p, freed by the caller), or t's data itself (*owned_p NULL). */
-weft_status_t coll__widen(const weft_tensor_t *t, size_t count, weft_dtype_t *wt_p,
-                          uint8_t **work_p, float **owned_p);
+ * f16/bf16: *owned_p, a host buffer freed by the caller), or t's data itself (*owned_p
+ * NULL). */
+weft_status_t coll__widen(const coll_kern_t *k, const weft_tensor_t *t, size_t count,
+                          weft_dtype_t *wt_p, uint8_t **work_p, float **owned_p);
 /* Completes a reduction of @p size contributions accumulated in @p acc (in @p wt) and writes
  * its @p count elements into @p t, in t's dtype, rounding f16/bf16 once. @p acc may be t's
  * data; it is modified. */
-void coll__finish(weft_tensor_t *t, uint8_t *acc, size_t count, weft_dtype_t wt,
-                  weft_reduce_op_t rop, int size);
+void coll__finish(const coll_kern_t *k, weft_tensor_t *t, uint8_t *acc, size_t count,
+                  weft_dtype_t wt, weft_reduce_op_t rop, int size);
 
 /* ------------------------------------------------------------ basic.c */
 

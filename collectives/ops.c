@@ -225,13 +225,13 @@ static weft_status_t run_all_reduce(coll_group_t *g, coll_args_t *a, int64_t dea
     float *wide = NULL;
     weft_status_t st = WEFT_OK;
 
-    WEFT_CHECK(coll__widen(t, count, &a->wt, &a->work, &wide));
+    WEFT_CHECK(coll__widen(&a->op->kern, t, count, &a->wt, &a->work, &wide));
     a->count = count;
     if (g->size > 1) {
         st = run_algo(g, a, count * weft_dtype_size(a->wt), deadline);
     }
     if (st == WEFT_OK && count > 0) {
-        coll__finish(t, a->work, count, a->wt, a->d->rop, g->size);
+        coll__finish(&a->op->kern, t, a->work, count, a->wt, a->d->rop, g->size);
     }
     weft_free(wide);
     return st;

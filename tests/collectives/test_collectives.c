@@ -4,6 +4,7 @@
  * holds, blocking calls from callbacks, late pieces. */
 #include <criterion/criterion.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
@@ -941,6 +942,217 @@ Test(collectives, environment_read_once_per_group, .timeout = 60)
     setenv("WEFT_COLL_ALGO", "ring", 1);
     setenv("WEFT_COLL_TIMEOUT_MS", "45000", 1);
     ranks_opts_init(&o, 2, body_env_once);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* ------------------------------------------------ reductions by device */
+
+/* A stand-in for another device's reduce ops: the CPU's kernels, counting the calls and
+ * recording the device they were given. Its "device" tensors are host memory wrapped with
+ * the CUDA device type (what such an entry's kernels get until the collectives stage). */
+static _Atomic long fake_calls;
+static _Atomic int fake_index = -1;
+
+static const weft_reduce_ops_t *cpu_ops(void)
+{
+    const weft_reduce_ops_t *ops = NULL;
+    weft_reduce_ops_for(WEFT_CPU, &ops);
+    return ops;
+}
+
+static void fake_seen(weft_device_t dev)
+{
+    atomic_fetch_add(&fake_calls, 1);
+    atomic_store(&fake_index, dev.type == WEFT_DEVICE_CUDA ? dev.index : -2);
+}
+
+static void fake_reduce_into(weft_device_t dev, void *dst, const void *src, size_t n,
+                             weft_dtype_t dt, weft_reduce_op_t op)
+{
+    fake_seen(dev);
+    cpu_ops()->reduce_into(WEFT_CPU, dst, src, n, dt, op);
+}
+
+static void fake_reduce_to(weft_device_t dev, void *dst, const void *a, const void *b, size_t n,
+                           weft_dtype_t dt, weft_reduce_op_t op)
+{
+    fake_seen(dev);
+    cpu_ops()->reduce_to(WEFT_CPU, dst, a, b, n, dt, op);
+}
+
+static void fake_finish(weft_device_t dev, void *dst, size_t n, weft_dtype_t dt,
+                        weft_reduce_op_t op, int count)
+{
+    fake_seen(dev);
+    cpu_ops()->finish(WEFT_CPU, dst, n, dt, op, count);
+}
+
+static void fake_widen(weft_device_t dev, float *dst, const void *src, size_t n, weft_dtype_t dt)
+{
+    fake_seen(dev);
+    cpu_ops()->widen(WEFT_CPU, dst, src, n, dt);
+}
+
+static void fake_narrow(weft_device_t dev, void *dst, const float *acc, size_t n, weft_dtype_t dt,
+                        weft_reduce_op_t op, int count)
+{
+    fake_seen(dev);
+    cpu_ops()->narrow(WEFT_CPU, dst, acc, n, dt, op, count);
+}
+
+static const weft_reduce_ops_t fake_ops = {"fake",      fake_reduce_into, fake_reduce_to,
+                                           fake_finish, fake_widen,       fake_narrow};
+
+static void release_host(void *data, void *arg)
+{
+    (void)data;
+    weft_tensor_release(arg);
+}
+
+/* @p host's memory as a tensor of @p dev (it keeps @p host alive). */
+static weft_tensor_t *on_device(weft_tensor_t *host, weft_device_t dev)
+{
+    int64_t n = weft_tensor_numel(host);
+    weft_tensor_t *t = NULL;
+    weft_tensor_wrap(weft_tensor_dtype(host), 1, &n, weft_tensor_data(host),
+                     weft_tensor_nbytes(host), dev, release_host, weft_tensor_retain(host), &t);
+    return t;
+}
+
+/* check_all_reduce on a tensor of @p dev. */
+static int check_all_reduce_on(weft_pg_t *pg, int world, size_t count, weft_dtype_t dt,
+                               weft_reduce_op_t op, weft_device_t dev)
+{
+    int rank = weft_pg_rank(pg);
+    int64_t n = (int64_t)count;
+    weft_tensor_t *host, *want;
+    weft_tensor_empty(dt, 1, &n, &host);
+    weft_tensor_empty(dt, 1, &n, &want);
+    for (size_t i = 0; i < count; i++) {
+        store(weft_tensor_data(host), dt, i, contribution(rank, i, op));
+        store(weft_tensor_data(want), dt, i, reference(world, i, op, dt));
+    }
+    weft_tensor_t *t = on_device(host, dev);
+    RANK_CHECK(t != NULL, "wrap: %s", weft_last_error());
+    weft_status_t st = weft_coll_all_reduce(pg, t, op, NULL);
+    RANK_CHECK(st == WEFT_OK, "all_reduce %s x%zu on device %d: %s", weft_dtype_name(dt), count,
+               (int)dev.type, weft_last_error());
+    RANK_CHECK(weft_tensor_equal(host, want), "all_reduce %s %s x%zu on device %d: wrong result",
+               weft_dtype_name(dt), weft_reduce_op_name(op), count, (int)dev.type);
+    weft_tensor_release(t);
+    weft_tensor_release(host);
+    weft_tensor_release(want);
+    return 0;
+}
+
+/* Reductions run the reduce ops of their tensors' device. A device type without an entry is
+ * refused on every member with WEFT_ERR_UNSUPPORTED, and the group goes on; once an entry is
+ * registered, its kernels do every reduction of such tensors (direct, ring with pieces
+ * reduced as they land, f16 through f32, reduce, reduce_scatter) and the CPU's the others;
+ * removed, the device is refused again. */
+static int body_device_ops(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    const weft_device_t cuda = {WEFT_DEVICE_CUDA, 1};
+    int64_t n = 8;
+    weft_tensor_t *host, *host2;
+    weft_tensor_create(WEFT_F32, 1, &n, &host);
+    int64_t n2 = 8 * world;
+    weft_tensor_create(WEFT_F32, 1, &n2, &host2);
+    weft_tensor_t *t = on_device(host, cuda), *t2 = on_device(host2, cuda);
+    RANK_CHECK(t != NULL && t2 != NULL, "wrap: %s", weft_last_error());
+    const weft_reduce_ops_t *ops = NULL;
+    RANK_CHECK(weft_reduce_ops_for(cuda, &ops) == WEFT_ERR_UNSUPPORTED && ops == NULL,
+               "an entry for cuda");
+    weft_status_t st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "all_reduce on cuda gave %s", weft_strerror(st));
+    RANK_CHECK(strstr(weft_last_error(), "no reduction kernels for cuda tensors") != NULL,
+               "text: %s", weft_last_error());
+    st = weft_coll_reduce(pg, t, 0, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "reduce on cuda gave %s", weft_strerror(st));
+    st = weft_coll_reduce_scatter(pg, t2, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "reduce_scatter on cuda gave %s", weft_strerror(st));
+    st = weft_coll_broadcast(pg, t, 0, NULL); /* moves device memory: not yet */
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "broadcast on cuda gave %s", weft_strerror(st));
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
+
+    /* Registration. */
+    RANK_CHECK(weft_reduce_ops_register(WEFT_DEVICE_CPU, &fake_ops) == WEFT_ERR_INVALID_ARG,
+               "the cpu entry replaced");
+    weft_reduce_ops_t partial = fake_ops;
+    partial.narrow = NULL;
+    RANK_CHECK(weft_reduce_ops_register(WEFT_DEVICE_CUDA, &partial) == WEFT_ERR_INVALID_ARG,
+               "an entry without narrow");
+    RANK_CHECK(weft_reduce_ops_register((weft_device_type_t)7, &fake_ops) == WEFT_ERR_INVALID_ARG,
+               "device type 7");
+    RANK_CHECK(weft_reduce_ops_register(WEFT_DEVICE_CUDA, &fake_ops) == WEFT_OK, "register: %s",
+               weft_last_error());
+    RANK_CHECK(weft_reduce_ops_for(cuda, &ops) == WEFT_OK && ops == &fake_ops, "lookup");
+    long before = atomic_load(&fake_calls);
+    if (check_all_reduce_on(pg, world, 1000, WEFT_F32, WEFT_SUM, cuda) != 0 ||
+        check_all_reduce_on(pg, world, 1001, WEFT_F16, WEFT_AVG, cuda) != 0 ||
+        check_all_reduce_on(pg, world, 77, WEFT_I32, WEFT_MAX, cuda) != 0) {
+        return 1;
+    }
+    RANK_CHECK(atomic_load(&fake_calls) > before && atomic_load(&fake_index) == 1,
+               "the entry was not used (%ld calls, device index %d)",
+               atomic_load(&fake_calls) - before, atomic_load(&fake_index));
+    /* The ring: large pieces are reduced as they land, on the transport's thread. */
+    long landed = coll__landed_pieces();
+    RANK_CHECK(weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "ring") == WEFT_OK, "ring");
+    before = atomic_load(&fake_calls);
+    if (check_all_reduce_on(pg, world, (4u << 20) / 4 + 5, WEFT_F32, WEFT_SUM, cuda) != 0) {
+        return 1;
+    }
+    RANK_CHECK(atomic_load(&fake_calls) > before, "the ring did not use the entry");
+    RANK_CHECK(coll__landed_pieces() > landed, "no piece landed in place");
+    weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, NULL);
+    /* reduce and reduce_scatter. */
+    for (int64_t i = 0; i < n2; i++) {
+        ((float *)weft_tensor_data(host2))[i] = (float)(i + rank);
+    }
+    before = atomic_load(&fake_calls);
+    RANK_CHECK(weft_coll_reduce_scatter(pg, t2, t, WEFT_SUM, NULL) == WEFT_OK, "reduce_scatter: %s",
+               weft_last_error());
+    for (int64_t i = 0; i < n; i++) {
+        float want = (float)(world * (rank * n + i)) + (float)(world * (world - 1) / 2);
+        RANK_CHECK(((float *)weft_tensor_data(host))[i] == want, "reduce_scatter element %lld",
+                   (long long)i);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        ((float *)weft_tensor_data(host))[i] = (float)rank;
+    }
+    RANK_CHECK(weft_coll_reduce(pg, t, 0, WEFT_SUM, NULL) == WEFT_OK, "reduce: %s",
+               weft_last_error());
+    RANK_CHECK(rank != 0 ||
+                   ((float *)weft_tensor_data(host))[3] == (float)(world * (world - 1) / 2),
+               "reduce result");
+    RANK_CHECK(atomic_load(&fake_calls) > before, "reduce, reduce_scatter did not use the entry");
+    /* CPU tensors keep the CPU's kernels. */
+    before = atomic_load(&fake_calls);
+    RANK_CHECK(check_all_reduce(pg, world, 1000, WEFT_F16, WEFT_SUM) == 0, "cpu");
+    RANK_CHECK(atomic_load(&fake_calls) == before, "a cpu tensor used the cuda entry");
+    /* Removed: refused again. */
+    RANK_CHECK(weft_reduce_ops_register(WEFT_DEVICE_CUDA, NULL) == WEFT_OK, "unregister");
+    st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "after removal: %s", weft_strerror(st));
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
+    weft_tensor_release(t);
+    weft_tensor_release(t2);
+    weft_tensor_release(host);
+    weft_tensor_release(host2);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, reductions_by_device, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_device_ops);
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
