@@ -8,9 +8,11 @@
  *   all_reduce.c  all_reduce algorithms over the connections: direct and ring
  *   cma.c         all_reduce by cross-memory reads between ranks of one host
  *   basic.c       the algorithm of every other collective
- *   reduce.c      working buffers in the accumulation dtype, and the end of reductions
+ *   reduce.c      every reduction, through the reduce ops of the tensors' device; working
+ *                 buffers in the accumulation dtype, and the end of reductions
  *   context.c     the per-agent context (the module): channel, mailbox, pieces, slots where
- *                 pieces land, aborts, lost ranks, point-to-point delivery and deadlines
+ *                 pieces land (reduced with the slot's reduce ops), aborts, lost ranks,
+ *                 point-to-point delivery and deadlines
  *
  * The declarations below follow that order, from the bottom up.
  */
