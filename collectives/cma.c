@@ -53,20 +53,16 @@ long coll__cma_ops(void)
     return atomic_load(&cma_ops);
 }
 
-/* Whether this process may take part: not turned off (WEFT_COLL_CMA=0) and the system
- * call works on its own memory. Allows same-user peers to read it where Yama restricts
- * ptrace to descendants (ptrace_scope 1), as MPI's CMA transports do. */
-static bool self_willing(void)
+/* Whether the system call works on this process's own memory. Allows same-user peers to
+ * read it where Yama restricts ptrace to descendants (ptrace_scope 1), as MPI's CMA
+ * transports do. */
+static bool self_readable(void)
 {
     /* 0 not yet, 1 works, -1 does not; for the process that probed (a forked child probes
      * again: the Yama exception is not inherited). */
     static _Atomic int probed;
     static _Atomic pid_t probed_by;
-    const char *env = getenv("WEFT_COLL_CMA");
 
-    if (env != NULL && strcmp(env, "0") == 0) {
-        return false;
-    }
     int p = atomic_load(&probed_by) == getpid() ? atomic_load(&probed) : 0;
     if (p == 0) {
         uint64_t src = 0x5745465443u, dst = 0;
@@ -193,9 +189,9 @@ static uint64_t epoch_of(const coll_group_t *g, uint64_t seq)
 }
 
 /* Reduces chunk elements [lo, lo + len) from every rank, in rank order, into @p work. */
-static weft_status_t reduce_chunk(coll_group_t *g, const coll_desc_t *d, const cma_peer_t *peers,
-                                  uint8_t *work, size_t lo, size_t len, weft_dtype_t wt,
-                                  uint8_t *acc, uint8_t *tmp)
+static weft_status_t reduce_chunk(coll_group_t *g, const coll_desc_t *d, const coll_kern_t *k,
+                                  const cma_peer_t *peers, uint8_t *work, size_t lo, size_t len,
+                                  weft_dtype_t wt, uint8_t *acc, uint8_t *tmp)
 {
     int n = g->size, me = g->rank;
     size_t es = weft_dtype_size(wt), seg = CMA_SEG_BYTES / es;
@@ -210,23 +206,26 @@ static weft_status_t reduce_chunk(coll_group_t *g, const coll_desc_t *d, const c
             WEFT_CHECK(PULL(0, acc));
             for (int q = 1; q < me; q++) {
                 WEFT_CHECK(PULL(q, tmp));
-                weft_reduce_into(acc, tmp, m, wt, d->rop);
+                coll__reduce_into(k, acc, tmp, m, wt, d->rop);
             }
-            weft_reduce_to(mine, acc, mine, m, wt, d->rop);
+            coll__reduce_to(k, mine, acc, mine, m, wt, d->rop);
         }
         for (int q = me + 1; q < n; q++) {
             WEFT_CHECK(PULL(q, tmp));
-            weft_reduce_into(mine, tmp, m, wt, d->rop);
+            coll__reduce_into(k, mine, tmp, m, wt, d->rop);
         }
 #undef PULL
     }
     return WEFT_OK;
 }
 
-weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_t *work,
-                                   size_t count, weft_dtype_t wt, int64_t deadline,
+weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
                                    bool *declined_p)
 {
+    const coll_desc_t *d = a->d;
+    uint8_t *work = a->work;
+    size_t count = a->count;
+    weft_dtype_t wt = a->wt;
     int n = g->size, me = g->rank;
     size_t es = weft_dtype_size(wt);
     uint64_t bytes = (uint64_t)count * es;
@@ -253,7 +252,9 @@ weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_
     /* From here until every FIN (or until we leave), others may read @p work. */
     uint64_t epoch = epoch_of(g, d->seq);
     atomic_store(&g->cma_epoch, epoch);
-    bool willing = self_willing() && g->cma_state >= 0;
+    /* Willing: the group lets the members read (WEFT_COLL_CMA when it was created), the reads
+     * work here, and the group has not settled against them. */
+    bool willing = g->cma_allowed && g->cma_state >= 0 && self_readable();
     hello[H_PID] = (int64_t)getpid();
     hello[H_ADDR] = (int64_t)(uintptr_t)work;
     hello[H_BYTES] = (int64_t)bytes;
@@ -374,7 +375,7 @@ weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_desc_t *d, uint8_
     atomic_fetch_add(&cma_ops, 1);
 
     /* Our chunk, from everyone. */
-    st = reduce_chunk(g, d, peers, work, off[me], off[me + 1] - off[me], wt, bounce,
+    st = reduce_chunk(g, d, &a->op->kern, peers, work, off[me], off[me + 1] - off[me], wt, bounce,
                       bounce + CMA_SEG_BYTES);
     for (int r = 0; r < n && st == WEFT_OK; r++) {
         if (r != me) {

@@ -8,19 +8,84 @@
 
 #include "internal.h"
 
+/* ------------------------------------------------------------ posted receives */
+
+/* Deadline tasks of posted receives on the agent's timer: queued and not yet run, cancelled
+ * or dropped; and the receives they failed (white-box tests). */
+static _Atomic long deadlines_armed;
+static _Atomic long deadlines_fired;
+
+long coll__recv_deadlines_armed(void)
+{
+    return atomic_load(&deadlines_armed);
+}
+
+long coll__recv_deadlines_fired(void)
+{
+    return atomic_load(&deadlines_fired);
+}
+
+static void precv_free(coll_precv_t *p)
+{
+    weft_future_release(p->f);
+    weft_tensor_release(p->dst);
+    weft_free(p);
+}
+
+/* Takes back the deadline task of @p p, which its caller has just taken out of ctx->precvs.
+ * If the task is running already, it will not find @p p there: it does nothing. */
+static void precv_disarm(coll_ctx_t *ctx, const coll_precv_t *p)
+{
+    if (p->timer != 0 && weft_agent_timer_cancel(ctx->agent, p->timer)) {
+        atomic_fetch_sub(&deadlines_armed, 1);
+    }
+}
+
+/* The deadline task of the posted receive @p id (on the agent's timer thread). The task
+ * holds the receive's id, not its address: a receive matched or failed meanwhile is gone
+ * from the list, and the task finds nothing. */
+static void precv_deadline(void *arg, uint64_t id)
+{
+    coll_ctx_t *ctx = arg;
+    coll_precv_t *p = NULL;
+
+    atomic_fetch_sub(&deadlines_armed, 1);
+    pthread_mutex_lock(&ctx->mu);
+    for (coll_precv_t **pp = &ctx->precvs; *pp != NULL; pp = &(*pp)->next) {
+        if ((*pp)->id == id) {
+            p = *pp;
+            *pp = p->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    if (p == NULL) {
+        return;
+    }
+    atomic_fetch_add(&deadlines_fired, 1);
+    weft_future_fail(p->f, WEFT_ERR_TIMEOUT,
+                     "recv: no matching send from %s %d (tag %d) before the deadline",
+                     p->src == WEFT_ANY_SOURCE ? "any rank of group" : "group rank",
+                     p->src == WEFT_ANY_SOURCE ? (int)p->group : p->src, p->tag);
+    precv_free(p);
+}
+
+/* The task will never run (the context goes, or the timer could not take it). */
+static void precv_deadline_dropped(void *arg, uint64_t id)
+{
+    (void)arg;
+    (void)id;
+    atomic_fetch_sub(&deadlines_armed, 1);
+}
+
 /* ------------------------------------------------------------ context */
 
 static void ctx_destroy(void *state)
 {
     coll_ctx_t *ctx = state;
 
-    if (ctx->timer_started) {
-        pthread_mutex_lock(&ctx->mu);
-        ctx->timer_stop = true;
-        pthread_cond_signal(&ctx->timer_cv);
-        pthread_mutex_unlock(&ctx->mu);
-        pthread_join(ctx->timer, NULL);
-    }
+    /* The agent has dropped this context's deadline tasks (it owns them) and closed the
+     * transport: nothing else looks at it any more. */
     while (ctx->msgs != NULL) {
         coll_msg_t *m = ctx->msgs;
         ctx->msgs = m->next;
@@ -30,9 +95,7 @@ static void ctx_destroy(void *state)
         coll_precv_t *p = ctx->precvs;
         ctx->precvs = p->next;
         weft_future_complete(p->f, WEFT_ERR_SHUTDOWN, "the agent was closed", NULL);
-        weft_future_release(p->f);
-        weft_tensor_release(p->dst);
-        weft_free(p);
+        precv_free(p);
     }
     while (ctx->aborts != NULL) {
         coll_abort_t *x = ctx->aborts;
@@ -48,7 +111,6 @@ static void ctx_destroy(void *state)
     weft_free(ctx->lost);
     pthread_mutex_destroy(&ctx->mu);
     pthread_cond_destroy(&ctx->cv);
-    pthread_cond_destroy(&ctx->timer_cv);
     weft_free(ctx);
 }
 
@@ -57,7 +119,7 @@ void coll__msg_free(coll_msg_t *m)
     if (m == NULL) {
         return;
     }
-    weft__v1__coll_header__free_unpacked(m->hdr, &weft__pb_allocator);
+    weft_msg_header_free(&m->hdr->base);
     weft_value_free(m->value);
     weft_free(m);
 }
@@ -94,9 +156,7 @@ static void deliver_p2p(coll_precv_t *p, coll_msg_t *m)
         }
         weft_future_complete(p->f, WEFT_OK, NULL, v);
     }
-    weft_future_release(p->f);
-    weft_tensor_release(p->dst);
-    weft_free(p);
+    precv_free(p);
     coll__msg_free(m);
 }
 
@@ -129,15 +189,15 @@ static bool seq_finished(const coll_ctx_t *ctx, uint32_t id, uint64_t seq)
 static void on_message(void *state, int src_world, weft_value_t *msg)
 {
     coll_ctx_t *ctx = state;
-    size_t len;
-    const void *pl = weft_value_payload(msg, &len);
-    Weft__V1__CollHeader *h = pl != NULL ? weft__v1__coll_header__unpack(&weft__pb_allocator, len, pl) : NULL;
+    ProtobufCMessage *hm = NULL;
+    Weft__V1__CollHeader *h = NULL;
 
+    if (weft_msg_unpack(msg, &weft__v1__coll_header__descriptor, &hm, NULL) == WEFT_OK) {
+        h = (Weft__V1__CollHeader *)hm;
+    }
     if (h == NULL || h->version != COLL_VERSION) {
         WEFT_WARN("collectives: dropped an unreadable message from rank %d", src_world);
-        if (h != NULL) {
-            weft__v1__coll_header__free_unpacked(h, &weft__pb_allocator);
-        }
+        weft_msg_header_free(hm);
         weft_value_free(msg);
         return;
     }
@@ -162,13 +222,13 @@ static void on_message(void *state, int src_world, weft_value_t *msg)
                 pthread_mutex_unlock(&ctx->mu);
             }
         }
-        weft__v1__coll_header__free_unpacked(h, &weft__pb_allocator);
+        weft_msg_header_free(&h->base);
         weft_value_free(msg);
         return;
     }
     coll_msg_t *m = weft_calloc(1, sizeof(*m));
     if (m == NULL) {
-        weft__v1__coll_header__free_unpacked(h, &weft__pb_allocator);
+        weft_msg_header_free(&h->base);
         weft_value_free(msg);
         return;
     }
@@ -189,6 +249,7 @@ static void on_message(void *state, int src_world, weft_value_t *msg)
         }
         if (hit != NULL) {
             pthread_mutex_unlock(&ctx->mu);
+            precv_disarm(ctx, hit);
             deliver_p2p(hit, m);
             return;
         }
@@ -240,81 +301,15 @@ static void on_lost(void *state, int rank, const char *why)
     pthread_mutex_unlock(&ctx->mu);
     while (fail != NULL) {
         coll_precv_t *next = fail->next;
+        precv_disarm(ctx, fail);
         weft_future_fail(fail->f, WEFT_ERR_PEER_LOST, "recv: rank %d was lost: %s", rank, why);
-        weft_future_release(fail->f);
-        weft_tensor_release(fail->dst);
-        weft_free(fail);
+        precv_free(fail);
         fail = next;
     }
 }
 
-static void precv_free(coll_precv_t *p)
-{
-    weft_future_release(p->f);
-    weft_tensor_release(p->dst);
-    weft_free(p);
-}
-
-static void set_abs_time(struct timespec *ts, int64_t wake_ns)
-{
-    int64_t now = weft__now_ns();
-    clock_gettime(CLOCK_MONOTONIC, ts);
-    int64_t abs = (int64_t)ts->tv_sec * 1000000000LL + ts->tv_nsec + (wake_ns - now);
-    ts->tv_sec = abs / 1000000000LL;
-    ts->tv_nsec = abs % 1000000000LL;
-}
-
-/* The timer thread: fails posted receives whose deadline has passed. It sleeps until the
- * earliest deadline; a receive posted with an earlier one wakes it. */
-static void *timer_main(void *arg)
-{
-    coll_ctx_t *ctx = arg;
-
-    pthread_mutex_lock(&ctx->mu);
-    while (!ctx->timer_stop) {
-        int64_t now = weft__now_ns(), next = INT64_MAX;
-        coll_precv_t *expired = NULL;
-        coll_precv_t **pp = &ctx->precvs;
-        while (*pp != NULL) {
-            coll_precv_t *p = *pp;
-            if (p->deadline_ns <= now) {
-                *pp = p->next;
-                p->next = expired;
-                expired = p;
-            } else {
-                next = p->deadline_ns < next ? p->deadline_ns : next;
-                pp = &p->next;
-            }
-        }
-        if (expired != NULL) {
-            pthread_mutex_unlock(&ctx->mu);
-            while (expired != NULL) {
-                coll_precv_t *p = expired;
-                expired = p->next;
-                weft_future_fail(p->f, WEFT_ERR_TIMEOUT,
-                                 "recv: no matching send from %s %d (tag %d) before the deadline",
-                                 p->src == WEFT_ANY_SOURCE ? "any rank of group" : "group rank",
-                                 p->src == WEFT_ANY_SOURCE ? (int)p->group : p->src, p->tag);
-                precv_free(p);
-            }
-            pthread_mutex_lock(&ctx->mu);
-            continue;
-        }
-        ctx->timer_wake = next;
-        if (next == INT64_MAX) {
-            pthread_cond_wait(&ctx->timer_cv, &ctx->mu);
-        } else {
-            struct timespec ts;
-            set_abs_time(&ts, next);
-            pthread_cond_timedwait(&ctx->timer_cv, &ctx->mu, &ts);
-        }
-    }
-    pthread_mutex_unlock(&ctx->mu);
-    return NULL;
-}
-
-static bool on_land(void *state, int src_world, const void *payload, size_t len,
-                    weft_dtype_t dtype, int64_t numel, weft_landing_t *l);
+static bool on_land(void *state, int src_world, const void *payload, size_t len, weft_dtype_t dtype,
+                    int64_t numel, weft_landing_t *l);
 
 static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
 {
@@ -332,18 +327,11 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&ctx->cv, &ca);
-    pthread_cond_init(&ctx->timer_cv, &ca);
     pthread_condattr_destroy(&ca);
-    ctx->timer_wake = INT64_MAX;
     if (ctx->lost == NULL || ctx->why == NULL) {
         ctx_destroy(ctx);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: no memory");
     }
-    if (pthread_create(&ctx->timer, NULL, timer_main, ctx) != 0) {
-        ctx_destroy(ctx);
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: cannot start a thread");
-    }
-    ctx->timer_started = true;
     *state_p = ctx;
     return WEFT_OK;
 }
@@ -420,20 +408,9 @@ static weft_status_t send_header(coll_group_t *g, int dst, Weft__V1__CollHeader 
     weft_value_t *v;
     weft_future_t *rel = NULL;
 
-    WEFT_CHECK(weft_value_create(&v));
-    size_t n = weft__v1__coll_header__get_packed_size(h);
-    uint8_t *buf = weft_alloc(n == 0 ? 1 : n);
-    if (buf == NULL) {
-        weft_value_free(v);
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "collectives: no memory");
-    }
-    weft__v1__coll_header__pack(h, buf);
-    st = weft_value_take_payload(v, buf, n);
-    if (st != WEFT_OK) {
-        weft_free(buf);
-        weft_value_free(v);
-        return st;
-    }
+    /* The kit's framing: payload = [u32 LE header length][CollHeader]; the data is the
+     * message's tensor. */
+    WEFT_CHECK(weft_msg_pack(&h->base, NULL, &v));
     if (data != NULL) {
         weft_tensor_t *t;
         int64_t cnt = (int64_t)count;
@@ -585,7 +562,8 @@ static void slot_sink(void *arg, size_t off, const void *bytes, size_t n)
 {
     coll_slot_t *s = arg;
     size_t es = weft_dtype_size(s->dtype);
-    weft_reduce_into(s->dst + off, bytes, n / es, s->dtype, s->rop);
+    /* Through the device's reduce ops, as every reduction of the collectives. */
+    s->kern->ops->reduce_into(s->kern->device, s->dst + off, bytes, n / es, s->dtype, s->rop);
 }
 
 /* Pieces that landed in place (white-box tests). */
@@ -611,17 +589,19 @@ static void slot_done(void *arg, bool landed)
 
 /* The direct connection's reader asks where a piece lands: into its posted slot when
  * the piece is the one expected there, with the operation's view. */
-static bool on_land(void *state, int src_world, const void *payload, size_t len,
-                    weft_dtype_t dtype, int64_t numel, weft_landing_t *l)
+static bool on_land(void *state, int src_world, const void *payload, size_t len, weft_dtype_t dtype,
+                    int64_t numel, weft_landing_t *l)
 {
     coll_ctx_t *ctx = state;
-    Weft__V1__CollHeader *h = weft__v1__coll_header__unpack(&weft__pb_allocator, len, payload);
+    ProtobufCMessage *hm;
     bool taken = false;
     char why[700];
 
-    if (h == NULL) {
-        return false;
+    if (weft_msg_unpack_payload(payload, len, &weft__v1__coll_header__descriptor, &hm, NULL) !=
+        WEFT_OK) {
+        return false; /* on_message says what is wrong with it */
     }
+    Weft__V1__CollHeader *h = (Weft__V1__CollHeader *)hm;
     if (h->version == COLL_VERSION && h->kind == WEFT__V1__COLL_KIND__COLL_DATA &&
         h->op != WEFT__V1__COLL_OP__COLL_OP_P2P) {
         pthread_mutex_lock(&ctx->mu);
@@ -635,7 +615,7 @@ static bool on_land(void *state, int src_world, const void *payload, size_t len,
                 same_op(s->g, s->d, h, false, why, sizeof(why))) {
                 atomic_store(&s->state, COLL_SLOT_CLAIMED);
                 l->dst = s->dst;
-                l->sink = s->reduce ? slot_sink : NULL;
+                l->sink = s->kern != NULL ? slot_sink : NULL;
                 l->done = slot_done;
                 l->arg = s;
                 taken = true;
@@ -644,12 +624,13 @@ static bool on_land(void *state, int src_world, const void *payload, size_t len,
         }
         pthread_mutex_unlock(&ctx->mu);
     }
-    weft__v1__coll_header__free_unpacked(h, &weft__pb_allocator);
+    weft_msg_header_free(&h->base);
     return taken;
 }
 
 void coll__slot_post(coll_group_t *g, const coll_desc_t *d, coll_slot_t *s, uint32_t step, int src,
-                     void *dst, size_t count, weft_dtype_t dtype, bool reduce, weft_reduce_op_t rop)
+                     void *dst, size_t count, weft_dtype_t dtype, const coll_kern_t *kern,
+                     weft_reduce_op_t rop)
 {
     coll_ctx_t *ctx = g->ctx;
 
@@ -661,7 +642,7 @@ void coll__slot_post(coll_group_t *g, const coll_desc_t *d, coll_slot_t *s, uint
     s->count = count;
     s->dtype = dtype;
     s->rop = rop;
-    s->reduce = reduce;
+    s->kern = kern;
     atomic_store(&s->state, COLL_SLOT_POSTED);
     pthread_mutex_lock(&ctx->mu);
     s->next = ctx->slots;
@@ -786,6 +767,48 @@ out:
     return st;
 }
 
+/* Waits until the transport has let go of the sent pieces @p rel (and releases them). An
+ * operation may not end while the transport still reads its buffers, deadline or not: one
+ * still held at the deadline makes it fail with WEFT_ERR_TIMEOUT, once let go (a stalled
+ * write ends when written, or when its connection fails). */
+weft_status_t coll__wait_released(weft_future_t **rel, size_t n, int64_t deadline_ns)
+{
+    weft_status_t st = WEFT_OK;
+    for (size_t i = 0; i < n; i++) {
+        if (rel[i] == NULL) {
+            continue;
+        }
+        int64_t left = (deadline_ns - weft__now_ns()) / 1000000;
+        weft_status_t s = weft_future_wait(rel[i], left > 0 ? left : 0);
+        if (s != WEFT_OK) {
+            (void)weft_future_wait(rel[i], -1);
+            if (st == WEFT_OK) {
+                st = weft__set_error(WEFT_ERR_TIMEOUT, "the transport did not release a sent "
+                                                       "buffer before the deadline");
+            }
+        }
+        weft_future_release(rel[i]);
+        rel[i] = NULL;
+    }
+    return st;
+}
+
+/* Copies a received piece into @p dst after checking its size and dtype. */
+weft_status_t coll__take_piece(coll_msg_t *m, void *dst, size_t count, weft_dtype_t dtype, int src)
+{
+    weft_tensor_t *t = coll__msg_tensor(m);
+    size_t nb = count * weft_dtype_size(dtype);
+    if (count == 0) {
+        return WEFT_OK;
+    }
+    if (t == NULL || weft_tensor_dtype(t) != dtype || (size_t)weft_tensor_numel(t) != count) {
+        return weft__set_error(WEFT_ERR_PROTOCOL,
+                               "collectives: group rank %d sent a piece of the wrong size", src);
+    }
+    memcpy(dst, weft_tensor_data(t), nb);
+    return WEFT_OK;
+}
+
 /* ------------------------------------------------------------ point to point */
 
 weft_status_t coll__p2p_send(coll_group_t *g, const weft_tensor_t *t, int dst, int tag,
@@ -831,13 +854,11 @@ weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag
     p->dst = weft_tensor_retain(t);
     p->f = weft_future_retain(f);
     p->g = g;
-    p->deadline_ns = weft__now_ns() + atomic_load(&g->timeout_ms) * 1000000LL;
+    int64_t timeout_ms = atomic_load(&g->timeout_ms);
     pthread_mutex_lock(&ctx->mu);
     if (src != WEFT_ANY_SOURCE && ctx->lost[g->world[src]]) {
         pthread_mutex_unlock(&ctx->mu);
-        weft_future_release(p->f);
-        weft_tensor_release(p->dst);
-        weft_free(p);
+        precv_free(p);
         weft_future_release(f);
         return weft__set_error(WEFT_ERR_PEER_LOST, "recv: group rank %d was lost", src);
     }
@@ -854,20 +875,31 @@ weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag
         *pp = m->next;
         pthread_mutex_unlock(&ctx->mu);
         deliver_p2p(p, m);
-    } else {
-        coll_precv_t **tail = &ctx->precvs;
-        while (*tail != NULL) {
-            tail = &(*tail)->next;
-        }
-        *tail = p;
-        if (p->deadline_ns < ctx->timer_wake) {
-            /* Earlier than the timer sleeps: wake it (the usual receive, with the same
-             * timeout as those before it, does not). */
-            ctx->timer_wake = p->deadline_ns;
-            pthread_cond_signal(&ctx->timer_cv);
-        }
-        pthread_mutex_unlock(&ctx->mu);
+        *f_p = f;
+        return WEFT_OK;
     }
+    coll_precv_t **tail = &ctx->precvs;
+    while (*tail != NULL) {
+        tail = &(*tail)->next;
+    }
+    *tail = p;
+    /* Its deadline, on the agent's timer: armed under ctx->mu, so that the task, which
+     * looks the receive up under it, finds it posted even if it runs at once. */
+    p->id = ++ctx->next_precv;
+    atomic_fetch_add(&deadlines_armed, 1);
+    p->timer = weft_agent_timer_add(ctx->agent, timeout_ms * 1000, precv_deadline,
+                                    precv_deadline_dropped, ctx, p->id, ctx);
+    if (p->timer == 0) {
+        /* Not queued (the agent is closing, or no memory): a receive without a deadline
+         * could wait forever, so it is not posted. */
+        *tail = NULL;
+        pthread_mutex_unlock(&ctx->mu);
+        precv_free(p);
+        weft_future_release(f);
+        return weft__set_error(WEFT_ERR_SHUTDOWN, "recv: its deadline could not be set (the "
+                                                  "agent is closing?)");
+    }
+    pthread_mutex_unlock(&ctx->mu);
     *f_p = f;
     return WEFT_OK;
 }
@@ -961,10 +993,9 @@ void coll__ctx_drop_group(coll_ctx_t *ctx, coll_group_t *g)
     free_pieces(drop, xdrop);
     while (fail != NULL) {
         coll_precv_t *next = fail->next;
+        precv_disarm(ctx, fail);
         weft_future_fail(fail->f, WEFT_ERR_INVALID_STATE, "recv: its group was freed");
-        weft_future_release(fail->f);
-        weft_tensor_release(fail->dst);
-        weft_free(fail);
+        precv_free(fail);
         fail = next;
     }
 }

@@ -6,8 +6,6 @@
 
 #include "internal.h"
 
-#define DEFAULT_TIMEOUT_MS 60000
-
 static uint64_t hash_members(const int *world, int n)
 {
     uint64_t h = 1469598103934665603ull; /* FNV-1a over the member list */
@@ -21,18 +19,30 @@ static uint64_t hash_members(const int *world, int n)
     return h ^ (uint64_t)n;
 }
 
-static int64_t default_timeout(void)
+/* What a group reads of the configuration, once, when it is created: later changes of the
+ * environment do not change it (the table reads each variable once per process anyway). */
+static void read_config(coll_group_t *g)
 {
-    const char *e = getenv("WEFT_COLL_TIMEOUT_MS");
-    if (e != NULL) {
-        char *end;
-        long long v = strtoll(e, &end, 10);
-        if (*end == '\0' && v > 0) {
-            return v;
-        }
+    g->default_timeout_ms = weft__cfg_int(WEFT__CFG_COLL_TIMEOUT_MS);
+    g->cma_allowed = weft__cfg_bool(WEFT__CFG_COLL_CMA);
+    atomic_init(&g->timeout_ms, g->default_timeout_ms);
+    for (int k = 0; k < COLL_KINDS; k++) {
+        g->env_algo[k] = -1;
     }
-    return DEFAULT_TIMEOUT_MS;
+    const char *algo = weft__cfg_str(WEFT__CFG_COLL_ALGO);
+    if (strcmp(algo, "auto") != 0) {
+        /* One of the table's all_reduce entries: the table validated it. */
+        g->env_algo[OP_ALL_REDUCE] = coll__algo_find(OP_ALL_REDUCE, algo);
+    }
+    for (int k = 0; k < COLL_KINDS; k++) {
+        g->algo[k] = g->env_algo[k];
+        g->algo_from[k] = g->env_algo[k] >= 0 ? COLL_FROM_ENV : COLL_FROM_DEFAULT;
+    }
 }
+
+_Static_assert(WEFT_COLL_BARRIER == (int)OP_BARRIER && WEFT_COLL_ALL_TO_ALL == (int)OP_ALL_TO_ALL &&
+                   WEFT_COLL_ALL_REDUCE == (int)OP_ALL_REDUCE,
+               "weft_coll_op_t follows the wire's CollOp");
 
 static void *worker_main(void *arg);
 
@@ -53,7 +63,7 @@ static weft_status_t group_new(coll_ctx_t *ctx, uint32_t id, const int *world, i
     g->size = n;
     g->rank = rank;
     g->hash = hash_members(world, n);
-    atomic_init(&g->timeout_ms, default_timeout());
+    read_config(g);
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
     if (rank >= 0) {
@@ -184,9 +194,75 @@ int weft_pg_world_rank(const weft_pg_t *pg, int r)
 
 void weft_pg_set_timeout(weft_pg_t *pg, int64_t timeout_ms)
 {
-    if (timeout_ms > 0) {
+    if (timeout_ms == 0) {
+        atomic_store(&pg->g->timeout_ms, pg->g->default_timeout_ms);
+    } else if (timeout_ms > 0) {
         atomic_store(&pg->g->timeout_ms, timeout_ms);
     }
+}
+
+static bool valid_kind(weft_coll_op_t op)
+{
+    return op >= WEFT_COLL_BARRIER && op <= WEFT_COLL_ALL_TO_ALL;
+}
+
+weft_status_t weft_pg_set_algorithm(weft_pg_t *pg, weft_coll_op_t op, const char *name)
+{
+    if (pg == NULL || !valid_kind(op)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "set_algorithm: NULL group or operation %d",
+                               (int)op);
+    }
+    coll_group_t *g = pg->g;
+    coll_kind_t kind = (coll_kind_t)op;
+    int i = -1;
+    coll_from_t from = COLL_FROM_CALL;
+    if (name == NULL) {
+        i = g->env_algo[kind]; /* as read when the group was created */
+        from = i >= 0 ? COLL_FROM_ENV : COLL_FROM_DEFAULT;
+    } else if (strcmp(name, "auto") != 0) {
+        i = coll__algo_find(kind, name);
+        if (i < 0) {
+            char known[256] = "";
+            size_t len = 0;
+            coll__algo_names(kind, known, sizeof(known), &len);
+            return weft__set_error(WEFT_ERR_NOT_FOUND,
+                                   "set_algorithm: %s has no algorithm '%s' (it has auto, %s)",
+                                   coll__kind_name(kind), name, known);
+        }
+    }
+    pthread_mutex_lock(&g->mu);
+    g->algo[kind] = i;
+    g->algo_from[kind] = from;
+    pthread_mutex_unlock(&g->mu);
+    return WEFT_OK;
+}
+
+size_t weft_pg_describe(const weft_pg_t *pg, char *buf, size_t n)
+{
+    size_t len = 0;
+
+    if (buf == NULL) {
+        n = 0;
+    } else if (n > 0) {
+        buf[0] = '\0';
+    }
+    if (pg == NULL) {
+        return 0;
+    }
+    coll_group_t *g = pg->g;
+    coll__appendf(buf, n, &len, "group %u: ", g->id);
+    if (g->rank >= 0) {
+        coll__appendf(buf, n, &len, "rank %d of %d", g->rank, g->size);
+    } else {
+        coll__appendf(buf, n, &len, "not a member (%d members)", g->size);
+    }
+    coll__appendf(buf, n, &len, ", timeout %lld ms (default %lld ms), cross-memory reads %s\n",
+                  (long long)atomic_load(&g->timeout_ms), (long long)g->default_timeout_ms,
+                  g->cma_allowed ? "allowed" : "refused here (WEFT_COLL_CMA=0)");
+    pthread_mutex_lock(&g->mu);
+    coll__algo_describe(g, buf, n, &len);
+    pthread_mutex_unlock(&g->mu);
+    return len;
 }
 
 void weft_pg_free(weft_pg_t *pg)
@@ -257,12 +333,23 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-/* Checks what every operation needs of a tensor. */
+static bool reduces(coll_kind_t kind)
+{
+    return kind == OP_ALL_REDUCE || kind == OP_REDUCE || kind == OP_REDUCE_SCATTER;
+}
+
+/* Checks what every operation needs of a tensor. Tensors of another device than the CPU are
+ * only reduced (with their device's kernels, see find_kernels): the collectives move host
+ * memory. */
 static weft_status_t check_tensor(const weft_tensor_t *t, coll_kind_t kind)
 {
-    if (weft_tensor_device(t).type != WEFT_DEVICE_CPU) {
-        return weft__set_error(WEFT_ERR_UNSUPPORTED, "%s: CUDA tensors are not supported here",
-                               coll__kind_name(kind));
+    weft_device_t dev = weft_tensor_device(t);
+    if (dev.type != WEFT_DEVICE_CPU && !reduces(kind)) {
+        return weft__set_error(WEFT_ERR_UNSUPPORTED,
+                               "%s: %s tensors are not supported (the collectives move host "
+                               "memory; only reductions take other devices, with their reduce ops)",
+                               coll__kind_name(kind),
+                               dev.type == WEFT_DEVICE_CUDA ? "cuda" : "non-cpu");
     }
     if (weft_tensor_dtype(t) == WEFT_BOOL) {
         return weft__set_error(WEFT_ERR_DTYPE, "%s: bool tensors are not supported",
@@ -271,24 +358,34 @@ static weft_status_t check_tensor(const weft_tensor_t *t, coll_kind_t kind)
     return WEFT_OK;
 }
 
-static void op_free(coll_op_t *op, int size)
+/* The reduction kernels of a reducing operation: those of its tensors' device (one device for
+ * the input and the output). */
+static weft_status_t find_kernels(coll_op_t *op)
 {
-    weft_tensor_release(op->t);
-    weft_tensor_release(op->out);
-    if (op->outs != NULL) {
-        for (int i = 0; i < size; i++) {
-            weft_tensor_release(op->outs[i]);
+    weft_device_t dev = weft_tensor_device(op->t);
+    if (op->out != NULL) {
+        weft_device_t odev = weft_tensor_device(op->out);
+        if (odev.type != dev.type || odev.index != dev.index) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG,
+                                   "%s: the input and the output are on different devices",
+                                   coll__kind_name(op->kind));
         }
-        weft_free(op->outs);
     }
-    weft_free(op->in_splits);
-    weft_free(op->out_splits);
-    weft_free(op);
+    const weft_reduce_ops_t *ops;
+    weft_status_t st = weft_reduce_ops_for(dev, &ops);
+    if (st != WEFT_OK) {
+        return weft__set_error(st, "%s: %s", coll__kind_name(op->kind), weft_last_error());
+    }
+    op->kern.ops = ops;
+    op->kern.device = dev;
+    return WEFT_OK;
 }
 
-void coll__op_free(coll_op_t *op, int size)
+/* The deadline @p timeout_ms from now (never past INT64_MAX). */
+static int64_t deadline_after(int64_t timeout_ms)
 {
-    op_free(op, size);
+    int64_t now = weft__now_ns();
+    return timeout_ms > (INT64_MAX - now) / 1000000 ? INT64_MAX : now + timeout_ms * 1000000;
 }
 
 /* A member's call that fails its checks still takes its place in the group's
@@ -339,7 +436,7 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
     weft_status_t st = WEFT_OK;
     /* The deadline counts from the call, as torch's timeout does: time spent queued
      * behind the group's earlier operations counts. */
-    int64_t deadline = weft__now_ns() + atomic_load(&g->timeout_ms) * 1000000LL;
+    int64_t deadline = deadline_after(atomic_load(&g->timeout_ms));
 
     if (g->rank < 0) {
         st = weft__set_error(WEFT_ERR_INVALID_STATE, "%s: this rank is not a member of group %u",
@@ -357,9 +454,11 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
                              weft_dtype_name(weft_tensor_dtype(op->t)),
                              weft_dtype_name(weft_tensor_dtype(op->out)));
     }
-    if (st == WEFT_OK &&
-        (kind == OP_ALL_REDUCE || kind == OP_REDUCE || kind == OP_REDUCE_SCATTER)) {
+    if (st == WEFT_OK && reduces(kind)) {
         st = weft_reduce_check(op->rop, weft_tensor_dtype(op->t));
+    }
+    if (st == WEFT_OK && reduces(kind)) {
+        st = find_kernels(op);
     }
     if (st == WEFT_OK && (op->root < 0 || op->root >= g->size)) {
         st = weft__set_error(WEFT_ERR_INVALID_ARG, "%s: root %d is not in the group of %d",
@@ -369,13 +468,14 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
         st = weft_future_create(&f);
     }
     if (st != WEFT_OK) {
-        op_free(op, g->size);
+        coll__op_free(op, g->size);
         return g->rank < 0 ? st : reject(g, st);
     }
     op->f = weft_future_retain(f);
     op->deadline_ns = deadline;
     pthread_mutex_lock(&g->mu);
     op->seq = g->next_seq++;
+    op->algo = g->algo[kind]; /* what the group says when the operation is issued */
     if (work_p == NULL && tls_worker == g) {
         /* On the worker itself (a callback of the group's futures): it is busy with the
          * operation that completed, so nobody else takes ops off the queue. */

@@ -1,5 +1,7 @@
-/* Element-wise reduction kernels for the collectives, and f16/bf16 conversions. */
+/* Element-wise reduction kernels for the collectives, f16/bf16 conversions, and the reduce ops
+ * of each device type (the CPU's wrap these kernels). */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -722,4 +724,97 @@ void weft_reduce_narrow(void *dst, const float *acc, size_t n, weft_dtype_t dtyp
     default:
         break;
     }
+}
+
+/* ---- the reduce ops of each device type ------------------------------------------------------ */
+
+static void cpu_reduce_into(weft_device_t device, void *dst, const void *src, size_t n,
+                            weft_dtype_t dtype, weft_reduce_op_t op)
+{
+    (void)device;
+    weft_reduce_into(dst, src, n, dtype, op);
+}
+
+static void cpu_reduce_to(weft_device_t device, void *dst, const void *a, const void *b, size_t n,
+                          weft_dtype_t dtype, weft_reduce_op_t op)
+{
+    (void)device;
+    weft_reduce_to(dst, a, b, n, dtype, op);
+}
+
+static void cpu_finish(weft_device_t device, void *dst, size_t n, weft_dtype_t dtype,
+                       weft_reduce_op_t op, int count)
+{
+    (void)device;
+    weft_reduce_finish(dst, n, dtype, op, count);
+}
+
+static void cpu_widen(weft_device_t device, float *dst, const void *src, size_t n,
+                      weft_dtype_t dtype)
+{
+    (void)device;
+    weft_reduce_widen(dst, src, n, dtype);
+}
+
+static void cpu_narrow(weft_device_t device, void *dst, const float *acc, size_t n,
+                       weft_dtype_t dtype, weft_reduce_op_t op, int count)
+{
+    (void)device;
+    weft_reduce_narrow(dst, acc, n, dtype, op, count);
+}
+
+static const weft_reduce_ops_t cpu_ops = {
+    .name = "cpu",
+    .reduce_into = cpu_reduce_into,
+    .reduce_to = cpu_reduce_to,
+    .finish = cpu_finish,
+    .widen = cpu_widen,
+    .narrow = cpu_narrow,
+};
+
+/* By device type (weft_device_type_t: CPU, CUDA). */
+#define DEVICE_TYPES 2
+static _Atomic(const weft_reduce_ops_t *) device_ops[DEVICE_TYPES] = {&cpu_ops, NULL};
+
+static const char *device_type_name(int type)
+{
+    return type == WEFT_DEVICE_CPU ? "cpu" : type == WEFT_DEVICE_CUDA ? "cuda" : "unknown";
+}
+
+weft_status_t weft_reduce_ops_register(weft_device_type_t type, const weft_reduce_ops_t *ops)
+{
+    if ((unsigned)type >= DEVICE_TYPES) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "reduce: invalid device type %d", (int)type);
+    }
+    if (type == WEFT_DEVICE_CPU) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "reduce: the cpu entry is weft's own and cannot be replaced");
+    }
+    if (ops != NULL && (ops->name == NULL || ops->reduce_into == NULL || ops->reduce_to == NULL ||
+                        ops->finish == NULL || ops->widen == NULL || ops->narrow == NULL)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "reduce: an entry for %s needs a name and every kernel",
+                               device_type_name(type));
+    }
+    atomic_store(&device_ops[type], ops);
+    return WEFT_OK;
+}
+
+weft_status_t weft_reduce_ops_for(weft_device_t device, const weft_reduce_ops_t **ops_p)
+{
+    if ((unsigned)device.type >= DEVICE_TYPES) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "reduce: invalid device type %d",
+                               (int)device.type);
+    }
+    const weft_reduce_ops_t *ops = atomic_load(&device_ops[device.type]);
+    if (ops == NULL) {
+        return weft__set_error(WEFT_ERR_UNSUPPORTED,
+                               "reduce: no reduction kernels for %s tensors (%s:%d): none are "
+                               "registered for that device type (a build with its kernels "
+                               "registers them, weft_reduce_ops_register)",
+                               device_type_name((int)device.type),
+                               device_type_name((int)device.type), device.index);
+    }
+    *ops_p = ops;
+    return WEFT_OK;
 }

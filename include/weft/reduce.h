@@ -59,7 +59,7 @@ WEFT_API weft_status_t weft_reduce_check(weft_reduce_op_t op, weft_dtype_t dtype
  * Thread-safe (on buffers no other thread writes).
  */
 WEFT_API void weft_reduce_into(void *dst, const void *src, size_t n, weft_dtype_t dtype,
-                      weft_reduce_op_t op);
+                               weft_reduce_op_t op);
 
 /**
  * dst[i] = a[i] (op) b[i] for i < n, out of place: reduces straight from a received buffer into
@@ -70,7 +70,7 @@ WEFT_API void weft_reduce_into(void *dst, const void *src, size_t n, weft_dtype_
  * Thread-safe (on buffers no other thread writes).
  */
 WEFT_API void weft_reduce_to(void *dst, const void *a, const void *b, size_t n, weft_dtype_t dtype,
-                    weft_reduce_op_t op);
+                             weft_reduce_op_t op);
 
 /**
  * Completes a reduction of @p count contributions. AVG divides every element by @p count: floats
@@ -80,7 +80,8 @@ WEFT_API void weft_reduce_to(void *dst, const void *a, const void *b, size_t n, 
  * @param[in] count number of contributions, >= 1.
  * Thread-safe (on buffers no other thread writes).
  */
-WEFT_API void weft_reduce_finish(void *dst, size_t n, weft_dtype_t dtype, weft_reduce_op_t op, int count);
+WEFT_API void weft_reduce_finish(void *dst, size_t n, weft_dtype_t dtype, weft_reduce_op_t op,
+                                 int count);
 
 /**
  * Widens @p n f16 or bf16 elements to f32, exactly: the accumulator of a reduction that rounds
@@ -103,7 +104,61 @@ WEFT_API void weft_reduce_widen(float *dst, const void *src, size_t n, weft_dtyp
  * Thread-safe (on buffers no other thread writes).
  */
 WEFT_API void weft_reduce_narrow(void *dst, const float *acc, size_t n, weft_dtype_t dtype,
-                        weft_reduce_op_t op, int count);
+                                 weft_reduce_op_t op, int count);
+
+/*
+ * Reduce ops by device: the collectives (and, later, the gradient reducer) reduce a tensor with
+ * the kernels of its device type, looked up with weft_reduce_ops_for. The CPU's entry wraps the
+ * kernels above; another device type (CUDA) has one once the build that has its kernels
+ * registers it; until then an operation that reduces tensors of that device fails with
+ * WEFT_ERR_UNSUPPORTED.
+ */
+
+/**
+ * The reduction kernels of one device type. Each has the arithmetic, preconditions and
+ * aliasing rules of the CPU function of the same name above, and gets the device of the tensor
+ * being reduced (@p device: its type is the entry's; its index says which device). The
+ * buffers are the tensor's memory and buffers of the caller's (received pieces, f32
+ * accumulators), which the collectives keep in host memory: until they stage device memory, an
+ * entry must accept host pointers and its device's memory must be addressable by the host.
+ * A kernel must not block on other weft work; it may run on a transport thread.
+ */
+typedef struct {
+    /** Names the entry in errors and logs ("cpu"). */
+    const char *name;
+    void (*reduce_into)(weft_device_t device, void *dst, const void *src, size_t n,
+                        weft_dtype_t dtype, weft_reduce_op_t op);
+    void (*reduce_to)(weft_device_t device, void *dst, const void *a, const void *b, size_t n,
+                      weft_dtype_t dtype, weft_reduce_op_t op);
+    void (*finish)(weft_device_t device, void *dst, size_t n, weft_dtype_t dtype,
+                   weft_reduce_op_t op, int count);
+    void (*widen)(weft_device_t device, float *dst, const void *src, size_t n, weft_dtype_t dtype);
+    void (*narrow)(weft_device_t device, void *dst, const float *acc, size_t n, weft_dtype_t dtype,
+                   weft_reduce_op_t op, int count);
+} weft_reduce_ops_t;
+
+/**
+ * Registers @p ops as the reduction kernels of tensors on devices of @p type, replacing the
+ * previous entry; NULL removes it. The CPU's entry is weft's own and cannot be replaced.
+ * Register before issuing operations on such tensors: an operation looks its entry up when it
+ * is issued.
+ * @param[in] ops borrowed: must stay valid (and unchanged) until it is replaced or removed and
+ *            no operation issued before uses it any more; usually a static const.
+ * Thread-safe.
+ * @return WEFT_ERR_INVALID_ARG (a type outside weft_device_type_t, WEFT_DEVICE_CPU, an entry
+ *         without a name or a kernel).
+ */
+WEFT_API weft_status_t weft_reduce_ops_register(weft_device_type_t type,
+                                                const weft_reduce_ops_t *ops);
+
+/**
+ * The reduction kernels for tensors on @p device. Records the reason for weft_last_error() on
+ * failure ("reduce: no reduction kernels for cuda tensors (cuda:0): ..."). Thread-safe.
+ * @param[out] ops_p the entry (borrowed, see weft_reduce_ops_register); set only on success.
+ * @return WEFT_ERR_INVALID_ARG (a type outside weft_device_type_t), WEFT_ERR_UNSUPPORTED (no
+ *         entry for that device type).
+ */
+WEFT_API weft_status_t weft_reduce_ops_for(weft_device_t device, const weft_reduce_ops_t **ops_p);
 
 /** IEEE binary16 bits to f32 (exact: subnormals, infinities; NaN stays NaN). Thread-safe. */
 WEFT_API float weft_f16_to_f32(uint16_t h);

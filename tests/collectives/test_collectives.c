@@ -4,6 +4,7 @@
  * holds, blocking calls from callbacks, late pieces. */
 #include <criterion/criterion.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
@@ -163,6 +164,15 @@ static weft_tensor_t *make(weft_dtype_t dt, size_t count, int r, size_t base)
     for (size_t i = 0; i < count; i++) {
         store(weft_tensor_data(t), dt, i, val(r, base + i));
     }
+    return t;
+}
+
+static weft_tensor_t *scalar_f32(float v)
+{
+    int64_t one = 1;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &one, &t);
+    *(float *)weft_tensor_data(t) = v;
     return t;
 }
 
@@ -557,15 +567,23 @@ Test(collectives, cma_chosen_by_size, .timeout = 240)
 }
 
 /* One rank may not take part (WEFT_COLL_CMA=0): every rank runs the ring instead, with the
- * right results, on the first operation and the later ones. */
-static int body_cma_declined(weft_agent_t *a, int rank, int world, void *arg)
+ * right results, on the first operation and the later ones. The variable is set in rank 1
+ * before its groups are created (a group reads it once, when it is created). */
+static void cma_declined_setup(weft_agent_t *a, int rank, void *arg)
 {
+    (void)a;
     (void)arg;
-    weft_pg_t *pg;
-    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
     if (rank == 1) {
         setenv("WEFT_COLL_CMA", "0", 1);
     }
+}
+
+static int body_cma_declined(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
     long before = coll__cma_ops();
     for (int i = 0; i < 3; i++) {
         RANK_CHECK(check_all_reduce(pg, world, (1u << 20) + 7, WEFT_F32, WEFT_SUM) == 0, "%d", i);
@@ -580,6 +598,7 @@ Test(collectives, cma_declined_by_one_rank, .timeout = 120)
     ranks_opts_t o;
     int codes[3];
     ranks_opts_init(&o, 3, body_cma_declined);
+    o.setup = cma_declined_setup;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -608,6 +627,532 @@ Test(collectives, cma_mismatch_fails_everywhere, .timeout = 120)
     ranks_opts_t o;
     int codes[2];
     ranks_opts_init(&o, 2, body_cma_mismatch);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* ------------------------------------------------ the algorithm table */
+
+/* Runs of all_reduce by each algorithm in this process. */
+static long runs(const char *name)
+{
+    return coll__algo_runs(OP_ALL_REDUCE, name);
+}
+
+/* An all_reduce of @p count f32 on @p pg that must be run by @p algo (exact result). */
+static int check_ran(weft_pg_t *pg, int world, size_t count, const char *algo)
+{
+    long d = runs("direct"), r = runs("ring"), c = runs("cma"), cma_ops = coll__cma_ops();
+    if (check_all_reduce(pg, world, count, WEFT_F32, WEFT_SUM) != 0) {
+        return 1;
+    }
+    long want_d = strcmp(algo, "direct") == 0, want_r = strcmp(algo, "ring") == 0,
+         want_c = strcmp(algo, "cma") == 0;
+    RANK_CHECK(runs("direct") - d == want_d && runs("ring") - r == want_r &&
+                   runs("cma") - c == want_c && coll__cma_ops() - cma_ops == want_c,
+               "%zu floats: %s should have run; ran direct %ld, ring %ld, cma %ld", count, algo,
+               runs("direct") - d, runs("ring") - r, runs("cma") - c);
+    return 0;
+}
+
+/* Each group has its own algorithm: three groups of the same members force ring, direct and
+ * cma, and run a small all_reduce (by size: direct) and a large one (by size: cma) each;
+ * every result is exact and each ran the algorithm its group forced. The choice is taken when
+ * an operation is issued: one issued before a change keeps the old choice. "auto" and NULL
+ * go back to the choice by size. */
+static int body_forced(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    const char *names[] = {"ring", "direct", "cma"};
+    int all[3] = {0, 1, 2};
+    weft_pg_t *pgs[3];
+    for (int i = 0; i < 3; i++) {
+        RANK_CHECK(weft_pg_new(a, all, world, &pgs[i]) == WEFT_OK, "new_group");
+        RANK_CHECK(weft_pg_set_algorithm(pgs[i], WEFT_COLL_ALL_REDUCE, names[i]) == WEFT_OK,
+                   "set %s: %s", names[i], weft_last_error());
+    }
+    const size_t small = 1000, large = (1u << 20) / 4 + 3; /* 4000 bytes; 1 MiB + 12 */
+    for (int i = 0; i < 3; i++) {
+        if (check_ran(pgs[i], world, small, names[i]) != 0 ||
+            check_ran(pgs[i], world, large, names[i]) != 0) {
+            return 1;
+        }
+    }
+    /* Back to the choice by size. */
+    RANK_CHECK(weft_pg_set_algorithm(pgs[0], WEFT_COLL_ALL_REDUCE, "auto") == WEFT_OK, "auto");
+    RANK_CHECK(weft_pg_set_algorithm(pgs[1], WEFT_COLL_ALL_REDUCE, NULL) == WEFT_OK, "NULL");
+    for (int i = 0; i < 2; i++) {
+        if (check_ran(pgs[i], world, small, "direct") != 0 ||
+            check_ran(pgs[i], world, large, "cma") != 0) {
+            return 1;
+        }
+    }
+    /* Issued before the change: the algorithm of its issue. */
+    long r = runs("ring"), d = runs("direct");
+    weft_pg_set_algorithm(pgs[2], WEFT_COLL_ALL_REDUCE, "ring");
+    weft_tensor_t *t1 = scalar_f32(1.0f), *t2 = scalar_f32(2.0f);
+    weft_future_t *f1;
+    RANK_CHECK(weft_coll_all_reduce(pgs[2], t1, WEFT_SUM, &f1) == WEFT_OK, "async");
+    weft_pg_set_algorithm(pgs[2], WEFT_COLL_ALL_REDUCE, "direct");
+    RANK_CHECK(weft_coll_all_reduce(pgs[2], t2, WEFT_SUM, NULL) == WEFT_OK, "blocking: %s",
+               weft_last_error());
+    RANK_CHECK(weft_future_wait(f1, 30000) == WEFT_OK, "async: %s", weft_future_error(f1));
+    weft_future_release(f1);
+    RANK_CHECK(*(float *)weft_tensor_data(t1) == (float)world &&
+                   *(float *)weft_tensor_data(t2) == 2.0f * (float)world,
+               "results %f %f", *(float *)weft_tensor_data(t1), *(float *)weft_tensor_data(t2));
+    RANK_CHECK(runs("ring") - r == 1 && runs("direct") - d == 1, "ring %ld, direct %ld",
+               runs("ring") - r, runs("direct") - d);
+    weft_tensor_release(t1);
+    weft_tensor_release(t2);
+    /* The other operations have one algorithm each, which can be named too. */
+    RANK_CHECK(weft_pg_set_algorithm(pgs[2], WEFT_COLL_BROADCAST, "tree") == WEFT_OK, "tree");
+    RANK_CHECK(weft_pg_set_algorithm(pgs[2], WEFT_COLL_BARRIER, "direct") == WEFT_OK, "barrier");
+    long tree = coll__algo_runs(OP_BROADCAST, "tree");
+    RANK_CHECK(check_broadcast(pgs[2], 100, WEFT_I32, 1) == 0, "broadcast");
+    RANK_CHECK(coll__algo_runs(OP_BROADCAST, "tree") == tree + 1, "the tree did not run");
+    for (int i = 0; i < 3; i++) {
+        weft_pg_free(pgs[i]);
+    }
+    return 0;
+}
+
+Test(collectives, algorithm_forced_per_group, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_forced);
+    o.deadline_ms = 110000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* The choice by size, at its thresholds (bytes in the accumulation dtype: f16 counts as f32):
+ * direct up to 64 KiB, ring above (two members: from 1 MiB), cma from 256 KiB (two members:
+ * from 2 MiB). */
+static int body_thresholds(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    size_t ring = world == 2 ? (1u << 20) : (64u << 10) + 4,
+           cma = world == 2 ? 2u << 20 : 256u << 10;
+    if (check_ran(pg, world, ring / 4 - 1, "direct") != 0 ||
+        check_ran(pg, world, ring / 4, "ring") != 0 ||
+        check_ran(pg, world, cma / 4 - 1, "ring") != 0 ||
+        check_ran(pg, world, cma / 4, "cma") != 0) {
+        return 1;
+    }
+    long d = runs("direct"), r = runs("ring");
+    RANK_CHECK(check_all_reduce(pg, world, ring / 4 - 1, WEFT_F16, WEFT_SUM) == 0, "f16 below");
+    RANK_CHECK(check_all_reduce(pg, world, ring / 4, WEFT_BF16, WEFT_SUM) == 0, "bf16 at");
+    RANK_CHECK(runs("direct") == d + 1 && runs("ring") == r + 1, "halves: direct %ld, ring %ld",
+               runs("direct") - d, runs("ring") - r);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, algorithm_thresholds_by_size, .timeout = 120)
+{
+    for (int world = 2; world <= 3; world++) {
+        ranks_opts_t o;
+        int codes[3];
+        ranks_opts_init(&o, world, body_thresholds);
+        o.deadline_ms = 55000;
+        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
+    }
+}
+
+/* Names a group does not have are refused (the text lists those it has), and so are
+ * operations outside the enum; the group keeps its choice. */
+static int body_unknown_algo(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    RANK_CHECK(weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "ring") == WEFT_OK, "ring");
+    weft_status_t st = weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "tree");
+    RANK_CHECK(st == WEFT_ERR_NOT_FOUND, "tree for all_reduce gave %s", weft_strerror(st));
+    RANK_CHECK(strstr(weft_last_error(), "'tree'") != NULL &&
+                   strstr(weft_last_error(), "direct, ring, cma") != NULL,
+               "text: %s", weft_last_error());
+    st = weft_pg_set_algorithm(pg, WEFT_COLL_BROADCAST, "ring");
+    RANK_CHECK(st == WEFT_ERR_NOT_FOUND, "ring for broadcast gave %s", weft_strerror(st));
+    st = weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "");
+    RANK_CHECK(st == WEFT_ERR_NOT_FOUND, "an empty name gave %s", weft_strerror(st));
+    st = weft_pg_set_algorithm(pg, (weft_coll_op_t)0, "direct");
+    RANK_CHECK(st == WEFT_ERR_INVALID_ARG, "operation 0 gave %s", weft_strerror(st));
+    st = weft_pg_set_algorithm(pg, (weft_coll_op_t)10, "direct");
+    RANK_CHECK(st == WEFT_ERR_INVALID_ARG, "operation 10 gave %s", weft_strerror(st));
+    RANK_CHECK(weft_pg_set_algorithm(NULL, WEFT_COLL_ALL_REDUCE, "ring") == WEFT_ERR_INVALID_ARG,
+               "NULL group");
+    if (check_ran(pg, world, 10, "ring") != 0) { /* still the ring */
+        return 1;
+    }
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, unknown_algorithm_is_refused, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_unknown_algo);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* Whether @p text has @p line as one of its lines. */
+static bool has_line(const char *text, const char *line)
+{
+    size_t n = strlen(line);
+    for (const char *p = text; p != NULL && *p != '\0'; p = strchr(p, '\n'), p = p ? p + 1 : p) {
+        if (strncmp(p, line, n) == 0 && (p[n] == '\n' || p[n] == '\0')) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* The description of a group: its members, timeout and every operation's choice, with the
+ * thresholds for its size, as forced; cut to a small buffer, with the whole length returned. */
+static int body_describe(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg, *pair;
+    char buf[4096];
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    int two[] = {0, 1};
+    RANK_CHECK(weft_pg_new(a, two, 2, &pair) == WEFT_OK, "new_group");
+    size_t len = weft_pg_describe(pg, buf, sizeof(buf));
+    RANK_CHECK(len == strlen(buf) && len < sizeof(buf), "length %zu", len);
+    char first[128];
+    snprintf(first, sizeof(first),
+             "group 0: rank %d of %d, timeout 60000 ms (default 60000 ms), cross-memory reads "
+             "allowed",
+             rank, world);
+    RANK_CHECK(has_line(buf, first), "world:\n%s", buf);
+    RANK_CHECK(has_line(buf, "all_reduce: by size: cma from 256 KiB (unless a member cannot read "
+                             "the others' memory or does not let them (WEFT_COLL_CMA=0)), else "
+                             "ring above 64 KiB, else direct"),
+               "world:\n%s", buf);
+    const char *others[] = {"barrier: direct",        "broadcast: tree",   "reduce: direct",
+                            "gather: direct",         "scatter: direct",   "all_gather: direct",
+                            "reduce_scatter: direct", "all_to_all: direct"};
+    for (int i = 0; i < 8; i++) {
+        RANK_CHECK(has_line(buf, others[i]), "no line '%s' in:\n%s", others[i], buf);
+    }
+    /* Two members: other thresholds; forced; another timeout. */
+    weft_pg_describe(pair, buf, sizeof(buf));
+    if (rank < 2) {
+        RANK_CHECK(has_line(buf, "all_reduce: by size: cma from 2 MiB (unless a member cannot "
+                                 "read the others' memory or does not let them "
+                                 "(WEFT_COLL_CMA=0)), else ring from 1 MiB, else direct"),
+                   "pair:\n%s", buf);
+    } else {
+        RANK_CHECK(strncmp(buf, "group 1: not a member (2 members)", 33) == 0, "pair:\n%s", buf);
+    }
+    weft_pg_set_algorithm(pair, WEFT_COLL_ALL_REDUCE, "cma");
+    weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "direct");
+    weft_pg_set_timeout(pg, 1234);
+    weft_pg_describe(pair, buf, sizeof(buf));
+    RANK_CHECK(has_line(buf, "all_reduce: cma (weft_pg_set_algorithm) unless a member cannot read "
+                             "the others' memory or does not let them (WEFT_COLL_CMA=0); else by "
+                             "size: ring from 1 MiB, else direct"),
+               "pair forced:\n%s", buf);
+    weft_pg_describe(pg, buf, sizeof(buf));
+    RANK_CHECK(has_line(buf, "all_reduce: direct (weft_pg_set_algorithm)"), "world forced:\n%s",
+               buf);
+    RANK_CHECK(strstr(buf, "timeout 1234 ms (default 60000 ms)") != NULL, "timeout:\n%s", buf);
+    weft_pg_set_timeout(pg, 0); /* the default again */
+    size_t whole = weft_pg_describe(pg, buf, sizeof(buf));
+    RANK_CHECK(strstr(buf, "timeout 60000 ms (default 60000 ms)") != NULL, "timeout 0:\n%s", buf);
+    weft_pg_set_timeout(pg, -5); /* ignored */
+    weft_pg_describe(pg, buf, sizeof(buf));
+    RANK_CHECK(strstr(buf, "timeout 60000 ms") != NULL, "timeout -5:\n%s", buf);
+    /* Cut short: NUL-terminated, the whole length returned. */
+    char small[16];
+    memset(small, 'x', sizeof(small));
+    RANK_CHECK(weft_pg_describe(pg, small, sizeof(small)) == whole && small[15] == '\0' &&
+                   strncmp(small, buf, 15) == 0,
+               "cut: '%.16s'", small);
+    RANK_CHECK(weft_pg_describe(pg, NULL, 0) == whole, "length only");
+    weft_pg_free(pair);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, group_description, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_describe);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* The configuration is read once per process and each group takes it when it is created: a
+ * group created after the environment changed (in the same process) keeps the values read at
+ * the start (WEFT_COLL_ALGO=ring and WEFT_COLL_TIMEOUT_MS=45000 from the test's environment,
+ * cross-memory reads allowed), and so does a group created before. */
+static int body_env_once(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg, *later;
+    char buf[4096];
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    setenv("WEFT_COLL_ALGO", "direct", 1);
+    setenv("WEFT_COLL_TIMEOUT_MS", "1000", 1);
+    setenv("WEFT_COLL_CMA", "0", 1);
+    int all[] = {0, 1};
+    RANK_CHECK(weft_pg_new(a, all, world, &later) == WEFT_OK, "new_group");
+    weft_pg_t *both[] = {pg, later};
+    for (int i = 0; i < 2; i++) {
+        weft_pg_describe(both[i], buf, sizeof(buf));
+        RANK_CHECK(has_line(buf, "all_reduce: ring (WEFT_COLL_ALGO)") &&
+                       strstr(buf, "timeout 45000 ms (default 45000 ms), cross-memory reads "
+                                   "allowed") != NULL,
+                   "group %d:\n%s", i, buf);
+        /* A small all_reduce runs the ring (by size it would be direct). */
+        if (check_ran(both[i], world, 10, "ring") != 0) {
+            return 1;
+        }
+    }
+    /* Back to the values the group was created with. */
+    weft_pg_set_algorithm(later, WEFT_COLL_ALL_REDUCE, "direct");
+    weft_pg_set_timeout(later, 500);
+    weft_pg_set_algorithm(later, WEFT_COLL_ALL_REDUCE, NULL);
+    weft_pg_set_timeout(later, 0);
+    weft_pg_describe(later, buf, sizeof(buf));
+    RANK_CHECK(has_line(buf, "all_reduce: ring (WEFT_COLL_ALGO)") &&
+                   strstr(buf, "timeout 45000 ms") != NULL,
+               "reset:\n%s", buf);
+    if (check_ran(later, world, 10, "ring") != 0) {
+        return 1;
+    }
+    weft_pg_free(later);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, environment_read_once_per_group, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    setenv("WEFT_COLL_ALGO", "ring", 1);
+    setenv("WEFT_COLL_TIMEOUT_MS", "45000", 1);
+    ranks_opts_init(&o, 2, body_env_once);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* ------------------------------------------------ reductions by device */
+
+/* A stand-in for another device's reduce ops: the CPU's kernels, counting the calls and
+ * recording the device they were given. Its "device" tensors are host memory wrapped with
+ * the CUDA device type (what such an entry's kernels get until the collectives stage). */
+static _Atomic long fake_calls;
+static _Atomic int fake_index = -1;
+
+static const weft_reduce_ops_t *cpu_ops(void)
+{
+    const weft_reduce_ops_t *ops = NULL;
+    weft_reduce_ops_for(WEFT_CPU, &ops);
+    return ops;
+}
+
+static void fake_seen(weft_device_t dev)
+{
+    atomic_fetch_add(&fake_calls, 1);
+    atomic_store(&fake_index, dev.type == WEFT_DEVICE_CUDA ? dev.index : -2);
+}
+
+static void fake_reduce_into(weft_device_t dev, void *dst, const void *src, size_t n,
+                             weft_dtype_t dt, weft_reduce_op_t op)
+{
+    fake_seen(dev);
+    cpu_ops()->reduce_into(WEFT_CPU, dst, src, n, dt, op);
+}
+
+static void fake_reduce_to(weft_device_t dev, void *dst, const void *a, const void *b, size_t n,
+                           weft_dtype_t dt, weft_reduce_op_t op)
+{
+    fake_seen(dev);
+    cpu_ops()->reduce_to(WEFT_CPU, dst, a, b, n, dt, op);
+}
+
+static void fake_finish(weft_device_t dev, void *dst, size_t n, weft_dtype_t dt,
+                        weft_reduce_op_t op, int count)
+{
+    fake_seen(dev);
+    cpu_ops()->finish(WEFT_CPU, dst, n, dt, op, count);
+}
+
+static void fake_widen(weft_device_t dev, float *dst, const void *src, size_t n, weft_dtype_t dt)
+{
+    fake_seen(dev);
+    cpu_ops()->widen(WEFT_CPU, dst, src, n, dt);
+}
+
+static void fake_narrow(weft_device_t dev, void *dst, const float *acc, size_t n, weft_dtype_t dt,
+                        weft_reduce_op_t op, int count)
+{
+    fake_seen(dev);
+    cpu_ops()->narrow(WEFT_CPU, dst, acc, n, dt, op, count);
+}
+
+static const weft_reduce_ops_t fake_ops = {"fake",      fake_reduce_into, fake_reduce_to,
+                                           fake_finish, fake_widen,       fake_narrow};
+
+static void release_host(void *data, void *arg)
+{
+    (void)data;
+    weft_tensor_release(arg);
+}
+
+/* @p host's memory as a tensor of @p dev (it keeps @p host alive). */
+static weft_tensor_t *on_device(weft_tensor_t *host, weft_device_t dev)
+{
+    int64_t n = weft_tensor_numel(host);
+    weft_tensor_t *t = NULL;
+    weft_tensor_wrap(weft_tensor_dtype(host), 1, &n, weft_tensor_data(host),
+                     weft_tensor_nbytes(host), dev, release_host, weft_tensor_retain(host), &t);
+    return t;
+}
+
+/* check_all_reduce on a tensor of @p dev. */
+static int check_all_reduce_on(weft_pg_t *pg, int world, size_t count, weft_dtype_t dt,
+                               weft_reduce_op_t op, weft_device_t dev)
+{
+    int rank = weft_pg_rank(pg);
+    int64_t n = (int64_t)count;
+    weft_tensor_t *host, *want;
+    weft_tensor_empty(dt, 1, &n, &host);
+    weft_tensor_empty(dt, 1, &n, &want);
+    for (size_t i = 0; i < count; i++) {
+        store(weft_tensor_data(host), dt, i, contribution(rank, i, op));
+        store(weft_tensor_data(want), dt, i, reference(world, i, op, dt));
+    }
+    weft_tensor_t *t = on_device(host, dev);
+    RANK_CHECK(t != NULL, "wrap: %s", weft_last_error());
+    weft_status_t st = weft_coll_all_reduce(pg, t, op, NULL);
+    RANK_CHECK(st == WEFT_OK, "all_reduce %s x%zu on device %d: %s", weft_dtype_name(dt), count,
+               (int)dev.type, weft_last_error());
+    RANK_CHECK(weft_tensor_equal(host, want), "all_reduce %s %s x%zu on device %d: wrong result",
+               weft_dtype_name(dt), weft_reduce_op_name(op), count, (int)dev.type);
+    weft_tensor_release(t);
+    weft_tensor_release(host);
+    weft_tensor_release(want);
+    return 0;
+}
+
+/* Reductions run the reduce ops of their tensors' device. A device type without an entry is
+ * refused on every member with WEFT_ERR_UNSUPPORTED, and the group goes on; once an entry is
+ * registered, its kernels do every reduction of such tensors (direct, ring with pieces
+ * reduced as they land, f16 through f32, reduce, reduce_scatter) and the CPU's the others;
+ * removed, the device is refused again. */
+static int body_device_ops(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    const weft_device_t cuda = {WEFT_DEVICE_CUDA, 1};
+    int64_t n = 8;
+    weft_tensor_t *host, *host2;
+    weft_tensor_create(WEFT_F32, 1, &n, &host);
+    int64_t n2 = 8 * world;
+    weft_tensor_create(WEFT_F32, 1, &n2, &host2);
+    weft_tensor_t *t = on_device(host, cuda), *t2 = on_device(host2, cuda);
+    RANK_CHECK(t != NULL && t2 != NULL, "wrap: %s", weft_last_error());
+    const weft_reduce_ops_t *ops = NULL;
+    RANK_CHECK(weft_reduce_ops_for(cuda, &ops) == WEFT_ERR_UNSUPPORTED && ops == NULL,
+               "an entry for cuda");
+    weft_status_t st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "all_reduce on cuda gave %s", weft_strerror(st));
+    RANK_CHECK(strstr(weft_last_error(), "no reduction kernels for cuda tensors") != NULL,
+               "text: %s", weft_last_error());
+    st = weft_coll_reduce(pg, t, 0, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "reduce on cuda gave %s", weft_strerror(st));
+    st = weft_coll_reduce_scatter(pg, t2, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "reduce_scatter on cuda gave %s", weft_strerror(st));
+    st = weft_coll_broadcast(pg, t, 0, NULL); /* moves device memory: not yet */
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "broadcast on cuda gave %s", weft_strerror(st));
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
+
+    /* Registration. */
+    RANK_CHECK(weft_reduce_ops_register(WEFT_DEVICE_CPU, &fake_ops) == WEFT_ERR_INVALID_ARG,
+               "the cpu entry replaced");
+    weft_reduce_ops_t partial = fake_ops;
+    partial.narrow = NULL;
+    RANK_CHECK(weft_reduce_ops_register(WEFT_DEVICE_CUDA, &partial) == WEFT_ERR_INVALID_ARG,
+               "an entry without narrow");
+    RANK_CHECK(weft_reduce_ops_register((weft_device_type_t)7, &fake_ops) == WEFT_ERR_INVALID_ARG,
+               "device type 7");
+    RANK_CHECK(weft_reduce_ops_register(WEFT_DEVICE_CUDA, &fake_ops) == WEFT_OK, "register: %s",
+               weft_last_error());
+    RANK_CHECK(weft_reduce_ops_for(cuda, &ops) == WEFT_OK && ops == &fake_ops, "lookup");
+    long before = atomic_load(&fake_calls);
+    if (check_all_reduce_on(pg, world, 1000, WEFT_F32, WEFT_SUM, cuda) != 0 ||
+        check_all_reduce_on(pg, world, 1001, WEFT_F16, WEFT_AVG, cuda) != 0 ||
+        check_all_reduce_on(pg, world, 77, WEFT_I32, WEFT_MAX, cuda) != 0) {
+        return 1;
+    }
+    RANK_CHECK(atomic_load(&fake_calls) > before && atomic_load(&fake_index) == 1,
+               "the entry was not used (%ld calls, device index %d)",
+               atomic_load(&fake_calls) - before, atomic_load(&fake_index));
+    /* The ring: large pieces are reduced as they land, on the transport's thread. */
+    long landed = coll__landed_pieces();
+    RANK_CHECK(weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "ring") == WEFT_OK, "ring");
+    before = atomic_load(&fake_calls);
+    if (check_all_reduce_on(pg, world, (4u << 20) / 4 + 5, WEFT_F32, WEFT_SUM, cuda) != 0) {
+        return 1;
+    }
+    RANK_CHECK(atomic_load(&fake_calls) > before, "the ring did not use the entry");
+    RANK_CHECK(coll__landed_pieces() > landed, "no piece landed in place");
+    weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, NULL);
+    /* reduce and reduce_scatter. */
+    for (int64_t i = 0; i < n2; i++) {
+        ((float *)weft_tensor_data(host2))[i] = (float)(i + rank);
+    }
+    before = atomic_load(&fake_calls);
+    RANK_CHECK(weft_coll_reduce_scatter(pg, t2, t, WEFT_SUM, NULL) == WEFT_OK, "reduce_scatter: %s",
+               weft_last_error());
+    for (int64_t i = 0; i < n; i++) {
+        float want = (float)(world * (rank * n + i)) + (float)(world * (world - 1) / 2);
+        RANK_CHECK(((float *)weft_tensor_data(host))[i] == want, "reduce_scatter element %lld",
+                   (long long)i);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        ((float *)weft_tensor_data(host))[i] = (float)rank;
+    }
+    RANK_CHECK(weft_coll_reduce(pg, t, 0, WEFT_SUM, NULL) == WEFT_OK, "reduce: %s",
+               weft_last_error());
+    RANK_CHECK(rank != 0 ||
+                   ((float *)weft_tensor_data(host))[3] == (float)(world * (world - 1) / 2),
+               "reduce result");
+    RANK_CHECK(atomic_load(&fake_calls) > before, "reduce, reduce_scatter did not use the entry");
+    /* CPU tensors keep the CPU's kernels. */
+    before = atomic_load(&fake_calls);
+    RANK_CHECK(check_all_reduce(pg, world, 1000, WEFT_F16, WEFT_SUM) == 0, "cpu");
+    RANK_CHECK(atomic_load(&fake_calls) == before, "a cpu tensor used the cuda entry");
+    /* Removed: refused again. */
+    RANK_CHECK(weft_reduce_ops_register(WEFT_DEVICE_CUDA, NULL) == WEFT_OK, "unregister");
+    st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "after removal: %s", weft_strerror(st));
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
+    weft_tensor_release(t);
+    weft_tensor_release(t2);
+    weft_tensor_release(host);
+    weft_tensor_release(host2);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, reductions_by_device, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_device_ops);
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -1134,6 +1679,68 @@ Test(collectives, irecv_fails_at_the_deadline, .timeout = 120)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* Receive deadlines are tasks on the agent's timer: a receive that is matched takes its task
+ * back at once (none is left queued, and it never fires), one that is not fails by its task.
+ * Rank 0 posts A (300 ms) and lets rank 1 send it; then posts B (300 ms, later than A's
+ * deadline), which nobody sends: B's failure shows the timer has passed A's deadline too. */
+static int body_recv_deadline_tasks(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    int64_t n = 3;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    if (rank == 0) {
+        long fired = coll__recv_deadlines_fired();
+        RANK_CHECK(coll__recv_deadlines_armed() == 0, "%ld tasks queued before any receive",
+                   coll__recv_deadlines_armed());
+        weft_pg_set_timeout(pg, 300);
+        weft_future_t *fa, *fb;
+        RANK_CHECK(weft_coll_recv(pg, t, 1, 5, &fa, NULL) == WEFT_OK, "irecv A");
+        weft_pg_set_timeout(pg, 60000);
+        RANK_CHECK(coll__recv_deadlines_armed() == 1, "A's deadline task is not queued (%ld)",
+                   coll__recv_deadlines_armed());
+        if (signal_rank(pg, 0, 1, 1, NULL) != 0) {
+            return 1;
+        }
+        RANK_CHECK(weft_future_wait(fa, 10000) == WEFT_OK, "A: %s", weft_future_error(fa));
+        RANK_CHECK(coll__recv_deadlines_armed() == 0, "A's deadline task is still queued");
+        RANK_CHECK(((float *)weft_tensor_data(t))[2] == 42.0f, "A's data");
+        weft_pg_set_timeout(pg, 300);
+        RANK_CHECK(weft_coll_recv(pg, t, 1, 6, &fb, NULL) == WEFT_OK, "irecv B");
+        weft_pg_set_timeout(pg, 60000);
+        weft_status_t st = weft_future_wait(fb, 20000);
+        RANK_CHECK(st == WEFT_ERR_TIMEOUT, "B gave %s", weft_strerror(st));
+        RANK_CHECK(coll__recv_deadlines_fired() == fired + 1,
+                   "%ld receives failed at their deadline, only B should have",
+                   coll__recv_deadlines_fired() - fired);
+        RANK_CHECK(weft_future_status(fa) == WEFT_OK, "A changed after its deadline");
+        RANK_CHECK(coll__recv_deadlines_armed() == 0, "tasks left queued");
+        weft_future_release(fa);
+        weft_future_release(fb);
+    } else {
+        if (signal_rank(pg, 0, 1, 1, NULL) != 0) {
+            return 1;
+        }
+        ((float *)weft_tensor_data(t))[2] = 42.0f;
+        RANK_CHECK(weft_coll_send(pg, t, 0, 5, NULL) == WEFT_OK, "send A: %s", weft_last_error());
+    }
+    weft_tensor_release(t);
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, recv_deadlines_are_agent_timer_tasks, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_recv_deadline_tasks);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 /* ------------------------------------------------------------ callbacks on the worker */
 
 typedef struct {
@@ -1152,15 +1759,6 @@ static void nested_cb(weft_future_t *f, void *arg)
     n->st = weft_coll_all_reduce(n->pg, n->t, WEFT_SUM, NULL);
     snprintf(n->why, sizeof(n->why), "%s", n->st == WEFT_OK ? "" : weft_last_error());
     weft_future_complete(n->done, WEFT_OK, NULL, NULL);
-}
-
-static weft_tensor_t *scalar_f32(float v)
-{
-    int64_t one = 1;
-    weft_tensor_t *t;
-    weft_tensor_create(WEFT_F32, 1, &one, &t);
-    *(float *)weft_tensor_data(t) = v;
-    return t;
 }
 
 /* Rank 0 issues A and B asynchronously; A's callback, on the group's worker, makes a blocking
