@@ -444,8 +444,10 @@ weft_status_t weft_future_wait(weft_future_t *f, int64_t timeout_ms)
     if (is_done(f)) {
         return finished_status(f);
     }
-    if (timeout_ms != 0) {
-        deadline = deadline_after(timeout_ms);
+    {
+        /* 0 is the default: until it completes (a weft operation completes its future by its
+         * own deadline); < 0 is no limit either. Poll with weft_future_done. */
+        deadline = deadline_after(timeout_ms == 0 ? -1 : timeout_ms);
         if (!spin_future(f, deadline)) {
             hook_call(1);
             pthread_mutex_lock(&f->mu);
@@ -610,10 +612,10 @@ static weft_status_t wait_count(weft_future_t *const *futs, size_t n, size_t nee
 {
     int64_t deadline;
 
-    if (count_done(futs, n) >= need || timeout_ms == 0) {
+    if (count_done(futs, n) >= need) {
         return WEFT_OK;
     }
-    deadline = deadline_after(timeout_ms);
+    deadline = deadline_after(timeout_ms == 0 ? -1 : timeout_ms);
     if (spin_multi(futs, n, need, deadline)) {
         return WEFT_OK;
     }

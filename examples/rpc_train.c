@@ -92,7 +92,7 @@ static int parse_args(int argc, char **argv, config_t *cfg)
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
-    const char *env = getenv("WEFT_DATA_DIR");
+    const char *env = weft_config_str("WEFT_DATA_DIR"); /* its default is DEFAULT_DATA_DIR */
     int64_t iv = 0;
     int index = 0;
     int c;

@@ -36,6 +36,10 @@ static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
 {
     char buf[300];
 
+    if (o->rendezvous_timeout_ms < 0 || o->default_timeout_ms < 0 || o->peer_timeout_ms < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "agent: a negative timeout in the options (0 means the default)");
+    }
     a->rank = o->rank >= 0 ? o->rank : (int)weft__cfg_int(WEFT__CFG_RANK);
     a->world_size = o->world_size > 0 ? o->world_size : (int)weft__cfg_int(WEFT__CFG_WORLD_SIZE);
     if (a->world_size < 1 || a->world_size > 1 << 20) {

@@ -10,7 +10,8 @@
  * the launcher's and exec's the program in place, so the launcher keeps
  * control of the process.
  *
- * Dependency-free on purpose: libc only; it does not link libweft.
+ * Dependency-free on purpose: libc, and weft's core for --print-config (the configuration table);
+ * it does not link the rest of libweft.
  * See docs/weftrun.md.
  */
 
@@ -35,6 +36,8 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <weft/config.h>
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
@@ -168,6 +171,8 @@ static const char *const usage_text =
     "                          (0 = no limit, the default)\n"
     "      --no-prefix         do not prefix output lines with \"[rank R] \"\n"
     "      --print-env         print the variables each rank would get, and exit\n"
+    "      --print-config      print every WEFT_* variable (type, default, value in\n"
+    "                          effect, what it does), and exit\n"
     "      --standalone        ignore srun/mpirun variables in the environment\n"
     "  -h, --help              show this help\n"
     "\n"
@@ -354,6 +359,7 @@ enum {
     OPT_TIMEOUT,
     OPT_NO_PREFIX,
     OPT_PRINT_ENV,
+    OPT_PRINT_CONFIG,
     OPT_STANDALONE,
 };
 
@@ -383,6 +389,7 @@ static int parse_opts(int argc, char **argv, opts_t *opts)
         {"timeout", required_argument, NULL, OPT_TIMEOUT},
         {"no-prefix", no_argument, NULL, OPT_NO_PREFIX},
         {"print-env", no_argument, NULL, OPT_PRINT_ENV},
+        {"print-config", no_argument, NULL, OPT_PRINT_CONFIG},
         {"standalone", no_argument, NULL, OPT_STANDALONE},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -445,6 +452,10 @@ static int parse_opts(int argc, char **argv, opts_t *opts)
         case OPT_PRINT_ENV:
             opts->print_env = true;
             break;
+        case OPT_PRINT_CONFIG:
+            /* Every WEFT_* variable with its type, default and the value in effect here. */
+            weft_config_print(stdout);
+            return 1;
         case OPT_STANDALONE:
             opts->standalone = true;
             break;

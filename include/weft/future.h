@@ -36,7 +36,10 @@ WEFT_API int weft_future_fail(weft_future_t *f, weft_status_t status, const char
     __attribute__((format(printf, 3, 4)));
 
 /**
- * Waits until the future completes or @p timeout_ms passes (< 0: no limit).
+ * Waits until the future completes or @p timeout_ms passes. As everywhere in weft, a timeout of 0
+ * means the default: for a wait, until the future completes (every future a weft operation
+ * returns completes by that operation's own deadline); < 0 means no limit as well. To look
+ * without waiting, use weft_future_done. Thread-safe.
  * @return the future's status, or WEFT_ERR_TIMEOUT if still pending (the
  * future stays valid and may complete later).
  */
@@ -62,12 +65,13 @@ WEFT_API weft_status_t weft_future_take_value(weft_future_t *f, weft_value_t **v
 WEFT_API weft_status_t weft_future_then(weft_future_t *f, weft_future_cb_t cb, void *arg);
 
 /**
- * Waits for all @p n futures (total time @p timeout_ms). Returns WEFT_OK if
- * all succeeded, the first failing one's status otherwise, WEFT_ERR_TIMEOUT
- * if some are still pending when time runs out.
+ * Waits for all @p n futures (total time @p timeout_ms; 0: until all complete). Returns WEFT_OK
+ * if all succeeded, the first failing one's status otherwise, WEFT_ERR_TIMEOUT if some are still
+ * pending when time runs out. Thread-safe.
  */
 WEFT_API weft_status_t weft_future_wait_all(weft_future_t *const *futs, size_t n, int64_t timeout_ms);
-/** Waits until any of @p n completes; its index goes to @p index_p. WEFT_ERR_TIMEOUT if none. */
+/** Waits until any of @p n completes (0: without limit); its index goes to @p index_p.
+ * WEFT_ERR_TIMEOUT if none did in time. Thread-safe. */
 WEFT_API weft_status_t weft_future_wait_any(weft_future_t *const *futs, size_t n, int64_t timeout_ms,
                                    size_t *index_p);
 

@@ -81,10 +81,31 @@ Test(future, pending_state)
     cr_assert_null(weft_future_value(f));
     cr_assert_eq(weft_future_take_value(f, &v), WEFT_ERR_PENDING);
     cr_assert_eq(v, sentinel);
-    cr_assert_eq(weft_future_wait(f, 0), WEFT_ERR_TIMEOUT);
+    cr_assert_eq(weft_future_wait(f, 1), WEFT_ERR_TIMEOUT);
     weft_future_release(weft_future_retain(f));
     weft_future_release(f);
     weft_future_release(NULL);
+    check_balanced();
+}
+
+/* A timeout of 0 means the default, which for a wait is until the future completes. */
+Test(future, wait_with_timeout_0_waits_until_done)
+{
+    weft_future_t *f = new_future();
+    weft_future_t *g = new_future();
+    completer_t c, d;
+
+    complete_later(&c, f, 50, WEFT_ERR_NOT_FOUND, "later");
+    cr_assert_eq(weft_future_wait(f, 0), WEFT_ERR_NOT_FOUND);
+    cr_assert_str_eq(weft_future_error(f), "later");
+    join_completer(&c);
+    complete_later(&d, g, 50, WEFT_OK, NULL);
+    weft_future_t *both[2] = {f, g};
+    cr_assert_eq(weft_future_wait_all(both, 2, 0), WEFT_ERR_NOT_FOUND);
+    cr_assert(weft_future_done(g), "wait_all(0) returned before every future completed");
+    join_completer(&d);
+    weft_future_release(f);
+    weft_future_release(g);
     check_balanced();
 }
 
@@ -534,7 +555,7 @@ Test(future, block_hook_called_around_a_sleep_only)
 
     /* Already done, or no time to sleep: the hook is not called. */
     cr_assert_eq(weft_future_wait(f, 10000), WEFT_OK);
-    cr_assert_eq(weft_future_wait(g, 0), WEFT_ERR_TIMEOUT);
+    cr_assert_not(weft_future_done(g)); /* looking does not wait */
     cr_assert_eq(weft_future_wait_all(&f, 1, 1000), WEFT_OK);
     cr_assert_eq(weft_future_wait_any(&f, 1, 1000, &index), WEFT_OK);
     cr_assert_eq(h.n, 2);

@@ -211,6 +211,46 @@ Test(weftrun, keeps_auth_token_from_environment)
     result_free(&r);
 }
 
+/* --print-config: every WEFT_* variable, with the value in effect and where it came from; the
+ * job's token is never printed. */
+Test(weftrun, print_config_lists_every_variable)
+{
+    static const char *const env[] = {"WEFT_AUTH_TOKEN=" TOKEN, "WEFT_COLL_ALGO=ring",
+                                      "MASTER_PORT=29501", "WEFT_PEER_TIMEOUT_MS=7", NULL};
+    static const char *const names[] = {
+        "WEFT_LOG",         "WEFT_SPIN_US",          "WEFT_TENSOR_CACHE_MB",
+        "WEFT_REDUCE_SIMD", "WEFT_RANK",             "WEFT_WORLD_SIZE",
+        "WEFT_MASTER_ADDR", "WEFT_MASTER_PORT",      "WEFT_NAME",
+        "WEFT_LISTEN_HOST", "WEFT_AUTH_TOKEN",       "WEFT_RENDEZVOUS_TIMEOUT_MS",
+        "WEFT_RPC_TIMEOUT_MS", "WEFT_PEER_TIMEOUT_MS", "WEFT_HANDLER_THREADS",
+        "WEFT_MAX_MESSAGE_BYTES", "WEFT_HANDSHAKE_TIMEOUT_MS", "WEFT_DIRECT",
+        "WEFT_RREF_EAGER_BYTES", "WEFT_RREF_FAULT_DELAY_US", "WEFT_RREF_FAULT_DUP",
+        "WEFT_COLL_TIMEOUT_MS", "WEFT_COLL_ALGO", "WEFT_COLL_CMA", "WEFT_DATA_DIR"};
+    result_t r;
+
+    run_weftrun(&r, env, 0, 0, "--print-config", NULL);
+    cr_assert_eq(r.code, 0, "exit %d\nstderr:\n%s", r.code, r.err);
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        char want[64];
+        snprintf(want, sizeof(want), "%-28s = ", names[i]);
+        cr_expect_not_null(strstr(r.out, want), "%s is not listed:\n%s", names[i], r.out);
+    }
+    cr_expect_null(strstr(r.out, TOKEN), "the token was printed");
+    static const char *const lines[] = {
+        "WEFT_AUTH_TOKEN              = (set, hidden)            (from WEFT_AUTH_TOKEN)",
+        "WEFT_COLL_ALGO               = ring                     (from WEFT_COLL_ALGO)",
+        "WEFT_MASTER_PORT             = 29501                    (from MASTER_PORT)",
+        /* An invalid value is reported and the default used. */
+        "WEFT_PEER_TIMEOUT_MS         = 2000                     (default)",
+    };
+    for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++) {
+        cr_expect_not_null(run_find_line(r.out, lines[i], false), "missing: %s\n%s", lines[i],
+                           r.out);
+    }
+    cr_expect_not_null(strstr(r.err, "ignoring WEFT_PEER_TIMEOUT_MS=7"), "stderr: %s", r.err);
+    result_free(&r);
+}
+
 Test(weftrun, print_env_second_node)
 {
     static const char *const env[] = {"WEFT_AUTH_TOKEN=" TOKEN, NULL};
