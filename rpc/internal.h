@@ -1,6 +1,6 @@
 /* rpc internals. Not installed.
  *
- * The parts, each calling only the ones listed after it:
+ * The parts:
  *   agent.c      options, the gRPC server and its threads, peers, peer loss, create/join/free
  *   call.c       the registry, incoming calls and their answers, outgoing calls (pending table,
  *                deadlines on the agent's timer), the user's call and send functions
@@ -16,8 +16,11 @@
  *   refs.c       references inside values
  *   wire.c       the frame codec and reader
  *   bulk.c       the bulk queue (large messages read out off the transport threads)
- * Transports never call each other: a frame a transport cannot carry goes back through the route
- * (weft__route_msg), and what a transport receives goes to weft__deliver. */
+ * Who calls whom: agent, call, module, shutdown and rendezvous send through the route; the route
+ * reaches the transports only through the table (a->transports[]); the transports use hello,
+ * refs, wire and bulk, and reach back up only through the route's entry points (weft__deliver for
+ * what they receive, weft__route_fallback for what they cannot carry, weft__outmsg_free).
+ * Transports never call each other. */
 #ifndef WEFT_RPC_INTERNAL_H
 #define WEFT_RPC_INTERNAL_H
 
