@@ -2,7 +2,6 @@
  * thread, object types, introspection, and the shutdown listener that settles every reference
  * and reports leaks. */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -255,18 +254,6 @@ static void ctx_destroy(void *state)
 
 static weft_status_t on_shutdown(void *state, int64_t deadline_ms);
 
-/* Reads a non-negative integer from the environment (0 when unset or malformed). */
-static int64_t env_int(const char *name)
-{
-    const char *s = getenv(name);
-    if (s == NULL || *s == '\0') {
-        return 0;
-    }
-    char *end;
-    long long v = strtoll(s, &end, 10);
-    return *end == '\0' && v > 0 ? (int64_t)v : 0;
-}
-
 static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
 {
     weft_status_t st;
@@ -298,18 +285,11 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
         rref__ctx_unref(ctx);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: no memory for the module");
     }
-    ctx->ctl_timeout_ms = env_int("WEFT_RPC_TIMEOUT_MS");
-    if (ctx->ctl_timeout_ms <= 0) {
-        ctx->ctl_timeout_ms = 60000;
-    }
-    const char *eager = getenv("WEFT_RREF_EAGER_BYTES");
-    ctx->eager_max =
-        eager != NULL && eager[0] != '\0' ? env_int("WEFT_RREF_EAGER_BYTES") : RREF_EAGER_MAX;
-    if (ctx->eager_max < 0) {
-        ctx->eager_max = 0;
-    }
-    ctx->fault_delay_us = env_int("WEFT_RREF_FAULT_DELAY_US");
-    ctx->fault_dup = env_int("WEFT_RREF_FAULT_DUP") > 0;
+    /* Control messages get the deadline of the agent's calls given a timeout of 0. */
+    ctx->ctl_timeout_ms = weft_agent_call_timeout_ms(a);
+    ctx->eager_max = weft__cfg_int(WEFT__CFG_RREF_EAGER_BYTES);
+    ctx->fault_delay_us = weft__cfg_int(WEFT__CFG_RREF_FAULT_DELAY_US);
+    ctx->fault_dup = weft__cfg_bool(WEFT__CFG_RREF_FAULT_DUP);
     ctx->rng = 0x9E3779B97F4A7C15ull ^ ((uint64_t)getpid() << 20) ^ (uint64_t)weft__now_ns() ^
                (uint64_t)ctx->rank;
     if (ctx->fault_delay_us > 0 || ctx->fault_dup) {

@@ -34,8 +34,7 @@
 #define RREF_RETRY_MAX_MS   5000
 #define RREF_BACKOFF_MS     5 /* first wait after an ACK "not known yet" */
 #define RREF_BACKOFF_MAX_MS 200
-#define RREF_EAGER_MAX      65536 /* default of WEFT_RREF_EAGER_BYTES (see ctx->eager_max) */
-#define RREF_EAGER_MARGIN   4096  /* room left in a message for the frame around such a value */
+#define RREF_EAGER_MARGIN   4096 /* room left in a message for the frame around such a value */
 
 typedef struct rref_ctx rref_ctx_t;
 
@@ -152,7 +151,7 @@ struct rref_ctx {
     int rank, world;
     _Atomic int64_t nrefs; /* the module's, plus one per reference struct */
     _Atomic uint64_t next_local;
-    int64_t ctl_timeout_ms;
+    int64_t ctl_timeout_ms; /* the agent's default call timeout: control messages, timeouts of 0 */
 
     pthread_mutex_t mu;
     bool dead; /* the agent is being freed: no more messages */
