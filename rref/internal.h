@@ -203,26 +203,11 @@ int64_t rref__fault_delay(rref_ctx_t *ctx);
 const rref_type_t *rref__type_find(rref_ctx_t *ctx, const char *name);
 const char *rref__worker_name(rref_ctx_t *ctx, int rank);
 
-/* proto.c: encoding of ids and call headers, control messages */
+/* proto.c: encoding of ids, control messages */
 void rref__id_to_pb(weft_rref_id_t id, Weft__V1__RRefId *pb);
 /* False when @p pb is missing or names no rank of the world. */
 bool rref__id_from_pb(const rref_ctx_t *ctx, const Weft__V1__RRefId *pb, weft_rref_id_t *id_p);
 bool rref__id_eq(weft_rref_id_t x, weft_rref_id_t y);
-/* A value: [u32 LE header length][header][args payload] + the tensors and references of @p args. */
-weft_status_t rref__call_pack(const Weft__V1__RRefCall *hdr, const weft_value_t *args,
-                              weft_value_t **v_p);
-/* The same framing for any header. */
-weft_status_t rref__frame_pack(const ProtobufCMessage *hdr, const weft_value_t *args,
-                               weft_value_t **v_p);
-/* The header of a framed value (WEFT_ERR_PROTOCOL if it has none); its body starts at
- * 4 + *hlen_p in the payload. */
-weft_status_t rref__frame_header(const weft_value_t *v, const uint8_t **hdr_p, size_t *hlen_p);
-/* Splits a call's value: the header, and (if @p args_p) the user arguments as a new value. */
-weft_status_t rref__call_unpack(const weft_value_t *v, Weft__V1__RRefCall **hdr_p,
-                                weft_value_t **args_p);
-/* Appends the tensors and references of @p src to @p dst and sets its payload to @p src's from
- * @p skip bytes on. */
-weft_status_t rref__value_fill(weft_value_t *dst, const weft_value_t *src, size_t skip);
 /* Sends a control request (FORK_REQUEST, CHILD_ACCEPT, USER_DELETE), retried until its ACK;
  * @p done runs once with the ACK's status (or the failure), without ctx->mu. */
 void rref__ctl_send(rref_ctx_t *ctx, Weft__V1__RRefMsgKind kind, int to, weft_rref_id_t id,
