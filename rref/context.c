@@ -1,5 +1,5 @@
-/* The rref module's per-agent context: creation (channel, functions, codec, listeners), the timer
- * thread, object types, introspection, and the shutdown listener that settles every reference
+/* The rref module's per-agent context: creation (channel, functions, codec, listeners), fault
+ * injection, object types, introspection, and the shutdown listener that settles every reference
  * and reports leaks. */
 #include <stdio.h>
 #include <string.h>
@@ -8,99 +8,21 @@
 
 #include "internal.h"
 
-/* ------------------------------------------------------------------ timer */
-
-static void *timer_main(void *arg)
-{
-    rref_ctx_t *ctx = arg;
-
-    pthread_mutex_lock(&ctx->tmu);
-    while (!ctx->timer_stop) {
-        rref_task_t *t = ctx->tasks;
-        int64_t now = weft__now_ns();
-        if (t == NULL) {
-            pthread_cond_wait(&ctx->tcv, &ctx->tmu);
-            continue;
-        }
-        if (t->due_ns > now) {
-            struct timespec ts;
-            clock_gettime(CLOCK_MONOTONIC, &ts);
-            int64_t at = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec + (t->due_ns - now);
-            ts.tv_sec = at / 1000000000;
-            ts.tv_nsec = at % 1000000000;
-            pthread_cond_timedwait(&ctx->tcv, &ctx->tmu, &ts);
-            continue;
-        }
-        ctx->tasks = t->next;
-        if (ctx->tasks == NULL) {
-            ctx->tasks_tail = NULL;
-        }
-        pthread_mutex_unlock(&ctx->tmu);
-        t->run(ctx, t->arg);
-        weft_free(t);
-        pthread_mutex_lock(&ctx->tmu);
-    }
-    pthread_mutex_unlock(&ctx->tmu);
-    return NULL;
-}
-
-void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
-                     void (*drop)(void *), void *arg)
-{
-    rref_task_t *t = weft_calloc(1, sizeof(*t));
-
-    if (t == NULL) {
-        WEFT_ERROR("rref: no memory for a timer task");
-        if (drop != NULL) {
-            drop(arg);
-        }
-        return;
-    }
-    t->due_ns = weft__now_ns() + delay_us * 1000;
-    t->run = run;
-    t->drop = drop;
-    t->arg = arg;
-    pthread_mutex_lock(&ctx->tmu);
-    if (ctx->timer_stop) {
-        pthread_mutex_unlock(&ctx->tmu);
-        if (drop != NULL) {
-            drop(arg);
-        }
-        weft_free(t);
-        return;
-    }
-    rref_task_t **pp = &ctx->tasks;
-    if (ctx->tasks_tail != NULL && ctx->tasks_tail->due_ns <= t->due_ns) {
-        pp = &ctx->tasks_tail->next; /* O(1): thousands of retries may be armed */
-    } else {
-        while (*pp != NULL && (*pp)->due_ns <= t->due_ns) {
-            pp = &(*pp)->next;
-        }
-    }
-    t->next = *pp;
-    *pp = t;
-    if (t->next == NULL) {
-        ctx->tasks_tail = t;
-    }
-    if (ctx->tasks == t) {
-        pthread_cond_signal(&ctx->tcv);
-    }
-    pthread_mutex_unlock(&ctx->tmu);
-}
+/* ------------------------------------------------------- fault injection */
 
 int64_t rref__fault_delay(rref_ctx_t *ctx)
 {
     if (ctx->fault_delay_us <= 0) {
         return 0;
     }
-    pthread_mutex_lock(&ctx->tmu);
     /* xorshift64* */
-    uint64_t x = ctx->rng;
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    ctx->rng = x;
-    pthread_mutex_unlock(&ctx->tmu);
+    uint64_t old = atomic_load(&ctx->rng), x;
+    do {
+        x = old;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+    } while (!atomic_compare_exchange_weak(&ctx->rng, &old, x));
     return (int64_t)((x * 0x2545F4914F6CDD1Dull) % (uint64_t)(ctx->fault_delay_us + 1));
 }
 
@@ -133,8 +55,6 @@ void rref__ctx_unref(rref_ctx_t *ctx)
     }
     weft_free(ctx->lost);
     pthread_mutex_destroy(&ctx->mu);
-    pthread_mutex_destroy(&ctx->tmu);
-    pthread_cond_destroy(&ctx->tcv);
     weft_free(ctx);
 }
 
@@ -154,32 +74,11 @@ static void ctx_destroy(void *state)
 {
     rref_ctx_t *ctx = state;
 
+    /* The kit has dropped the context's timer tasks (their drops released what they held). From
+     * here on nothing is sent and no task is added: ctx->a goes with the agent. */
     pthread_mutex_lock(&ctx->mu);
     ctx->dead = true;
     pthread_mutex_unlock(&ctx->mu);
-
-    /* The timer: stop it, then drop what it would have run. */
-    if (ctx->timer_started) {
-        pthread_mutex_lock(&ctx->tmu);
-        ctx->timer_stop = true;
-        pthread_cond_signal(&ctx->tcv);
-        pthread_mutex_unlock(&ctx->tmu);
-        pthread_join(ctx->timer, NULL);
-    }
-    pthread_mutex_lock(&ctx->tmu);
-    ctx->timer_stop = true;
-    rref_task_t *tasks = ctx->tasks;
-    ctx->tasks = NULL;
-    ctx->tasks_tail = NULL;
-    pthread_mutex_unlock(&ctx->tmu);
-    while (tasks != NULL) {
-        rref_task_t *t = tasks;
-        tasks = t->next;
-        if (t->drop != NULL) {
-            t->drop(t->arg);
-        }
-        weft_free(t);
-    }
 
     /* Control messages can no longer be answered. */
     rref__ctl_fail_rank(ctx, -1, WEFT_ERR_SHUTDOWN, "the agent was closed");
@@ -274,12 +173,6 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     atomic_init(&ctx->next_local, 1);
     ctx->next_msg = 1;
     pthread_mutex_init(&ctx->mu, NULL);
-    pthread_mutex_init(&ctx->tmu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&ctx->tcv, &ca);
-    pthread_condattr_destroy(&ca);
     ctx->lost = weft_calloc((size_t)ctx->world, sizeof(bool));
     if (ctx->lost == NULL) {
         rref__ctx_unref(ctx);
@@ -290,18 +183,13 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     ctx->eager_max = weft__cfg_int(WEFT__CFG_RREF_EAGER_BYTES);
     ctx->fault_delay_us = weft__cfg_int(WEFT__CFG_RREF_FAULT_DELAY_US);
     ctx->fault_dup = weft__cfg_bool(WEFT__CFG_RREF_FAULT_DUP);
-    ctx->rng = 0x9E3779B97F4A7C15ull ^ ((uint64_t)getpid() << 20) ^ (uint64_t)weft__now_ns() ^
-               (uint64_t)ctx->rank;
+    uint64_t seed = 0x9E3779B97F4A7C15ull ^ ((uint64_t)getpid() << 20) ^ (uint64_t)weft__now_ns() ^
+                    (uint64_t)ctx->rank;
+    atomic_init(&ctx->rng, seed != 0 ? seed : 1);
     if (ctx->fault_delay_us > 0 || ctx->fault_dup) {
         WEFT_INFO("rref: fault injection: control messages delayed by up to %lld us%s",
                   (long long)ctx->fault_delay_us, ctx->fault_dup ? ", each sent twice" : "");
     }
-    if (pthread_create(&ctx->timer, NULL, timer_main, ctx) != 0) {
-        rref__ctx_unref(ctx);
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: could not start the timer thread");
-    }
-    ctx->timer_started = true;
-
     /* From here on the agent may call into ctx: on a failure it is kept (not freed), stopped. */
     WEFT_CHECK_GOTO(weft_rpc_register(a, RREF_FN_REMOTE, rref__handle_remote, ctx), st, err_keep);
     WEFT_CHECK_GOTO(weft_rpc_register(a, RREF_FN_FETCH, rref__handle_fetch, ctx), st, err_keep);

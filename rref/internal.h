@@ -1,5 +1,6 @@
-/* rref internals: the per-agent context, owner and user references, control messages, the timer.
- * Not installed. docs/rref.md describes the protocol. */
+/* rref internals: the per-agent context, owner and user references, control messages. Timed
+ * work (retries, delayed sends, deadlines) runs on the agent's timer, owned by the context. Not
+ * installed. docs/rref.md describes the protocol. */
 #ifndef WEFT_RREF_INTERNAL_H
 #define WEFT_RREF_INTERNAL_H
 
@@ -127,7 +128,8 @@ typedef void (*rref_ctl_done_cb_t)(rref_ctx_t *ctx, weft_status_t st, const char
 typedef struct rref_ctl {
     struct rref_ctl *next;
     uint64_t msg_id;
-    uint64_t gen; /* the retry task that may act */
+    uint64_t gen;  /* the armed retry task (its data): only that one may act */
+    uint64_t task; /* its id on the agent's timer, cancelled when the message settles */
     Weft__V1__RRefMsgKind kind;
     int to;
     weft_rref_id_t id, fork;
@@ -136,15 +138,6 @@ typedef struct rref_ctl {
     rref_ctl_done_cb_t done;
     void *arg;
 } rref_ctl_t;
-
-/* A task of the timer thread. */
-typedef struct rref_task {
-    struct rref_task *next;
-    int64_t due_ns;
-    void (*run)(rref_ctx_t *ctx, void *arg);
-    void (*drop)(void *arg); /* the task will never run (module freed); may be NULL */
-    void *arg;
-} rref_task_t;
 
 struct rref_ctx {
     weft_agent_t *a;
@@ -166,6 +159,7 @@ struct rref_ctx {
     rref_ctl_t *ctls;
     size_t nctls;
     uint64_t next_msg;
+    uint64_t next_gen; /* retry tasks armed */
     weft_rref_id_t freed[RREF_FREED_RING];
     size_t nfreed, freed_next;
     rref_orphan_t *orphans;
@@ -178,15 +172,7 @@ struct rref_ctx {
     /* fault injection (tests): WEFT_RREF_FAULT_DELAY_US, WEFT_RREF_FAULT_DUP */
     int64_t fault_delay_us;
     bool fault_dup;
-    uint64_t rng;
-
-    /* the timer thread: retries, delayed sends, deadlines */
-    pthread_mutex_t tmu;
-    pthread_cond_t tcv;
-    rref_task_t *tasks;      /* by due time */
-    rref_task_t *tasks_tail; /* the last one: most tasks (retries) go after it */
-    bool timer_started, timer_stop;
-    pthread_t timer;
+    _Atomic uint64_t rng;
 };
 
 /* context.c */
@@ -194,10 +180,12 @@ weft_status_t rref__ctx(weft_agent_t *a, rref_ctx_t **ctx_p);
 void rref__ctx_ref(rref_ctx_t *ctx);
 void rref__ctx_unref(rref_ctx_t *ctx);
 weft_rref_id_t rref__new_id(rref_ctx_t *ctx);
-/* Runs @p run on the timer thread after @p delay_us. Takes @p arg (dropped with @p drop if the
- * task cannot be queued or never runs). */
-void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
-                     void (*drop)(void *), void *arg);
+/* Timed work goes on the agent's timer with the context as its owner:
+ *   weft_agent_timer_add(ctx->a, delay_us, run, drop, arg, data, ctx)
+ * The kit drops the context's tasks before the module's destroy (and the agent's timer drops
+ * what is left when it stops): a task that holds something (an operation, a future, a value)
+ * releases it in its drop. Tasks are only added while the context is not dead (ctx->a is gone
+ * after its destroy). */
 /* A random delay in 0..fault_delay_us (0 without fault injection). */
 int64_t rref__fault_delay(rref_ctx_t *ctx);
 const rref_type_t *rref__type_find(rref_ctx_t *ctx, const char *name);

@@ -306,17 +306,19 @@ static void op_fail(op_t *op, weft_status_t st, const char *text)
     op_done(op);
 }
 
-static void op_send(rref_ctx_t *ctx, void *arg);
+static void op_send(op_t *op);
 
-static void deadline_run(rref_ctx_t *ctx, void *arg)
+/* The deadline of an operation's future (a timer task that holds the future). */
+static void deadline_run(void *arg, uint64_t data)
 {
-    (void)ctx;
+    (void)data;
     weft_future_fail(arg, WEFT_ERR_TIMEOUT, "rref: the operation passed its deadline");
     weft_future_release(arg);
 }
 
-static void deadline_drop(void *arg)
+static void deadline_drop(void *arg, uint64_t data)
 {
+    (void)data;
     weft_future_release(arg);
 }
 
@@ -324,8 +326,8 @@ static void deadline_drop(void *arg)
 static void op_deadline_arm(op_t *op)
 {
     int64_t left = op->deadline_ms - weft__now_ms();
-    rref__timer_add(op->ctx, (left > 0 ? left : 0) * 1000, deadline_run, deadline_drop,
-                    weft_future_retain(op->out));
+    (void)weft_agent_timer_add(op->ctx->a, (left > 0 ? left : 0) * 1000, deadline_run,
+                               deadline_drop, weft_future_retain(op->out), 0, op->ctx);
 }
 
 /*
@@ -366,7 +368,7 @@ static bool op_pipelined_failed(op_t *op, weft_status_t st, const char *text)
         return true;
     }
     if (resend) {
-        op_send(ctx, op);
+        op_send(op);
         return true;
     }
     return false;
@@ -395,7 +397,7 @@ static void op_creation_seen(weft_future_t *f, void *arg)
     } else if (resend) {
         /* The owner had not got the creation when the call came: send it again (the hold
          * passes to the new call). */
-        op_send(ctx, op);
+        op_send(op);
         return;
     } else if (deferred) {
         weft_future_complete(op->out, op->dst, op->dtext, NULL);
@@ -489,13 +491,11 @@ static void op_rpc_done(weft_future_t *f, void *arg)
     op_done(op);
 }
 
-static void op_send(rref_ctx_t *ctx, void *arg)
+static void op_send(op_t *op)
 {
-    op_t *op = arg;
     weft_future_t *f;
     int64_t left = op->deadline_ms - weft__now_ms();
 
-    (void)ctx;
     if (left <= 0) {
         op_fail(op, WEFT_ERR_TIMEOUT, "rref: the deadline passed before the call was sent");
         return;
@@ -514,8 +514,17 @@ static void op_send(rref_ctx_t *ctx, void *arg)
     }
 }
 
-static void op_drop(void *arg)
+/* An operation held back by fault injection (a timer task that holds the operation): sent, or
+ * failed when the task is dropped (which releases what the operation holds). */
+static void op_send_run(void *arg, uint64_t data)
 {
+    (void)data;
+    op_send(arg);
+}
+
+static void op_send_drop(void *arg, uint64_t data)
+{
+    (void)data;
     op_fail(arg, WEFT_ERR_SHUTDOWN, "rref: the agent was closed");
 }
 
@@ -556,9 +565,9 @@ static void op_target_ready(weft_future_t *f, void *arg)
     int64_t delay = op->kind == OP_REMOTE ? rref__fault_delay(op->ctx) : 0;
     if (delay > 0) {
         /* Fault injection: calls that carry forks are delayed like control messages. */
-        rref__timer_add(op->ctx, delay, op_send, op_drop, op);
+        (void)weft_agent_timer_add(op->ctx->a, delay, op_send_run, op_send_drop, op, 0, op->ctx);
     } else {
-        op_send(op->ctx, op);
+        op_send(op);
     }
 }
 

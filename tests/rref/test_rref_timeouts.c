@@ -143,3 +143,152 @@ Test(rref_timeouts, control_messages_follow_the_agents_default_timeout, .timeout
     o.call_timeout_ms = 1000;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
+
+/* ------------------------------------------------- freed with timed work pending */
+
+/*
+ * Rank 0 frees its agent (no shutdown) while the agent's timer holds rref work: a remote() call
+ * and control messages held back by fault injection (up to 600 s), a control message's retry and
+ * a to_here's deadline. The kit drops them before the module is destroyed, and their drops must
+ * fail what waits and release what they hold: the remote() call's drop fails its creation, which
+ * the to_here reports (its status and text go through a pipe to the test; the context's own
+ * teardown would have failed it with another text). The work is done on a thread of the test's
+ * own, so that ASan's leak check (the rank's exit) sees what a drop failed to release; nothing
+ * may be used after it was freed. Rank 1 stays up until rank 0 is gone.
+ */
+static void fn_make(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_call_reply(call, value_of_string("made"));
+}
+
+static void fn_return_rref(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_rref_t *r;
+    weft_value_t *res;
+
+    if (weft_rref_create(weft_call_agent(call), value_of_string("owned"), &r) != WEFT_OK) {
+        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "create");
+        return;
+    }
+    weft_value_create(&res);
+    weft_value_add_rref(res, r);
+    weft_rref_release(r);
+    weft_call_reply(call, res);
+}
+
+static void fn_ping(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_call_reply(call, NULL);
+}
+
+static void setup_teardown(weft_agent_t *a, int rank, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    if (weft_rref_init(a) != WEFT_OK || weft_rpc_register(a, "make", fn_make, NULL) != WEFT_OK ||
+        weft_rpc_register(a, "return_rref", fn_return_rref, NULL) != WEFT_OK ||
+        weft_rpc_register(a, "ping", fn_ping, NULL) != WEFT_OK) {
+        abort();
+    }
+}
+
+typedef struct {
+    int32_t status;
+    char text[480];
+} outcome_t;
+
+static int g_outcome_fd = -1; /* the pipe's write end */
+
+/* The to_here's outcome (on rank 0 while its agent is freed): written to the pipe. */
+static void fetch_settled(weft_future_t *f, void *arg)
+{
+    (void)arg;
+    outcome_t o;
+    memset(&o, 0, sizeof(o));
+    o.status = weft_future_status(f);
+    snprintf(o.text, sizeof(o.text), "%s", weft_future_error(f));
+    if (write(g_outcome_fd, &o, sizeof(o)) != (ssize_t)sizeof(o)) {
+        abort();
+    }
+    weft_future_release(f);
+}
+
+/* Rank 0's work (on a thread of its own): NULL when done. */
+static void *teardown_work(void *arg)
+{
+    weft_agent_t *a = arg;
+    weft_value_t *v = NULL;
+    weft_rref_t *r;
+    weft_future_t *f;
+
+    /* A reference owned by rank 1, confirmed at once (early registration), then released: its
+     * USER_DELETE waits for its ACK (a retry task) and is held back (a delayed send). */
+    if (weft_rpc_sync(a, 1, "return_rref", NULL, 5000, &v) != WEFT_OK ||
+        weft_value_rref(v, 0) == NULL || !weft_rref_confirmed_by_owner(weft_value_rref(v, 0))) {
+        fprintf(stderr, "return_rref: %s\n", weft_last_error());
+        weft_value_free(v);
+        return (void *)1;
+    }
+    weft_value_free(v);
+    /* remote(): its call is held back; a to_here with a shorter deadline arms a deadline task. */
+    if (weft_rref_remote(a, 1, "make", NULL, 20000, &r) != WEFT_OK) {
+        fprintf(stderr, "remote: %s\n", weft_last_error());
+        return (void *)1;
+    }
+    if (weft_rref_to_here_async(r, 10000, &f) != WEFT_OK ||
+        weft_future_then(f, fetch_settled, NULL) != WEFT_OK) {
+        fprintf(stderr, "to_here: %s\n", weft_last_error());
+        weft_rref_release(r);
+        return (void *)1;
+    }
+    weft_rref_release(r);
+    return NULL;
+}
+
+static int body_teardown(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank == 1) {
+        for (int64_t until = now_ms() + 30000; now_ms() < until;) {
+            if (weft_rpc_sync(a, 0, "ping", NULL, 1000, NULL) != WEFT_OK) {
+                return 0; /* rank 0 is gone */
+            }
+        }
+        RANK_CHECK(0, "rank 0 never went away");
+    }
+    pthread_t th;
+    void *res = NULL;
+    RANK_CHECK(pthread_create(&th, NULL, teardown_work, a) == 0, "thread");
+    pthread_join(th, &res);
+    RANK_CHECK(res == NULL, "rank 0's work failed");
+    return 0;
+}
+
+Test(rref_timeouts, agent_freed_with_timed_work_pending, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    int fds[2];
+    outcome_t out;
+    cr_assert_eq(pipe(fds), 0);
+    g_outcome_fd = fds[1];
+    /* Held back by 0..600 s: still on the timer when the agent is freed, a few ms later. */
+    setenv("WEFT_RREF_FAULT_DELAY_US", "600000000", 1);
+    ranks_opts_init(&o, 2, body_teardown);
+    o.setup = setup_teardown;
+    o.no_shutdown = 1;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+    close(fds[1]);
+    cr_assert_eq(read(fds[0], &out, sizeof(out)), (ssize_t)sizeof(out),
+                 "the to_here never ended while the agent was freed");
+    close(fds[0]);
+    out.text[sizeof(out.text) - 1] = '\0';
+    cr_assert_eq(out.status, WEFT_ERR_SHUTDOWN, "the to_here ended with %s: %s",
+                 weft_strerror(out.status), out.text);
+    cr_assert(strstr(out.text, "creation by 'make'") != NULL,
+              "the remote() call's drop did not fail its creation: %s", out.text);
+}
