@@ -54,6 +54,7 @@ void rref__ctx_unref(rref_ctx_t *ctx)
         weft_free(o);
     }
     weft_free(ctx->lost);
+    pthread_cond_destroy(&ctx->settle_cv);
     pthread_mutex_destroy(&ctx->mu);
     weft_free(ctx);
 }
@@ -173,6 +174,11 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     atomic_init(&ctx->next_local, 1);
     ctx->next_msg = 1;
     pthread_mutex_init(&ctx->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* the clock of weft__now_ms */
+    pthread_cond_init(&ctx->settle_cv, &ca);
+    pthread_condattr_destroy(&ca);
     ctx->lost = weft_calloc((size_t)ctx->world, sizeof(bool));
     if (ctx->lost == NULL) {
         rref__ctx_unref(ctx);
@@ -374,22 +380,36 @@ weft_status_t weft_rref_debug_info(weft_agent_t *a, char **json_p)
 
 /* --------------------------------------------------------------- shutdown */
 
+void rref__settle_signal_locked(rref_ctx_t *ctx)
+{
+    if (ctx->settle_waiters > 0) {
+        pthread_cond_broadcast(&ctx->settle_cv);
+    }
+}
+
 /* Waits until no confirmation, pending child or control message is in flight (@p ctl_only: no
- * control message), or the deadline. */
+ * control message), or the deadline (CLOCK_MONOTONIC ms); woken when one of them settles. */
 static bool wait_settled(rref_ctx_t *ctx, int64_t deadline_ms, bool ctl_only, counts_t *c)
 {
+    bool settled;
+
+    pthread_mutex_lock(&ctx->mu);
+    ctx->settle_waiters++;
     for (;;) {
-        pthread_mutex_lock(&ctx->mu);
         counts_locked(ctx, c);
-        pthread_mutex_unlock(&ctx->mu);
-        if (c->ctls == 0 && (ctl_only || (c->pending_users == 0 && c->pending_children == 0))) {
-            return true;
+        settled = c->ctls == 0 && (ctl_only || (c->pending_users == 0 && c->pending_children == 0));
+        int64_t now = weft__now_ms();
+        if (settled || now >= deadline_ms) {
+            break;
         }
-        if (weft__now_ms() >= deadline_ms) {
-            return false;
-        }
-        usleep(1000);
+        /* At most an hour at a time: a far deadline stays a valid timespec. */
+        int64_t until = deadline_ms - now < 3600000 ? deadline_ms : now + 3600000;
+        struct timespec ts = {.tv_sec = until / 1000, .tv_nsec = (until % 1000) * 1000000};
+        pthread_cond_timedwait(&ctx->settle_cv, &ctx->mu, &ts);
     }
+    ctx->settle_waiters--;
+    pthread_mutex_unlock(&ctx->mu);
+    return settled;
 }
 
 static weft_status_t on_shutdown(void *state, int64_t deadline_ms)

@@ -147,6 +147,8 @@ struct rref_ctx {
     int64_t ctl_timeout_ms; /* the agent's default call timeout: control messages, timeouts of 0 */
 
     pthread_mutex_t mu;
+    pthread_cond_t settle_cv; /* shutdown's wait: a count of wait_settled went down */
+    int settle_waiters;
     bool dead; /* the agent is being freed: no more messages */
     rref_type_t *types;
     weft_rref_t *owners[RREF_OWNER_BUCKETS];
@@ -189,6 +191,9 @@ weft_rref_id_t rref__new_id(rref_ctx_t *ctx);
 /* A random delay in 0..fault_delay_us (0 without fault injection). */
 int64_t rref__fault_delay(rref_ctx_t *ctx);
 const rref_type_t *rref__type_find(rref_ctx_t *ctx, const char *name);
+/* Wakes shutdown's wait after a control message, a pending child or a pending user reference
+ * settled (ctx->mu held). */
+void rref__settle_signal_locked(rref_ctx_t *ctx);
 const char *rref__worker_name(rref_ctx_t *ctx, int rank);
 
 /* proto.c: encoding of ids, control messages */

@@ -135,6 +135,7 @@ static rref_ctl_t *ctl_unlink_locked(rref_ctx_t *ctx, rref_ctl_t **pp)
     rref_ctl_t *c = *pp;
     *pp = c->next;
     ctx->nctls--;
+    rref__settle_signal_locked(ctx);
     if (c->task != 0) {
         (void)weft_agent_timer_cancel(ctx->a, c->task);
         c->task = 0;
