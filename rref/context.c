@@ -186,6 +186,9 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     }
     /* Control messages get the deadline of the agent's calls given a timeout of 0. */
     ctx->ctl_timeout_ms = weft_agent_call_timeout_ms(a);
+    if (ctx->ctl_timeout_ms > RREF_MAX_TIMEOUT_MS) {
+        ctx->ctl_timeout_ms = RREF_MAX_TIMEOUT_MS;
+    }
     ctx->eager_max = weft__cfg_int(WEFT__CFG_RREF_EAGER_BYTES);
     ctx->fault_delay_us = weft__cfg_int(WEFT__CFG_RREF_FAULT_DELAY_US);
     ctx->fault_dup = weft__cfg_bool(WEFT__CFG_RREF_FAULT_DUP);

@@ -36,6 +36,7 @@
 #define RREF_BACKOFF_MS     5 /* first wait after an ACK "not known yet" */
 #define RREF_BACKOFF_MAX_MS 200
 #define RREF_EAGER_MARGIN   4096 /* room left in a message for the frame around such a value */
+#define RREF_MAX_TIMEOUT_MS (1000LL * 3600 * 24 * 30) /* deadlines are clamped to 30 days */
 
 typedef struct rref_ctx rref_ctx_t;
 

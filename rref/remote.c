@@ -52,9 +52,26 @@ static weft_status_t call_header(const weft_value_t *v, Weft__V1__RRefCall **hdr
     return WEFT_OK;
 }
 
-static int64_t timeout_or_default(rref_ctx_t *ctx, int64_t timeout_ms)
+/* The length of a deadline given as a timeout_ms argument (already checked): 0 is the agent's
+ * default call timeout; at most RREF_MAX_TIMEOUT_MS. */
+static int64_t timeout_resolve(const rref_ctx_t *ctx, int64_t timeout_ms)
 {
-    return timeout_ms > 0 ? timeout_ms : ctx->ctl_timeout_ms;
+    if (timeout_ms == 0) {
+        timeout_ms = ctx->ctl_timeout_ms;
+    }
+    return timeout_ms < RREF_MAX_TIMEOUT_MS ? timeout_ms : RREF_MAX_TIMEOUT_MS;
+}
+
+/* Checks a timeout_ms argument of @p what: a negative one is refused. */
+static weft_status_t timeout_check(int64_t timeout_ms, const char *what)
+{
+    if (timeout_ms < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "%s: a timeout of %lld ms (0 means the agent's default call "
+                               "timeout; a deadline cannot be infinite)",
+                               what, (long long)timeout_ms);
+    }
+    return WEFT_OK;
 }
 
 static weft_status_t check_ref(const weft_rref_t *r, const char *what)
@@ -664,7 +681,7 @@ static weft_status_t op_new(rref_ctx_t *ctx, op_kind_t kind, weft_rref_t *target
     op->r = weft_rref_retain(target);
     op->to = to;
     op->fn = fn;
-    op->deadline_ms = weft__now_ms() + timeout_or_default(ctx, timeout_ms);
+    op->deadline_ms = weft__now_ms() + timeout_resolve(ctx, timeout_ms);
     *op_p = op;
     return WEFT_OK;
 }
@@ -699,6 +716,7 @@ static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreate
                                "rref_remote: a name of 1..%d bytes and rref_p are needed",
                                RREF_MAX_NAME);
     }
+    WEFT_CHECK(timeout_check(timeout_ms, "rref_remote"));
     WEFT_CHECK(rref__ctx(a, &ctx));
     if (to < 0 || to >= ctx->world) {
         return weft__set_error(WEFT_ERR_INVALID_ARG,
@@ -712,7 +730,7 @@ static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreate
     }
     weft_rref_id_t id = rref__new_id(ctx);
     weft_rref_id_t target_id = target != NULL ? target->id : (weft_rref_id_t){0, 0};
-    timeout_ms = timeout_or_default(ctx, timeout_ms);
+    timeout_ms = timeout_resolve(ctx, timeout_ms);
 
     if (to == ctx->rank) {
         /* This worker owns the result: no protocol, a local creation. */
@@ -819,6 +837,7 @@ weft_status_t weft_rref_to_here_async(weft_rref_t *r, int64_t timeout_ms, weft_f
     if (f_p == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rref_to_here: NULL f_p");
     }
+    WEFT_CHECK(timeout_check(timeout_ms, "rref_to_here"));
     rref_ctx_t *ctx = r->ctx;
     if (r->type != NULL) {
         return weft__set_error(WEFT_ERR_UNSUPPORTED,
@@ -885,20 +904,21 @@ weft_status_t weft_rref_to_here(weft_rref_t *r, int64_t timeout_ms, weft_value_t
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rref_to_here: NULL value_p");
     }
     WEFT_CHECK(weft_rref_to_here_async(r, timeout_ms, &f));
-    return wait_value(f, timeout_or_default(r->ctx, timeout_ms), value_p);
+    return wait_value(f, timeout_resolve(r->ctx, timeout_ms), value_p);
 }
 
 /* Waits (owner only) for the creation of @p r. */
 static weft_status_t wait_local(weft_rref_t *r, int64_t timeout_ms, const char *what)
 {
     WEFT_CHECK(check_ref(r, what));
+    WEFT_CHECK(timeout_check(timeout_ms, what));
     if (r->role != RREF_OWNER) {
         return weft__set_error(WEFT_ERR_INVALID_STATE,
                                "%s: rref (%d,%llu) is owned by %s (rank %d), not by this worker",
                                what, r->id.worker, (unsigned long long)r->id.local,
                                rref__worker_name(r->ctx, r->owner), r->owner);
     }
-    weft_status_t st = weft_future_wait(r->ready, timeout_or_default(r->ctx, timeout_ms));
+    weft_status_t st = weft_future_wait(r->ready, timeout_resolve(r->ctx, timeout_ms));
     if (st == WEFT_ERR_TIMEOUT && !weft_future_done(r->ready)) {
         return weft__set_error(st, "%s: rref (%d,%llu) is still being created by '%s'", what,
                                r->id.worker, (unsigned long long)r->id.local, r->created_by);
@@ -954,6 +974,7 @@ weft_status_t weft_rref_rpc_async(weft_rref_t *r, const char *method, const weft
                                "rref_rpc: a method name of 1..%d bytes and f_p are needed",
                                RREF_MAX_NAME);
     }
+    WEFT_CHECK(timeout_check(timeout_ms, "rref_rpc"));
     rref_ctx_t *ctx = r->ctx;
     if (ctx_dead(ctx)) {
         return weft__set_error(WEFT_ERR_SHUTDOWN, "rref_rpc: the agent is closed");
@@ -989,7 +1010,7 @@ weft_status_t weft_rref_rpc_sync(weft_rref_t *r, const char *method, const weft_
     weft_future_t *f;
 
     WEFT_CHECK(weft_rref_rpc_async(r, method, args, timeout_ms, &f));
-    return wait_value(f, timeout_or_default(r->ctx, timeout_ms), result_p);
+    return wait_value(f, timeout_resolve(r->ctx, timeout_ms), result_p);
 }
 
 /* -------------------------------------------------------------- identity */
