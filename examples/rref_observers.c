@@ -248,6 +248,14 @@ static void observer_dtor(void *obj, void *type_arg)
     free(ob);
 }
 
+/* The timeout of a call made for @p call: what is left of its deadline, at least 1 ms (a timeout
+ * of 0 would mean the agent's default call timeout, a negative one is refused). */
+static int64_t time_left_ms(const weft_call_t *call)
+{
+    int64_t left = weft_call_time_left_ms(call);
+    return left > 0 ? left : 1;
+}
+
 /*
  * run_episode(payload "n_steps", the agent's reference) -> "observer reward".
  *
@@ -279,9 +287,8 @@ static void observer_run_episode(void *obj, weft_call_t *call, void *type_arg)
         weft_value_t *q = value_printf("%d %d", ob->id, state);
         weft_value_t *res = NULL;
 
-        st = q != NULL
-                 ? weft_rref_rpc_sync(agent, "select_action", q, weft_call_time_left_ms(call), &res)
-                 : WEFT_ERR_NO_MEMORY;
+        st = q != NULL ? weft_rref_rpc_sync(agent, "select_action", q, time_left_ms(call), &res)
+                       : WEFT_ERR_NO_MEMORY;
         weft_value_free(q);
         if (st != WEFT_OK) {
             break;
@@ -293,9 +300,8 @@ static void observer_run_episode(void *obj, weft_call_t *call, void *type_arg)
         r = action == (state >= 50 ? 1 : 0) ? 1 : 0;
         reward += r;
         q = value_printf("%d %d", ob->id, r);
-        st = q != NULL
-                 ? weft_rref_rpc_sync(agent, "report_reward", q, weft_call_time_left_ms(call), NULL)
-                 : WEFT_ERR_NO_MEMORY;
+        st = q != NULL ? weft_rref_rpc_sync(agent, "report_reward", q, time_left_ms(call), NULL)
+                       : WEFT_ERR_NO_MEMORY;
         weft_value_free(q);
     }
     if (st != WEFT_OK) {

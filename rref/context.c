@@ -1,107 +1,28 @@
-/* The rref module's per-agent context: creation (channel, functions, codec, listeners), the timer
- * thread, object types, introspection, and the shutdown listener that settles every reference
+/* The rref module's per-agent context: creation (channel, functions, codec, listeners), fault
+ * injection, object types, introspection, and the shutdown listener that settles every reference
  * and reports leaks. */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
 
-/* ------------------------------------------------------------------ timer */
-
-static void *timer_main(void *arg)
-{
-    rref_ctx_t *ctx = arg;
-
-    pthread_mutex_lock(&ctx->tmu);
-    while (!ctx->timer_stop) {
-        rref_task_t *t = ctx->tasks;
-        int64_t now = weft__now_ns();
-        if (t == NULL) {
-            pthread_cond_wait(&ctx->tcv, &ctx->tmu);
-            continue;
-        }
-        if (t->due_ns > now) {
-            struct timespec ts;
-            clock_gettime(CLOCK_MONOTONIC, &ts);
-            int64_t at = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec + (t->due_ns - now);
-            ts.tv_sec = at / 1000000000;
-            ts.tv_nsec = at % 1000000000;
-            pthread_cond_timedwait(&ctx->tcv, &ctx->tmu, &ts);
-            continue;
-        }
-        ctx->tasks = t->next;
-        if (ctx->tasks == NULL) {
-            ctx->tasks_tail = NULL;
-        }
-        pthread_mutex_unlock(&ctx->tmu);
-        t->run(ctx, t->arg);
-        weft_free(t);
-        pthread_mutex_lock(&ctx->tmu);
-    }
-    pthread_mutex_unlock(&ctx->tmu);
-    return NULL;
-}
-
-void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
-                     void (*drop)(void *), void *arg)
-{
-    rref_task_t *t = weft_calloc(1, sizeof(*t));
-
-    if (t == NULL) {
-        WEFT_ERROR("rref: no memory for a timer task");
-        if (drop != NULL) {
-            drop(arg);
-        }
-        return;
-    }
-    t->due_ns = weft__now_ns() + delay_us * 1000;
-    t->run = run;
-    t->drop = drop;
-    t->arg = arg;
-    pthread_mutex_lock(&ctx->tmu);
-    if (ctx->timer_stop) {
-        pthread_mutex_unlock(&ctx->tmu);
-        if (drop != NULL) {
-            drop(arg);
-        }
-        weft_free(t);
-        return;
-    }
-    rref_task_t **pp = &ctx->tasks;
-    if (ctx->tasks_tail != NULL && ctx->tasks_tail->due_ns <= t->due_ns) {
-        pp = &ctx->tasks_tail->next; /* O(1): thousands of retries may be armed */
-    } else {
-        while (*pp != NULL && (*pp)->due_ns <= t->due_ns) {
-            pp = &(*pp)->next;
-        }
-    }
-    t->next = *pp;
-    *pp = t;
-    if (t->next == NULL) {
-        ctx->tasks_tail = t;
-    }
-    if (ctx->tasks == t) {
-        pthread_cond_signal(&ctx->tcv);
-    }
-    pthread_mutex_unlock(&ctx->tmu);
-}
+/* ------------------------------------------------------- fault injection */
 
 int64_t rref__fault_delay(rref_ctx_t *ctx)
 {
     if (ctx->fault_delay_us <= 0) {
         return 0;
     }
-    pthread_mutex_lock(&ctx->tmu);
     /* xorshift64* */
-    uint64_t x = ctx->rng;
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    ctx->rng = x;
-    pthread_mutex_unlock(&ctx->tmu);
+    uint64_t old = atomic_load(&ctx->rng), x;
+    do {
+        x = old;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+    } while (!atomic_compare_exchange_weak(&ctx->rng, &old, x));
     return (int64_t)((x * 0x2545F4914F6CDD1Dull) % (uint64_t)(ctx->fault_delay_us + 1));
 }
 
@@ -133,9 +54,8 @@ void rref__ctx_unref(rref_ctx_t *ctx)
         weft_free(o);
     }
     weft_free(ctx->lost);
+    pthread_cond_destroy(&ctx->settle_cv);
     pthread_mutex_destroy(&ctx->mu);
-    pthread_mutex_destroy(&ctx->tmu);
-    pthread_cond_destroy(&ctx->tcv);
     weft_free(ctx);
 }
 
@@ -155,32 +75,11 @@ static void ctx_destroy(void *state)
 {
     rref_ctx_t *ctx = state;
 
+    /* The kit has dropped the context's timer tasks (their drops released what they held). From
+     * here on nothing is sent and no task is added: ctx->a goes with the agent. */
     pthread_mutex_lock(&ctx->mu);
     ctx->dead = true;
     pthread_mutex_unlock(&ctx->mu);
-
-    /* The timer: stop it, then drop what it would have run. */
-    if (ctx->timer_started) {
-        pthread_mutex_lock(&ctx->tmu);
-        ctx->timer_stop = true;
-        pthread_cond_signal(&ctx->tcv);
-        pthread_mutex_unlock(&ctx->tmu);
-        pthread_join(ctx->timer, NULL);
-    }
-    pthread_mutex_lock(&ctx->tmu);
-    ctx->timer_stop = true;
-    rref_task_t *tasks = ctx->tasks;
-    ctx->tasks = NULL;
-    ctx->tasks_tail = NULL;
-    pthread_mutex_unlock(&ctx->tmu);
-    while (tasks != NULL) {
-        rref_task_t *t = tasks;
-        tasks = t->next;
-        if (t->drop != NULL) {
-            t->drop(t->arg);
-        }
-        weft_free(t);
-    }
 
     /* Control messages can no longer be answered. */
     rref__ctl_fail_rank(ctx, -1, WEFT_ERR_SHUTDOWN, "the agent was closed");
@@ -255,18 +154,6 @@ static void ctx_destroy(void *state)
 
 static weft_status_t on_shutdown(void *state, int64_t deadline_ms);
 
-/* Reads a non-negative integer from the environment (0 when unset or malformed). */
-static int64_t env_int(const char *name)
-{
-    const char *s = getenv(name);
-    if (s == NULL || *s == '\0') {
-        return 0;
-    }
-    char *end;
-    long long v = strtoll(s, &end, 10);
-    return *end == '\0' && v > 0 ? (int64_t)v : 0;
-}
-
 static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
 {
     weft_status_t st;
@@ -287,41 +174,31 @@ static weft_status_t ctx_create(weft_agent_t *a, void **state_p)
     atomic_init(&ctx->next_local, 1);
     ctx->next_msg = 1;
     pthread_mutex_init(&ctx->mu, NULL);
-    pthread_mutex_init(&ctx->tmu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&ctx->tcv, &ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* the clock of weft__now_ms */
+    pthread_cond_init(&ctx->settle_cv, &ca);
     pthread_condattr_destroy(&ca);
     ctx->lost = weft_calloc((size_t)ctx->world, sizeof(bool));
     if (ctx->lost == NULL) {
         rref__ctx_unref(ctx);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: no memory for the module");
     }
-    ctx->ctl_timeout_ms = env_int("WEFT_RPC_TIMEOUT_MS");
-    if (ctx->ctl_timeout_ms <= 0) {
-        ctx->ctl_timeout_ms = 60000;
+    /* Control messages get the deadline of the agent's calls given a timeout of 0. */
+    ctx->ctl_timeout_ms = weft_agent_call_timeout_ms(a);
+    if (ctx->ctl_timeout_ms > RREF_MAX_TIMEOUT_MS) {
+        ctx->ctl_timeout_ms = RREF_MAX_TIMEOUT_MS;
     }
-    const char *eager = getenv("WEFT_RREF_EAGER_BYTES");
-    ctx->eager_max =
-        eager != NULL && eager[0] != '\0' ? env_int("WEFT_RREF_EAGER_BYTES") : RREF_EAGER_MAX;
-    if (ctx->eager_max < 0) {
-        ctx->eager_max = 0;
-    }
-    ctx->fault_delay_us = env_int("WEFT_RREF_FAULT_DELAY_US");
-    ctx->fault_dup = env_int("WEFT_RREF_FAULT_DUP") > 0;
-    ctx->rng = 0x9E3779B97F4A7C15ull ^ ((uint64_t)getpid() << 20) ^ (uint64_t)weft__now_ns() ^
-               (uint64_t)ctx->rank;
+    ctx->eager_max = weft__cfg_int(WEFT__CFG_RREF_EAGER_BYTES);
+    ctx->fault_delay_us = weft__cfg_int(WEFT__CFG_RREF_FAULT_DELAY_US);
+    ctx->fault_dup = weft__cfg_bool(WEFT__CFG_RREF_FAULT_DUP);
+    uint64_t seed = 0x9E3779B97F4A7C15ull ^ ((uint64_t)getpid() << 20) ^ (uint64_t)weft__now_ns() ^
+                    (uint64_t)ctx->rank;
+    atomic_init(&ctx->rng, seed != 0 ? seed : 1);
     if (ctx->fault_delay_us > 0 || ctx->fault_dup) {
         WEFT_INFO("rref: fault injection: control messages delayed by up to %lld us%s",
                   (long long)ctx->fault_delay_us, ctx->fault_dup ? ", each sent twice" : "");
     }
-    if (pthread_create(&ctx->timer, NULL, timer_main, ctx) != 0) {
-        rref__ctx_unref(ctx);
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: could not start the timer thread");
-    }
-    ctx->timer_started = true;
-
     /* From here on the agent may call into ctx: on a failure it is kept (not freed), stopped. */
     WEFT_CHECK_GOTO(weft_rpc_register(a, RREF_FN_REMOTE, rref__handle_remote, ctx), st, err_keep);
     WEFT_CHECK_GOTO(weft_rpc_register(a, RREF_FN_FETCH, rref__handle_fetch, ctx), st, err_keep);
@@ -506,22 +383,36 @@ weft_status_t weft_rref_debug_info(weft_agent_t *a, char **json_p)
 
 /* --------------------------------------------------------------- shutdown */
 
+void rref__settle_signal_locked(rref_ctx_t *ctx)
+{
+    if (ctx->settle_waiters > 0) {
+        pthread_cond_broadcast(&ctx->settle_cv);
+    }
+}
+
 /* Waits until no confirmation, pending child or control message is in flight (@p ctl_only: no
- * control message), or the deadline. */
+ * control message), or the deadline (CLOCK_MONOTONIC ms); woken when one of them settles. */
 static bool wait_settled(rref_ctx_t *ctx, int64_t deadline_ms, bool ctl_only, counts_t *c)
 {
+    bool settled;
+
+    pthread_mutex_lock(&ctx->mu);
+    ctx->settle_waiters++;
     for (;;) {
-        pthread_mutex_lock(&ctx->mu);
         counts_locked(ctx, c);
-        pthread_mutex_unlock(&ctx->mu);
-        if (c->ctls == 0 && (ctl_only || (c->pending_users == 0 && c->pending_children == 0))) {
-            return true;
+        settled = c->ctls == 0 && (ctl_only || (c->pending_users == 0 && c->pending_children == 0));
+        int64_t now = weft__now_ms();
+        if (settled || now >= deadline_ms) {
+            break;
         }
-        if (weft__now_ms() >= deadline_ms) {
-            return false;
-        }
-        usleep(1000);
+        /* At most an hour at a time: a far deadline stays a valid timespec. */
+        int64_t until = deadline_ms - now < 3600000 ? deadline_ms : now + 3600000;
+        struct timespec ts = {.tv_sec = until / 1000, .tv_nsec = (until % 1000) * 1000000};
+        pthread_cond_timedwait(&ctx->settle_cv, &ctx->mu, &ts);
     }
+    ctx->settle_waiters--;
+    pthread_mutex_unlock(&ctx->mu);
+    return settled;
 }
 
 static weft_status_t on_shutdown(void *state, int64_t deadline_ms)

@@ -335,6 +335,7 @@ void rref__user_settle(weft_rref_t *u, bool confirmed, bool maybe_known, weft_st
     u->confirmed = confirmed;
     u->maybe_known = maybe_known;
     u->pending = false;
+    rref__settle_signal_locked(ctx);
     if (st == WEFT_ERR_OWNER_LOST) {
         u->owner_lost = true;
     }
@@ -391,6 +392,7 @@ static weft_rref_t *child_take_locked(rref_ctx_t *ctx, weft_rref_id_t fork, int 
             weft_rref_t *parent = c->parent;
             *pp = c->next;
             ctx->nchildren--;
+            rref__settle_signal_locked(ctx);
             weft_free(c);
             return parent;
         }
@@ -746,6 +748,7 @@ void rref__on_peer_lost(void *state, int rank, const char *why)
         if (c->holder == rank || c->parent->owner == rank) {
             *pp = c->next;
             ctx->nchildren--;
+            rref__settle_signal_locked(ctx);
             parents[nparents++] = c->parent;
             weft_free(c);
         } else {

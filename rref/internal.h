@@ -1,5 +1,6 @@
-/* rref internals: the per-agent context, owner and user references, control messages, the timer.
- * Not installed. docs/rref.md describes the protocol. */
+/* rref internals: the per-agent context, owner and user references, control messages. Timed
+ * work (retries, delayed sends, deadlines) runs on the agent's timer, owned by the context. Not
+ * installed. docs/rref.md describes the protocol. */
 #ifndef WEFT_RREF_INTERNAL_H
 #define WEFT_RREF_INTERNAL_H
 
@@ -34,8 +35,8 @@
 #define RREF_RETRY_MAX_MS   5000
 #define RREF_BACKOFF_MS     5 /* first wait after an ACK "not known yet" */
 #define RREF_BACKOFF_MAX_MS 200
-#define RREF_EAGER_MAX      65536 /* default of WEFT_RREF_EAGER_BYTES (see ctx->eager_max) */
-#define RREF_EAGER_MARGIN   4096  /* room left in a message for the frame around such a value */
+#define RREF_EAGER_MARGIN   4096 /* room left in a message for the frame around such a value */
+#define RREF_MAX_TIMEOUT_MS (1000LL * 3600 * 24 * 30) /* deadlines are clamped to 30 days */
 
 typedef struct rref_ctx rref_ctx_t;
 
@@ -128,7 +129,8 @@ typedef void (*rref_ctl_done_cb_t)(rref_ctx_t *ctx, weft_status_t st, const char
 typedef struct rref_ctl {
     struct rref_ctl *next;
     uint64_t msg_id;
-    uint64_t gen; /* the retry task that may act */
+    uint64_t gen;  /* the armed retry task (its data): only that one may act */
+    uint64_t task; /* its id on the agent's timer, cancelled when the message settles */
     Weft__V1__RRefMsgKind kind;
     int to;
     weft_rref_id_t id, fork;
@@ -138,23 +140,16 @@ typedef struct rref_ctl {
     void *arg;
 } rref_ctl_t;
 
-/* A task of the timer thread. */
-typedef struct rref_task {
-    struct rref_task *next;
-    int64_t due_ns;
-    void (*run)(rref_ctx_t *ctx, void *arg);
-    void (*drop)(void *arg); /* the task will never run (module freed); may be NULL */
-    void *arg;
-} rref_task_t;
-
 struct rref_ctx {
     weft_agent_t *a;
     int rank, world;
     _Atomic int64_t nrefs; /* the module's, plus one per reference struct */
     _Atomic uint64_t next_local;
-    int64_t ctl_timeout_ms;
+    int64_t ctl_timeout_ms; /* the agent's default call timeout: control messages, timeouts of 0 */
 
     pthread_mutex_t mu;
+    pthread_cond_t settle_cv; /* shutdown's wait: a count of wait_settled went down */
+    int settle_waiters;
     bool dead; /* the agent is being freed: no more messages */
     rref_type_t *types;
     weft_rref_t *owners[RREF_OWNER_BUCKETS];
@@ -167,6 +162,7 @@ struct rref_ctx {
     rref_ctl_t *ctls;
     size_t nctls;
     uint64_t next_msg;
+    uint64_t next_gen; /* retry tasks armed */
     weft_rref_id_t freed[RREF_FREED_RING];
     size_t nfreed, freed_next;
     rref_orphan_t *orphans;
@@ -179,15 +175,7 @@ struct rref_ctx {
     /* fault injection (tests): WEFT_RREF_FAULT_DELAY_US, WEFT_RREF_FAULT_DUP */
     int64_t fault_delay_us;
     bool fault_dup;
-    uint64_t rng;
-
-    /* the timer thread: retries, delayed sends, deadlines */
-    pthread_mutex_t tmu;
-    pthread_cond_t tcv;
-    rref_task_t *tasks;      /* by due time */
-    rref_task_t *tasks_tail; /* the last one: most tasks (retries) go after it */
-    bool timer_started, timer_stop;
-    pthread_t timer;
+    _Atomic uint64_t rng;
 };
 
 /* context.c */
@@ -195,35 +183,25 @@ weft_status_t rref__ctx(weft_agent_t *a, rref_ctx_t **ctx_p);
 void rref__ctx_ref(rref_ctx_t *ctx);
 void rref__ctx_unref(rref_ctx_t *ctx);
 weft_rref_id_t rref__new_id(rref_ctx_t *ctx);
-/* Runs @p run on the timer thread after @p delay_us. Takes @p arg (dropped with @p drop if the
- * task cannot be queued or never runs). */
-void rref__timer_add(rref_ctx_t *ctx, int64_t delay_us, void (*run)(rref_ctx_t *, void *),
-                     void (*drop)(void *), void *arg);
+/* Timed work goes on the agent's timer with the context as its owner:
+ *   weft_agent_timer_add(ctx->a, delay_us, run, drop, arg, data, ctx)
+ * The kit drops the context's tasks before the module's destroy (and the agent's timer drops
+ * what is left when it stops): a task that holds something (an operation, a future, a value)
+ * releases it in its drop. Tasks are only added while the context is not dead (ctx->a is gone
+ * after its destroy). */
 /* A random delay in 0..fault_delay_us (0 without fault injection). */
 int64_t rref__fault_delay(rref_ctx_t *ctx);
 const rref_type_t *rref__type_find(rref_ctx_t *ctx, const char *name);
+/* Wakes shutdown's wait after a control message, a pending child or a pending user reference
+ * settled (ctx->mu held). */
+void rref__settle_signal_locked(rref_ctx_t *ctx);
 const char *rref__worker_name(rref_ctx_t *ctx, int rank);
 
-/* proto.c: encoding of ids and call headers, control messages */
+/* proto.c: encoding of ids, control messages */
 void rref__id_to_pb(weft_rref_id_t id, Weft__V1__RRefId *pb);
 /* False when @p pb is missing or names no rank of the world. */
 bool rref__id_from_pb(const rref_ctx_t *ctx, const Weft__V1__RRefId *pb, weft_rref_id_t *id_p);
 bool rref__id_eq(weft_rref_id_t x, weft_rref_id_t y);
-/* A value: [u32 LE header length][header][args payload] + the tensors and references of @p args. */
-weft_status_t rref__call_pack(const Weft__V1__RRefCall *hdr, const weft_value_t *args,
-                              weft_value_t **v_p);
-/* The same framing for any header. */
-weft_status_t rref__frame_pack(const ProtobufCMessage *hdr, const weft_value_t *args,
-                               weft_value_t **v_p);
-/* The header of a framed value (WEFT_ERR_PROTOCOL if it has none); its body starts at
- * 4 + *hlen_p in the payload. */
-weft_status_t rref__frame_header(const weft_value_t *v, const uint8_t **hdr_p, size_t *hlen_p);
-/* Splits a call's value: the header, and (if @p args_p) the user arguments as a new value. */
-weft_status_t rref__call_unpack(const weft_value_t *v, Weft__V1__RRefCall **hdr_p,
-                                weft_value_t **args_p);
-/* Appends the tensors and references of @p src to @p dst and sets its payload to @p src's from
- * @p skip bytes on. */
-weft_status_t rref__value_fill(weft_value_t *dst, const weft_value_t *src, size_t skip);
 /* Sends a control request (FORK_REQUEST, CHILD_ACCEPT, USER_DELETE), retried until its ACK;
  * @p done runs once with the ACK's status (or the failure), without ctx->mu. */
 void rref__ctl_send(rref_ctx_t *ctx, Weft__V1__RRefMsgKind kind, int to, weft_rref_id_t id,

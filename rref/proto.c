@@ -1,5 +1,5 @@
-/* The rref module's messages: ids and call headers, and the control messages (FORK_REQUEST,
- * CHILD_ACCEPT, USER_DELETE and their ACKs) on channel WEFT_CHANNEL_RREF, retried until acked,
+/* The rref module's messages: ids, and the control messages (FORK_REQUEST, CHILD_ACCEPT,
+ * USER_DELETE and their ACKs) on channel WEFT_CHANNEL_RREF, retried until acked,
  * delayed and duplicated on request for tests. */
 #include <stdio.h>
 #include <string.h>
@@ -30,175 +30,33 @@ bool rref__id_eq(weft_rref_id_t x, weft_rref_id_t y)
     return x.worker == y.worker && x.local == y.local;
 }
 
-/* ----------------------------------------------------------- call values */
-
-weft_status_t rref__value_fill(weft_value_t *dst, const weft_value_t *src, size_t skip)
-{
-    size_t len = 0;
-    const uint8_t *p = src != NULL ? weft_value_payload(src, &len) : NULL;
-
-    if (src == NULL) {
-        return WEFT_OK;
-    }
-    if (skip > len) {
-        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: payload shorter than its header");
-    }
-    if (len > skip) {
-        WEFT_CHECK(weft_value_set_payload(dst, p + skip, len - skip));
-    }
-    for (size_t i = 0; i < weft_value_num_tensors(src); i++) {
-        WEFT_CHECK(weft_value_add_tensor(dst, weft_value_tensor(src, i)));
-    }
-    for (size_t i = 0; i < weft_value_num_refs(src); i++) {
-        uint32_t kind = 0;
-        void *obj = weft_value_ref(src, i, &kind);
-        if (kind != WEFT_REF_KIND_RREF) {
-            return weft__set_error(WEFT_ERR_UNSUPPORTED,
-                                   "rref: reference %zu of the arguments is of kind %u, which rref "
-                                   "calls cannot carry",
-                                   i, kind);
-        }
-        WEFT_CHECK(weft_value_add_ref(dst, &rref__ref_type, obj));
-    }
-    return WEFT_OK;
-}
-
-weft_status_t rref__call_pack(const Weft__V1__RRefCall *hdr, const weft_value_t *args,
-                              weft_value_t **v_p)
-{
-    return rref__frame_pack(&hdr->base, args, v_p);
-}
-
-weft_status_t rref__frame_pack(const ProtobufCMessage *hdr, const weft_value_t *args,
-                               weft_value_t **v_p)
-{
-    weft_status_t st;
-    weft_value_t *v;
-    size_t hlen = protobuf_c_message_get_packed_size(hdr);
-    size_t alen = 0;
-
-    if (args != NULL) {
-        (void)weft_value_payload(args, &alen);
-    }
-    uint8_t *buf = weft_alloc(4 + hlen + alen);
-    if (buf == NULL) {
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: no memory for a call");
-    }
-    for (int i = 0; i < 4; i++) {
-        buf[i] = (uint8_t)(hlen >> (8 * i));
-    }
-    protobuf_c_message_pack(hdr, buf + 4);
-    if (alen > 0) {
-        memcpy(buf + 4 + hlen, weft_value_payload(args, &alen), alen);
-    }
-    WEFT_CHECK_GOTO(weft_value_create(&v), st, err_free_buf);
-    WEFT_CHECK_GOTO(weft_value_take_payload(v, buf, 4 + hlen + alen), st, err_free_value);
-    buf = NULL;
-    if (args != NULL) {
-        for (size_t i = 0; i < weft_value_num_tensors(args); i++) {
-            WEFT_CHECK_GOTO(weft_value_add_tensor(v, weft_value_tensor(args, i)), st,
-                            err_free_value);
-        }
-        for (size_t i = 0; i < weft_value_num_refs(args); i++) {
-            uint32_t kind = 0;
-            void *obj = weft_value_ref(args, i, &kind);
-            if (kind != WEFT_REF_KIND_RREF) {
-                st = weft__set_error(WEFT_ERR_UNSUPPORTED,
-                                     "rref: reference %zu of the arguments is of kind %u, which "
-                                     "rref calls cannot carry",
-                                     i, kind);
-                goto err_free_value;
-            }
-            WEFT_CHECK_GOTO(weft_value_add_ref(v, &rref__ref_type, obj), st, err_free_value);
-        }
-    }
-    *v_p = v;
-    return WEFT_OK;
-
-err_free_value:
-    weft_value_free(v);
-err_free_buf:
-    weft_free(buf);
-    return st;
-}
-
-weft_status_t rref__frame_header(const weft_value_t *v, const uint8_t **hdr_p, size_t *hlen_p)
-{
-    size_t len = 0;
-    const uint8_t *p = v != NULL ? weft_value_payload(v, &len) : NULL;
-
-    if (p == NULL || len < 4) {
-        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: message without a header");
-    }
-    size_t hlen = (size_t)p[0] | (size_t)p[1] << 8 | (size_t)p[2] << 16 | (size_t)p[3] << 24;
-    if (hlen > len - 4) {
-        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: header of %zu bytes in %zu", hlen,
-                               len - 4);
-    }
-    *hdr_p = p + 4;
-    *hlen_p = hlen;
-    return WEFT_OK;
-}
-
-weft_status_t rref__call_unpack(const weft_value_t *v, Weft__V1__RRefCall **hdr_p,
-                                weft_value_t **args_p)
-{
-    const uint8_t *hp;
-    size_t hlen;
-    weft_status_t st;
-
-    WEFT_CHECK(rref__frame_header(v, &hp, &hlen));
-    Weft__V1__RRefCall *hdr = weft__v1__rref_call__unpack(&weft__pb_allocator, hlen, hp);
-    if (hdr == NULL) {
-        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: unreadable call header");
-    }
-    if (strlen(hdr->name) > RREF_MAX_NAME || strlen(hdr->type) > RREF_MAX_NAME) {
-        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
-        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: name in a call header over %d bytes",
-                               RREF_MAX_NAME);
-    }
-    if (args_p != NULL) {
-        weft_value_t *args;
-        WEFT_CHECK_GOTO(weft_value_create(&args), st, err_free_hdr);
-        st = rref__value_fill(args, v, 4 + hlen);
-        if (st != WEFT_OK) {
-            weft_value_free(args);
-            goto err_free_hdr;
-        }
-        *args_p = args;
-    }
-    *hdr_p = hdr;
-    return WEFT_OK;
-
-err_free_hdr:
-    weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
-    return st;
-}
-
 /* ------------------------------------------------------ control messages */
 
+/* A control message held back by fault injection (a timer task; data: the rank it goes to). */
 typedef struct {
-    int to;
+    rref_ctx_t *ctx;
     weft_value_t *v;
 } delayed_send_t;
 
-static void delayed_drop(void *arg)
+static void delayed_drop(void *arg, uint64_t to)
 {
     delayed_send_t *d = arg;
+    (void)to;
     weft_value_free(d->v);
     weft_free(d);
 }
 
-static void delayed_run(rref_ctx_t *ctx, void *arg)
+static void delayed_run(void *arg, uint64_t to)
 {
     delayed_send_t *d = arg;
+    rref_ctx_t *ctx = d->ctx;
     pthread_mutex_lock(&ctx->mu);
     bool dead = ctx->dead;
     pthread_mutex_unlock(&ctx->mu);
-    if (!dead && weft_agent_send(ctx->a, d->to, WEFT_CHANNEL_RREF, d->v, NULL) != WEFT_OK) {
-        WEFT_DEBUG("rref: control message to rank %d not sent: %s", d->to, weft_last_error());
+    if (!dead && weft_agent_send(ctx->a, (int)to, WEFT_CHANNEL_RREF, d->v, NULL) != WEFT_OK) {
+        WEFT_DEBUG("rref: control message to rank %d not sent: %s", (int)to, weft_last_error());
     }
-    delayed_drop(d);
+    delayed_drop(d, to);
 }
 
 /* Sends one packed control message to @p to: now, or (fault injection) after a random delay, and
@@ -230,9 +88,10 @@ static void transmit(rref_ctx_t *ctx, int to, const Weft__V1__RRefControl *m)
                 weft_free(d);
                 continue;
             }
-            d->to = to;
+            d->ctx = ctx;
             d->v = c;
-            rref__timer_add(ctx, rref__fault_delay(ctx), delayed_run, delayed_drop, d);
+            (void)weft_agent_timer_add(ctx->a, rref__fault_delay(ctx), delayed_run, delayed_drop, d,
+                                       (uint64_t)to, ctx);
         } else if (weft_agent_send(ctx->a, to, WEFT_CHANNEL_RREF, v, NULL) != WEFT_OK) {
             WEFT_DEBUG("rref: control message to rank %d not sent: %s", to, weft_last_error());
         }
@@ -252,24 +111,36 @@ static void ctl_fill(const rref_ctl_t *c, Weft__V1__RRefControl *m, Weft__V1__RR
     m->fork_id = fork;
 }
 
-typedef struct {
-    uint64_t msg_id;
-    uint64_t gen;
-} retry_t;
+static void retry_run(void *arg, uint64_t gen);
 
-static void retry_run(rref_ctx_t *ctx, void *arg);
-
-/* Sends @p c (again) and arms its retry after @p delay_ms. ctx->mu held. */
+/* Arms the retry of @p c after @p delay_ms, cut to its deadline (when the task then fails it); the
+ * task armed before is cancelled, and would not act anyway (its gen is old). ctx->mu held. */
 static void ctl_arm_locked(rref_ctx_t *ctx, rref_ctl_t *c, int64_t delay_ms)
 {
-    retry_t *r = weft_alloc(sizeof(*r));
-    c->gen++;
-    if (r == NULL) {
-        return; /* no retry: the deadline check is lost too, shutdown bounds the wait */
+    int64_t left = c->deadline_ms - weft__now_ms();
+    if (delay_ms > left) {
+        delay_ms = left > 0 ? left : 0;
     }
-    r->msg_id = c->msg_id;
-    r->gen = c->gen;
-    rref__timer_add(ctx, delay_ms * 1000, retry_run, weft_free, r);
+    if (c->task != 0) {
+        (void)weft_agent_timer_cancel(ctx->a, c->task);
+    }
+    c->gen = ++ctx->next_gen;
+    /* 0 (no memory for the task): no retry, and no deadline either; shutdown bounds the wait. */
+    c->task = weft_agent_timer_add(ctx->a, delay_ms * 1000, retry_run, NULL, ctx, c->gen, ctx);
+}
+
+/* Takes *pp out of the list of control messages in flight; its retry will not run. */
+static rref_ctl_t *ctl_unlink_locked(rref_ctx_t *ctx, rref_ctl_t **pp)
+{
+    rref_ctl_t *c = *pp;
+    *pp = c->next;
+    ctx->nctls--;
+    rref__settle_signal_locked(ctx);
+    if (c->task != 0) {
+        (void)weft_agent_timer_cancel(ctx->a, c->task);
+        c->task = 0;
+    }
+    return c;
 }
 
 static rref_ctl_t *ctl_take_locked(rref_ctx_t *ctx, uint64_t msg_id, int from)
@@ -277,9 +148,7 @@ static rref_ctl_t *ctl_take_locked(rref_ctx_t *ctx, uint64_t msg_id, int from)
     for (rref_ctl_t **pp = &ctx->ctls; *pp != NULL; pp = &(*pp)->next) {
         rref_ctl_t *c = *pp;
         if (c->msg_id == msg_id && (from < 0 || c->to == from)) {
-            *pp = c->next;
-            ctx->nctls--;
-            return c;
+            return ctl_unlink_locked(ctx, pp);
         }
     }
     return NULL;
@@ -295,6 +164,17 @@ static rref_ctl_t *ctl_find_locked(rref_ctx_t *ctx, uint64_t msg_id)
     return NULL;
 }
 
+/* The message whose retry task @p gen is (none if it settled or was armed again since). */
+static rref_ctl_t *ctl_find_gen_locked(rref_ctx_t *ctx, uint64_t gen)
+{
+    for (rref_ctl_t *c = ctx->ctls; c != NULL; c = c->next) {
+        if (c->gen == gen) {
+            return c;
+        }
+    }
+    return NULL;
+}
+
 static void ctl_finish(rref_ctx_t *ctx, rref_ctl_t *c, weft_status_t st, const char *why)
 {
     if (c->done != NULL) {
@@ -303,20 +183,21 @@ static void ctl_finish(rref_ctx_t *ctx, rref_ctl_t *c, weft_status_t st, const c
     weft_free(c);
 }
 
-static void retry_run(rref_ctx_t *ctx, void *arg)
+/* The retry task of a control message (a timer task; data: its gen): sends it again, or fails it
+ * at its deadline. */
+static void retry_run(void *arg, uint64_t gen)
 {
-    retry_t *r = arg;
+    rref_ctx_t *ctx = arg;
     Weft__V1__RRefControl m;
     Weft__V1__RRefId id, fork;
 
     pthread_mutex_lock(&ctx->mu);
-    rref_ctl_t *c = ctx->dead ? NULL : ctl_find_locked(ctx, r->msg_id);
-    if (c == NULL || c->gen != r->gen) {
+    rref_ctl_t *c = ctx->dead ? NULL : ctl_find_gen_locked(ctx, gen);
+    if (c == NULL) {
         pthread_mutex_unlock(&ctx->mu);
-        weft_free(r);
         return;
     }
-    weft_free(r);
+    c->task = 0; /* this one, running */
     if (weft__now_ms() >= c->deadline_ms) {
         c = ctl_take_locked(ctx, c->msg_id, -1);
         pthread_mutex_unlock(&ctx->mu);
@@ -387,8 +268,7 @@ void rref__ctl_fail_rank(rref_ctx_t *ctx, int rank, weft_status_t st, const char
     for (rref_ctl_t **pp = &ctx->ctls; *pp != NULL;) {
         rref_ctl_t *c = *pp;
         if (rank < 0 || c->to == rank) {
-            *pp = c->next;
-            ctx->nctls--;
+            ctl_unlink_locked(ctx, pp);
             c->next = list;
             list = c;
         } else {
@@ -406,9 +286,6 @@ void rref__ctl_fail_rank(rref_ctx_t *ctx, int rank, weft_status_t st, const char
 /* An ACK from @p src for our message @p msg_id. */
 static void on_ack(rref_ctx_t *ctx, int src, uint64_t msg_id, weft_status_t st, const char *error)
 {
-    Weft__V1__RRefControl m;
-    Weft__V1__RRefId id, fork;
-
     pthread_mutex_lock(&ctx->mu);
     rref_ctl_t *c = ctl_find_locked(ctx, msg_id);
     if (c == NULL || c->to != src) {
@@ -432,18 +309,10 @@ static void on_ack(rref_ctx_t *ctx, int src, uint64_t msg_id, weft_status_t st, 
             ctl_finish(ctx, c, WEFT_ERR_TIMEOUT, why);
             return;
         }
-        ctl_fill(c, &m, &id, &fork);
-        c->gen++; /* the periodic retry restarts from this send */
-        retry_t *r = weft_alloc(sizeof(*r));
-        if (r != NULL) {
-            r->msg_id = c->msg_id;
-            r->gen = c->gen;
-        }
+        /* Sent again after the backoff by the retry task, from which the periodic retries
+         * restart. */
+        ctl_arm_locked(ctx, c, wait);
         pthread_mutex_unlock(&ctx->mu);
-        /* resend after the backoff: the retry task does it */
-        if (r != NULL) {
-            rref__timer_add(ctx, wait * 1000, retry_run, weft_free, r);
-        }
         return;
     }
     c = ctl_take_locked(ctx, msg_id, src);

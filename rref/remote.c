@@ -10,21 +10,68 @@
 
 weft_status_t rref__value_copy(const weft_value_t *v, weft_value_t **copy_p)
 {
+    weft_status_t st;
     weft_value_t *c;
+    size_t len = 0;
+    const void *p = v != NULL ? weft_value_payload(v, &len) : NULL;
 
     WEFT_CHECK(weft_value_create(&c));
-    weft_status_t st = rref__value_fill(c, v, 0);
-    if (st != WEFT_OK) {
-        weft_value_free(c);
-        return st;
+    if (p != NULL && len > 0) {
+        WEFT_CHECK_GOTO(weft_value_set_payload(c, p, len), st, err_free_copy);
+    }
+    for (size_t i = 0; v != NULL && i < weft_value_num_tensors(v); i++) {
+        WEFT_CHECK_GOTO(weft_value_add_tensor(c, weft_value_tensor(v, i)), st, err_free_copy);
+    }
+    for (size_t i = 0; v != NULL && i < weft_value_num_refs(v); i++) {
+        const weft_value_ref_type_t *type;
+        void *obj = weft__value_ref_at(v, i, &type);
+        WEFT_CHECK_GOTO(weft_value_add_ref(c, type, obj), st, err_free_copy);
     }
     *copy_p = c;
     return WEFT_OK;
+
+err_free_copy:
+    weft_value_free(c);
+    return st;
 }
 
-static int64_t timeout_or_default(rref_ctx_t *ctx, int64_t timeout_ms)
+/* The header of a call of an owner function (weft_msg_pack's frame), its names checked.
+ * WEFT_ERR_PROTOCOL when it has none, it does not decode or a name is too long. */
+static weft_status_t call_header(const weft_value_t *v, Weft__V1__RRefCall **hdr_p)
 {
-    return timeout_ms > 0 ? timeout_ms : ctx->ctl_timeout_ms;
+    ProtobufCMessage *m = NULL;
+
+    WEFT_CHECK(weft_msg_unpack(v, &weft__v1__rref_call__descriptor, &m, NULL));
+    Weft__V1__RRefCall *hdr = (Weft__V1__RRefCall *)m;
+    if (strlen(hdr->name) > RREF_MAX_NAME || strlen(hdr->type) > RREF_MAX_NAME) {
+        weft_msg_header_free(m);
+        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: name in a call header over %d bytes",
+                               RREF_MAX_NAME);
+    }
+    *hdr_p = hdr;
+    return WEFT_OK;
+}
+
+/* The length of a deadline given as a timeout_ms argument (already checked): 0 is the agent's
+ * default call timeout; at most RREF_MAX_TIMEOUT_MS. */
+static int64_t timeout_resolve(const rref_ctx_t *ctx, int64_t timeout_ms)
+{
+    if (timeout_ms == 0) {
+        timeout_ms = ctx->ctl_timeout_ms;
+    }
+    return timeout_ms < RREF_MAX_TIMEOUT_MS ? timeout_ms : RREF_MAX_TIMEOUT_MS;
+}
+
+/* Checks a timeout_ms argument of @p what: a negative one is refused. */
+static weft_status_t timeout_check(int64_t timeout_ms, const char *what)
+{
+    if (timeout_ms < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "%s: a timeout of %lld ms (0 means the agent's default call "
+                               "timeout; a deadline cannot be infinite)",
+                               what, (long long)timeout_ms);
+    }
+    return WEFT_OK;
 }
 
 static weft_status_t check_ref(const weft_rref_t *r, const char *what)
@@ -99,7 +146,7 @@ static void owner_create(rref_ctx_t *ctx, weft_rref_t *e, Weft__V1__RRefCreateKi
         rref__id_to_pb(target, &pt);
         hdr.rref_id = &pt;
         hdr.name = (char *)name;
-        st = rref__call_pack(&hdr, args, &v);
+        st = weft_msg_pack(&hdr.base, args, &v);
         if (st == WEFT_OK) {
             st = weft_rpc_call_local(ctx->a, RREF_FN_METHOD, v, timeout_ms, &f);
             if (st == WEFT_OK) {
@@ -276,17 +323,19 @@ static void op_fail(op_t *op, weft_status_t st, const char *text)
     op_done(op);
 }
 
-static void op_send(rref_ctx_t *ctx, void *arg);
+static void op_send(op_t *op);
 
-static void deadline_run(rref_ctx_t *ctx, void *arg)
+/* The deadline of an operation's future (a timer task that holds the future). */
+static void deadline_run(void *arg, uint64_t data)
 {
-    (void)ctx;
+    (void)data;
     weft_future_fail(arg, WEFT_ERR_TIMEOUT, "rref: the operation passed its deadline");
     weft_future_release(arg);
 }
 
-static void deadline_drop(void *arg)
+static void deadline_drop(void *arg, uint64_t data)
 {
+    (void)data;
     weft_future_release(arg);
 }
 
@@ -294,8 +343,8 @@ static void deadline_drop(void *arg)
 static void op_deadline_arm(op_t *op)
 {
     int64_t left = op->deadline_ms - weft__now_ms();
-    rref__timer_add(op->ctx, (left > 0 ? left : 0) * 1000, deadline_run, deadline_drop,
-                    weft_future_retain(op->out));
+    (void)weft_agent_timer_add(op->ctx->a, (left > 0 ? left : 0) * 1000, deadline_run,
+                               deadline_drop, weft_future_retain(op->out), 0, op->ctx);
 }
 
 /*
@@ -336,7 +385,7 @@ static bool op_pipelined_failed(op_t *op, weft_status_t st, const char *text)
         return true;
     }
     if (resend) {
-        op_send(ctx, op);
+        op_send(op);
         return true;
     }
     return false;
@@ -365,7 +414,7 @@ static void op_creation_seen(weft_future_t *f, void *arg)
     } else if (resend) {
         /* The owner had not got the creation when the call came: send it again (the hold
          * passes to the new call). */
-        op_send(ctx, op);
+        op_send(op);
         return;
     } else if (deferred) {
         weft_future_complete(op->out, op->dst, op->dtext, NULL);
@@ -379,11 +428,10 @@ static void op_creation_seen(weft_future_t *f, void *arg)
  */
 static Weft__V1__RRefCreated *created_unpack(op_t *op, const weft_value_t *v)
 {
-    Weft__V1__RRefCreated *c;
-    const uint8_t *hp;
-    size_t hlen;
+    ProtobufCMessage *m = NULL;
 
-    if (!op->u->eager_asked || rref__frame_header(v, &hp, &hlen) != WEFT_OK) {
+    if (!op->u->eager_asked ||
+        weft_msg_unpack(v, &weft__v1__rref_created__descriptor, &m, NULL) != WEFT_OK) {
         /* Not asked, or an owner that does not know eager_max: the header alone. */
         size_t len = 0;
         const void *p = weft_value_payload(v, &len);
@@ -391,14 +439,13 @@ static Weft__V1__RRefCreated *created_unpack(op_t *op, const weft_value_t *v)
         return weft__v1__rref_created__unpack(&weft__pb_allocator, p != NULL ? len : 0,
                                               p != NULL ? p : (const void *)"");
     }
-    c = weft__v1__rref_created__unpack(&weft__pb_allocator, hlen, hp);
-    if (c == NULL || !c->has_value || c->status != WEFT_OK || weft_value_num_refs(v) > 0) {
+    Weft__V1__RRefCreated *c = (Weft__V1__RRefCreated *)m;
+    if (!c->has_value || c->status != WEFT_OK || weft_value_num_refs(v) > 0) {
         return c; /* a value with references is not taken: uses fetch it */
     }
     weft_value_t *val = NULL;
-    if (weft_value_create(&val) != WEFT_OK || rref__value_fill(val, v, 4 + hlen) != WEFT_OK) {
-        weft_value_free(val); /* uses fetch it */
-        return c;
+    if (weft_msg_body(v, &val) != WEFT_OK) {
+        return c; /* uses fetch it */
     }
     pthread_mutex_lock(&op->ctx->mu);
     weft_value_t *old = op->u->eager;
@@ -448,7 +495,7 @@ static void op_rpc_done(weft_future_t *f, void *arg)
                      op->u->id.worker, (unsigned long long)op->u->id.local, op->what,
                      rref__worker_name(op->ctx, op->to),
                      c->error[0] != '\0' ? c->error : weft_strerror(cst));
-            weft__v1__rref_created__free_unpacked(c, &weft__pb_allocator);
+            weft_msg_header_free(&c->base);
             rref__user_settle(op->u, true, false, cst, cst == WEFT_OK ? NULL : why);
         }
         op_free(op);
@@ -461,13 +508,11 @@ static void op_rpc_done(weft_future_t *f, void *arg)
     op_done(op);
 }
 
-static void op_send(rref_ctx_t *ctx, void *arg)
+static void op_send(op_t *op)
 {
-    op_t *op = arg;
     weft_future_t *f;
     int64_t left = op->deadline_ms - weft__now_ms();
 
-    (void)ctx;
     if (left <= 0) {
         op_fail(op, WEFT_ERR_TIMEOUT, "rref: the deadline passed before the call was sent");
         return;
@@ -486,8 +531,17 @@ static void op_send(rref_ctx_t *ctx, void *arg)
     }
 }
 
-static void op_drop(void *arg)
+/* An operation held back by fault injection (a timer task that holds the operation): sent, or
+ * failed when the task is dropped (which releases what the operation holds). */
+static void op_send_run(void *arg, uint64_t data)
 {
+    (void)data;
+    op_send(arg);
+}
+
+static void op_send_drop(void *arg, uint64_t data)
+{
+    (void)data;
     op_fail(arg, WEFT_ERR_SHUTDOWN, "rref: the agent was closed");
 }
 
@@ -528,9 +582,9 @@ static void op_target_ready(weft_future_t *f, void *arg)
     int64_t delay = op->kind == OP_REMOTE ? rref__fault_delay(op->ctx) : 0;
     if (delay > 0) {
         /* Fault injection: calls that carry forks are delayed like control messages. */
-        rref__timer_add(op->ctx, delay, op_send, op_drop, op);
+        (void)weft_agent_timer_add(op->ctx->a, delay, op_send_run, op_send_drop, op, 0, op->ctx);
     } else {
-        op_send(op->ctx, op);
+        op_send(op);
     }
 }
 
@@ -627,7 +681,7 @@ static weft_status_t op_new(rref_ctx_t *ctx, op_kind_t kind, weft_rref_t *target
     op->r = weft_rref_retain(target);
     op->to = to;
     op->fn = fn;
-    op->deadline_ms = weft__now_ms() + timeout_or_default(ctx, timeout_ms);
+    op->deadline_ms = weft__now_ms() + timeout_resolve(ctx, timeout_ms);
     *op_p = op;
     return WEFT_OK;
 }
@@ -662,6 +716,7 @@ static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreate
                                "rref_remote: a name of 1..%d bytes and rref_p are needed",
                                RREF_MAX_NAME);
     }
+    WEFT_CHECK(timeout_check(timeout_ms, "rref_remote"));
     WEFT_CHECK(rref__ctx(a, &ctx));
     if (to < 0 || to >= ctx->world) {
         return weft__set_error(WEFT_ERR_INVALID_ARG,
@@ -675,7 +730,7 @@ static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreate
     }
     weft_rref_id_t id = rref__new_id(ctx);
     weft_rref_id_t target_id = target != NULL ? target->id : (weft_rref_id_t){0, 0};
-    timeout_ms = timeout_or_default(ctx, timeout_ms);
+    timeout_ms = timeout_resolve(ctx, timeout_ms);
 
     if (to == ctx->rank) {
         /* This worker owns the result: no protocol, a local creation. */
@@ -727,7 +782,7 @@ static weft_status_t remote_common(weft_agent_t *a, int to, Weft__V1__RRefCreate
         rref__free(u);
         return st;
     }
-    st = rref__call_pack(&hdr, args, &op->msg);
+    st = weft_msg_pack(&hdr.base, args, &op->msg);
     if (st != WEFT_OK) {
         op_free(op);
         u->refs = 0;
@@ -782,6 +837,7 @@ weft_status_t weft_rref_to_here_async(weft_rref_t *r, int64_t timeout_ms, weft_f
     if (f_p == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rref_to_here: NULL f_p");
     }
+    WEFT_CHECK(timeout_check(timeout_ms, "rref_to_here"));
     rref_ctx_t *ctx = r->ctx;
     if (r->type != NULL) {
         return weft__set_error(WEFT_ERR_UNSUPPORTED,
@@ -803,7 +859,7 @@ weft_status_t weft_rref_to_here_async(weft_rref_t *r, int64_t timeout_ms, weft_f
             rref__id_to_pb(r->fork, &pfork);
             hdr.fork_id = &pfork;
         }
-        st = rref__call_pack(&hdr, NULL, &op->msg);
+        st = weft_msg_pack(&hdr.base, NULL, &op->msg);
     }
     if (st != WEFT_OK) {
         op_free(op);
@@ -848,20 +904,21 @@ weft_status_t weft_rref_to_here(weft_rref_t *r, int64_t timeout_ms, weft_value_t
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rref_to_here: NULL value_p");
     }
     WEFT_CHECK(weft_rref_to_here_async(r, timeout_ms, &f));
-    return wait_value(f, timeout_or_default(r->ctx, timeout_ms), value_p);
+    return wait_value(f, timeout_resolve(r->ctx, timeout_ms), value_p);
 }
 
 /* Waits (owner only) for the creation of @p r. */
 static weft_status_t wait_local(weft_rref_t *r, int64_t timeout_ms, const char *what)
 {
     WEFT_CHECK(check_ref(r, what));
+    WEFT_CHECK(timeout_check(timeout_ms, what));
     if (r->role != RREF_OWNER) {
         return weft__set_error(WEFT_ERR_INVALID_STATE,
                                "%s: rref (%d,%llu) is owned by %s (rank %d), not by this worker",
                                what, r->id.worker, (unsigned long long)r->id.local,
                                rref__worker_name(r->ctx, r->owner), r->owner);
     }
-    weft_status_t st = weft_future_wait(r->ready, timeout_or_default(r->ctx, timeout_ms));
+    weft_status_t st = weft_future_wait(r->ready, timeout_resolve(r->ctx, timeout_ms));
     if (st == WEFT_ERR_TIMEOUT && !weft_future_done(r->ready)) {
         return weft__set_error(st, "%s: rref (%d,%llu) is still being created by '%s'", what,
                                r->id.worker, (unsigned long long)r->id.local, r->created_by);
@@ -917,6 +974,7 @@ weft_status_t weft_rref_rpc_async(weft_rref_t *r, const char *method, const weft
                                "rref_rpc: a method name of 1..%d bytes and f_p are needed",
                                RREF_MAX_NAME);
     }
+    WEFT_CHECK(timeout_check(timeout_ms, "rref_rpc"));
     rref_ctx_t *ctx = r->ctx;
     if (ctx_dead(ctx)) {
         return weft__set_error(WEFT_ERR_SHUTDOWN, "rref_rpc: the agent is closed");
@@ -934,7 +992,7 @@ weft_status_t weft_rref_rpc_async(weft_rref_t *r, const char *method, const weft
     }
     st = weft_future_create(&op->out);
     if (st == WEFT_OK) {
-        st = rref__call_pack(&hdr, args, &op->msg);
+        st = weft_msg_pack(&hdr.base, args, &op->msg);
     }
     if (st != WEFT_OK) {
         op_free(op);
@@ -952,7 +1010,7 @@ weft_status_t weft_rref_rpc_sync(weft_rref_t *r, const char *method, const weft_
     weft_future_t *f;
 
     WEFT_CHECK(weft_rref_rpc_async(r, method, args, timeout_ms, &f));
-    return wait_value(f, timeout_or_default(r->ctx, timeout_ms), result_p);
+    return wait_value(f, timeout_resolve(r->ctx, timeout_ms), result_p);
 }
 
 /* -------------------------------------------------------------- identity */
@@ -1025,12 +1083,12 @@ static weft_rref_t *handler_target(rref_ctx_t *ctx, weft_call_t *call, Weft__V1_
     Weft__V1__RRefCall *hdr = NULL;
     weft_rref_id_t id;
 
-    if (rref__call_unpack(weft_call_args(call), &hdr, NULL) != WEFT_OK) {
+    if (call_header(weft_call_args(call), &hdr) != WEFT_OK) {
         weft_call_fail(call, WEFT_ERR_PROTOCOL, "%s", weft_last_error());
         return NULL;
     }
     if (!rref__id_from_pb(ctx, hdr->rref_id, &id)) {
-        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
+        weft_msg_header_free(&hdr->base);
         weft_call_fail(call, WEFT_ERR_PROTOCOL, "rref: call without a valid reference id");
         return NULL;
     }
@@ -1049,7 +1107,7 @@ static weft_rref_t *handler_target(rref_ctx_t *ctx, weft_call_t *call, Weft__V1_
     }
     pthread_mutex_unlock(&ctx->mu);
     if (e == NULL) {
-        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
+        weft_msg_header_free(&hdr->base);
         if (may_come) {
             weft_call_fail(call, WEFT_ERR_PENDING, "rref (%d,%llu) is not created on %s yet",
                            id.worker, (unsigned long long)id.local,
@@ -1120,7 +1178,7 @@ void rref__handle_fetch(weft_call_t *call, void *arg)
     if (e == NULL) {
         return;
     }
-    weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
+    weft_msg_header_free(&hdr->base);
     pending_call_t *p = pending_call(call, e, NULL);
     if (p == NULL || weft_future_then(e->ready, fetch_ready, p) != WEFT_OK) {
         weft_free(p);
@@ -1134,28 +1192,14 @@ void rref__handle_fetch(weft_call_t *call, void *arg)
 static weft_status_t call_strip_header(weft_call_t *call)
 {
     weft_value_t *in = weft_call_take_args(call);
-    weft_value_t *dst = NULL;
-    size_t len = 0;
-    const uint8_t *p = weft_value_payload(in, &len);
-    weft_status_t st;
+    weft_value_t *args = NULL;
+    weft_status_t st = weft_msg_body(in, &args);
 
-    if (in == NULL || weft_value_create(&dst) != WEFT_OK) {
-        weft_value_free(in);
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "rref: no memory for the arguments");
-    }
-    if (p == NULL || len < 4) {
-        weft_value_free(in);
-        weft_value_free(dst);
-        return weft__set_error(WEFT_ERR_PROTOCOL, "rref: call without a header");
-    }
-    size_t hlen = (size_t)p[0] | (size_t)p[1] << 8 | (size_t)p[2] << 16 | (size_t)p[3] << 24;
-    st = rref__value_fill(dst, in, 4 + hlen);
     weft_value_free(in);
     if (st != WEFT_OK) {
-        weft_value_free(dst);
         return st;
     }
-    weft_call_set_args(call, dst);
+    weft_call_set_args(call, args);
     return WEFT_OK;
 }
 
@@ -1210,13 +1254,13 @@ void rref__handle_method(weft_call_t *call, void *arg)
         return;
     }
     if (hdr->name[0] == '\0') {
-        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
+        weft_msg_header_free(&hdr->base);
         weft_call_fail(call, WEFT_ERR_PROTOCOL, "rref: method call without a method name");
         weft_rref_release(e);
         return;
     }
     pending_call_t *p = pending_call(call, e, hdr->name);
-    weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
+    weft_msg_header_free(&hdr->base);
     if (p == NULL || weft_future_then(e->ready, method_ready, p) != WEFT_OK) {
         if (p != NULL) {
             weft_free(p->method);
@@ -1280,7 +1324,7 @@ static void created_ready(weft_future_t *f, void *arg)
         if (c.has_value) {
             atomic_fetch_add(&p->e->ctx->values_sent_with_creation, 1);
         }
-        st = rref__frame_pack(&c.base, c.has_value ? val : NULL, &v);
+        st = weft_msg_pack(&c.base, c.has_value ? val : NULL, &v);
     } else {
         st = created_alone(&c, &v);
     }
@@ -1302,7 +1346,9 @@ void rref__handle_remote(weft_call_t *call, void *arg)
     int caller = weft_call_caller_rank(call);
     weft_rref_t *e, *fresh = NULL;
 
-    if (rref__call_unpack(weft_call_args(call), &hdr, &args) != WEFT_OK) {
+    if (call_header(weft_call_args(call), &hdr) != WEFT_OK ||
+        weft_msg_body(weft_call_args(call), &args) != WEFT_OK) {
+        weft_msg_header_free(hdr != NULL ? &hdr->base : NULL);
         weft_call_fail(call, WEFT_ERR_PROTOCOL, "%s", weft_last_error());
         return;
     }
@@ -1313,7 +1359,7 @@ void rref__handle_remote(weft_call_t *call, void *arg)
         kind > WEFT__V1__RREF_CREATE_KIND__RREF_CREATE_METHOD ||
         (kind == WEFT__V1__RREF_CREATE_KIND__RREF_CREATE_METHOD &&
          !rref__id_from_pb(ctx, hdr->target, &target))) {
-        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
+        weft_msg_header_free(&hdr->base);
         weft_value_free(args);
         weft_call_fail(call, WEFT_ERR_PROTOCOL,
                        "rref: remote creation with missing or bad ids, name or kind");
@@ -1321,7 +1367,7 @@ void rref__handle_remote(weft_call_t *call, void *arg)
     }
     fresh = rref__alloc(ctx, RREF_OWNER, id, ctx->rank, hdr->type, hdr->name);
     if (fresh == NULL) {
-        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
+        weft_msg_header_free(&hdr->base);
         weft_value_free(args);
         weft_call_fail(call, WEFT_ERR_NO_MEMORY, "rref: no memory for a reference");
         return;
@@ -1347,7 +1393,7 @@ void rref__handle_remote(weft_call_t *call, void *arg)
     }
     pthread_mutex_unlock(&ctx->mu);
     if (st != WEFT_OK) {
-        weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
+        weft_msg_header_free(&hdr->base);
         weft_value_free(args);
         if (fresh != NULL) {
             fresh->refs = 0;
@@ -1366,7 +1412,7 @@ void rref__handle_remote(weft_call_t *call, void *arg)
         weft_value_free(args);
     }
     uint64_t eager_max = hdr->eager_max;
-    weft__v1__rref_call__free_unpacked(hdr, &weft__pb_allocator);
+    weft_msg_header_free(&hdr->base);
     pending_call_t *p = pending_call(call, e, NULL);
     if (p != NULL) {
         p->eager_max = eager_max;

@@ -9,6 +9,9 @@
  * control messages arrive out of order and when workers die. docs/rref.md documents the
  * protocol (owner and user references, forks, confirmations, deletion, failures).
  *
+ * Timeouts: a timeout_ms of 0 means the agent's default call timeout (weft_agent_call_timeout_ms);
+ * a negative one is refused with WEFT_ERR_INVALID_ARG.
+ *
  * Handles: a weft_rref_t is a local handle, refcounted (weft_rref_retain/release). Releasing the
  * last local handle of a user reference tells the owner (once the reference is confirmed).
  * Thread-safety: every function is thread-safe. Functions that wait take a timeout; none waits
@@ -50,8 +53,9 @@ typedef struct weft_rref weft_rref_t;
  * the functions owners serve (weft.rref.remote, weft.rref.fetch, weft.rref.method), and its
  * peer-lost and shutdown listeners. Every worker that may own, receive or use references calls it
  * after weft_agent_create and before weft_agent_join (weft_rref_register_type calls it too);
- * later calls do nothing. Reads WEFT_RREF_FAULT_DELAY_US and WEFT_RREF_FAULT_DUP (tests only: see
- * docs/rref.md). Thread-safe.
+ * later calls do nothing. Control messages are retried until acknowledged, up to the agent's
+ * default call timeout. Reads WEFT_RREF_EAGER_BYTES, WEFT_RREF_FAULT_DELAY_US and
+ * WEFT_RREF_FAULT_DUP (the last two for tests only: see docs/rref.md). Thread-safe.
  * @return WEFT_ERR_ALREADY_EXISTS if one of those names or the channel is taken,
  *         WEFT_ERR_INVALID_STATE without a rank and world size, WEFT_ERR_NO_MEMORY.
  */
