@@ -406,8 +406,8 @@ static weft__pending_t *pending_find(weft_agent_t *a, uint64_t id)
     return NULL;
 }
 
-static void pending_finish(weft_agent_t *a, weft__pending_t *p, weft_status_t st,
-                           const char *text, weft_value_t *v)
+static void pending_finish(weft_agent_t *a, weft__pending_t *p, weft_status_t st, const char *text,
+                           weft_value_t *v)
 {
     if (p->timer_id != 0 && a->timer != NULL) {
         (void)weft__timer_cancel(a->timer, p->timer_id);
@@ -654,8 +654,8 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
      * is recorded once the route returns (answer_way_ok). */
     pthread_mutex_lock(&a->pend_mu);
     pending_insert(a, p);
-    p->timer_id = weft__timer_add(a->timer, weft__now_ns() + timeout_ms * 1000000,
-                                  pending_deadline, NULL, a, id, NULL);
+    p->timer_id = weft__timer_add(a->timer, weft__now_ns() + timeout_ms * 1000000, pending_deadline,
+                                  NULL, a, id, NULL);
     p->path.tp = WEFT__TP_COUNT; /* not known yet */
     pthread_mutex_unlock(&a->pend_mu);
     if (!internal) {

@@ -75,8 +75,8 @@ static size_t transcript(uint8_t *buf, char tp, const uint8_t *challenge, int cl
     return n + 12;
 }
 
-weft_status_t weft__hello_sign(weft_agent_t *a, char tp, const uint8_t *challenge,
-                               int server_rank, uint8_t sig[WEFT__ID_SIG_BYTES])
+weft_status_t weft__hello_sign(weft_agent_t *a, char tp, const uint8_t *challenge, int server_rank,
+                               uint8_t sig[WEFT__ID_SIG_BYTES])
 {
     uint8_t msg[64 + WEFT__CHALLENGE_BYTES];
     size_t n = transcript(msg, tp, challenge, a->rank, server_rank, a->world_size);
@@ -128,9 +128,8 @@ weft_status_t weft__random_bytes(uint8_t *buf, size_t n)
     return WEFT_OK;
 }
 
-weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h,
-                                weft__hello_kind_t kind, const uint8_t *challenge, char *why,
-                                size_t n)
+weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h, weft__hello_kind_t kind,
+                                const uint8_t *challenge, char *why, size_t n)
 {
     if (h == NULL) {
         snprintf(why, n, "the first message is not a Hello");
@@ -141,9 +140,8 @@ weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h,
                  h->protocol_version, a->name, WEFT_PROTOCOL_VERSION);
         return WEFT_ERR_VERSION;
     }
-    if (a->auth_token[0] != '\0' &&
-        !weft__secret_equal(h->auth_token.data, h->auth_token.len, a->auth_token,
-                            strlen(a->auth_token))) {
+    if (a->auth_token[0] != '\0' && !weft__secret_equal(h->auth_token.data, h->auth_token.len,
+                                                        a->auth_token, strlen(a->auth_token))) {
         snprintf(why, n, "rank %d presented the wrong authentication token", h->rank);
         return WEFT_ERR_AUTH;
     }
@@ -164,7 +162,8 @@ weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h,
             return WEFT_ERR_PROTOCOL;
         }
         if (h->identity_key.len != WEFT__ID_KEY_BYTES) {
-            snprintf(why, n, "rank %d sent an identity key of %zu bytes (an Ed25519 public key "
+            snprintf(why, n,
+                     "rank %d sent an identity key of %zu bytes (an Ed25519 public key "
                      "has %d)",
                      h->rank, h->identity_key.len, WEFT__ID_KEY_BYTES);
             return WEFT_ERR_PROTOCOL;
@@ -181,7 +180,8 @@ weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h,
     size_t len = transcript(msg, kind == WEFT__HELLO_STREAM ? 'S' : 'D', challenge, h->rank,
                             a->rank, a->world_size);
     if (!p->has_key || !verify(p->identity_key, msg, len, h->proof.data, h->proof.len)) {
-        snprintf(why, n, "the connection claiming rank %d did not prove it (its proof does not "
+        snprintf(why, n,
+                 "the connection claiming rank %d did not prove it (its proof does not "
                  "verify with that rank's key)",
                  h->rank);
         return WEFT_ERR_AUTH;

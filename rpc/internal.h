@@ -239,9 +239,9 @@ typedef struct weft__peer {
     uint8_t identity_key[WEFT__ID_KEY_BYTES];
     bool has_key;
     pthread_mutex_t mu;
-    grpc_channel *channel;          /* created on first use */
-    weft__stream_t *stream;         /* our client stream to this peer */
-    weft__stream_t *server_stream;  /* its stream to us, once its Hello proved it (one at a time) */
+    grpc_channel *channel;         /* created on first use */
+    weft__stream_t *stream;        /* our client stream to this peer */
+    weft__stream_t *server_stream; /* its stream to us, once its Hello proved it (one at a time) */
     bool lost;
     char *lost_why;
 } weft__peer_t;
@@ -254,8 +254,8 @@ void weft__identity_free(weft_agent_t *a);
 void weft__hello_fill(weft_agent_t *a, Weft__V1__Hello *h);
 /* Signs the connection's transcript (docs/protocol.md section 3): @p tp 'S' (stream) or 'D'
  * (direct), the server's @p challenge, this rank and @p server_rank. */
-weft_status_t weft__hello_sign(weft_agent_t *a, char tp, const uint8_t *challenge,
-                               int server_rank, uint8_t sig[WEFT__ID_SIG_BYTES]);
+weft_status_t weft__hello_sign(weft_agent_t *a, char tp, const uint8_t *challenge, int server_rank,
+                               uint8_t sig[WEFT__ID_SIG_BYTES]);
 typedef enum {
     WEFT__HELLO_JOIN,   /* to rank 0, to join the world (no challenge) */
     WEFT__HELLO_STREAM, /* opening a stream: proves its rank over @p challenge */
@@ -268,9 +268,8 @@ typedef enum {
  * join finished waits for it. The refusal's text goes to @p why.
  * WEFT_ERR_VERSION, WEFT_ERR_AUTH, WEFT_ERR_MISMATCH, WEFT_ERR_INVALID_ARG, WEFT_ERR_PROTOCOL.
  */
-weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h,
-                                weft__hello_kind_t kind, const uint8_t *challenge, char *why,
-                                size_t n);
+weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h, weft__hello_kind_t kind,
+                                const uint8_t *challenge, char *why, size_t n);
 /* Constant-time comparison of two secrets (length included). */
 bool weft__secret_equal(const void *x, size_t xlen, const void *y, size_t ylen);
 /* Cryptographically random bytes. */

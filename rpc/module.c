@@ -240,9 +240,9 @@ uint64_t weft_agent_timer_add(weft_agent_t *a, int64_t delay_us, weft_timer_cb_t
         return 0;
     }
     int64_t now = weft__now_ns();
-    int64_t due = delay_us <= 0 ? now
+    int64_t due = delay_us <= 0                         ? now
                   : delay_us > (INT64_MAX - now) / 1000 ? INT64_MAX
-                                                         : now + delay_us * 1000;
+                                                        : now + delay_us * 1000;
     return weft__timer_add(a->timer, due, run, drop, arg, data, owner);
 }
 
@@ -280,8 +280,8 @@ weft_status_t weft_msg_pack(const ProtobufCMessage *hdr, const weft_value_t *bod
     }
     size_t hlen = protobuf_c_message_get_packed_size(hdr);
     if (hlen > MSG_MAX_HEADER) {
-        return weft__set_error(WEFT_ERR_TOO_LARGE, "msg_pack: a header of %zu bytes (max %u)",
-                               hlen, MSG_MAX_HEADER);
+        return weft__set_error(WEFT_ERR_TOO_LARGE, "msg_pack: a header of %zu bytes (max %u)", hlen,
+                               MSG_MAX_HEADER);
     }
     uint8_t *buf = weft_alloc(4 + hlen + blen);
     if (buf == NULL) {

@@ -53,8 +53,8 @@ static weft__tp_id_t choose(weft_agent_t *a, const weft__frame_t *fr, const weft
     case WEFT__V1__KIND__KIND_ONEWAY:
         /* Only unordered messages: the stream keeps a channel's order; and without references,
          * whose decoding the stream's receiver orders. */
-        large = (fr->flags & WEFT_SEND_UNORDERED) != 0 &&
-                m->nbytes >= WEFT__DIRECT_MIN_UNORDERED && m->refs == NULL;
+        large = (fr->flags & WEFT_SEND_UNORDERED) != 0 && m->nbytes >= WEFT__DIRECT_MIN_UNORDERED &&
+                m->refs == NULL;
         break;
     default:
         break;
@@ -113,15 +113,21 @@ weft_status_t weft__route(weft_agent_t *a, const weft__frame_t *fr, weft__path_t
         char why[512];
         const char *who = a->peers[fr->to].name != NULL ? a->peers[fr->to].name : "the receiver";
         if (fr->kind == WEFT__V1__KIND__KIND_REQUEST) {
-            snprintf(why, sizeof(why), "rpc: call to '%s' is %zu bytes, over %s's limit of %llu "
-                     "bytes", fr->function, m->nbytes, who, (unsigned long long)limit);
+            snprintf(why, sizeof(why),
+                     "rpc: call to '%s' is %zu bytes, over %s's limit of %llu "
+                     "bytes",
+                     fr->function, m->nbytes, who, (unsigned long long)limit);
         } else if (fr->kind == WEFT__V1__KIND__KIND_RESPONSE) {
-            snprintf(why, sizeof(why), "result of '%s' on %s is %zu bytes, over the caller's "
-                     "limit of %llu bytes", fr->function != NULL ? fr->function : "?", a->name,
-                     m->nbytes, (unsigned long long)limit);
+            snprintf(why, sizeof(why),
+                     "result of '%s' on %s is %zu bytes, over the caller's "
+                     "limit of %llu bytes",
+                     fr->function != NULL ? fr->function : "?", a->name, m->nbytes,
+                     (unsigned long long)limit);
         } else {
-            snprintf(why, sizeof(why), "agent_send: message is %zu bytes, over %s's limit of %llu "
-                     "bytes", m->nbytes, who, (unsigned long long)limit);
+            snprintf(why, sizeof(why),
+                     "agent_send: message is %zu bytes, over %s's limit of %llu "
+                     "bytes",
+                     m->nbytes, who, (unsigned long long)limit);
         }
         weft__outmsg_free(m, WEFT_ERR_TOO_LARGE, why);
         return weft__set_error(WEFT_ERR_TOO_LARGE, "%s", why);

@@ -45,9 +45,9 @@ struct weft__stream {
     /* receive side */
     weft__op_t recv_op;
     grpc_byte_buffer *recv_bb;
-    bool hello_ok;     /* server: the Hello was accepted; client: HELLO_ACK came */
-    bool challenged;   /* client: the challenge came and the Hello is queued */
-    bool registered;   /* server: it is its peer's proven stream (peers[].server_stream) */
+    bool hello_ok;   /* server: the Hello was accepted; client: HELLO_ACK came */
+    bool challenged; /* client: the challenge came and the Hello is queued */
+    bool registered; /* server: it is its peer's proven stream (peers[].server_stream) */
     uint8_t challenge[WEFT__CHALLENGE_BYTES]; /* server */
     _Atomic uint64_t hello_timer;             /* server: the handshake deadline's task */
     uint64_t received; /* messages received (numbering; one receive at a time) */
@@ -586,8 +586,8 @@ static bool client_ack(weft__stream_t *s, const Weft__V1__Envelope *env)
     char why[640];
     snprintf(why, sizeof(why), "rank %d refused the connection: %s", peer,
              env->error != NULL ? env->error : "");
-    weft_status_t est = weft_status_valid(env->status) ? (weft_status_t)env->status
-                                                       : WEFT_ERR_PROTOCOL;
+    weft_status_t est =
+        weft_status_valid(env->status) ? (weft_status_t)env->status : WEFT_ERR_PROTOCOL;
     stream_dead(s, est, why);
     weft__agent_peer_lost(a, peer, est, why);
     return false;
@@ -696,8 +696,7 @@ static void read_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq, 
             weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
             continue;
         }
-        if (st == WEFT_OK &&
-            (env->kind != WEFT__V1__KIND__KIND_RESPONSE || env->status == 0)) {
+        if (st == WEFT_OK && (env->kind != WEFT__V1__KIND__KIND_RESPONSE || env->status == 0)) {
             st = weft__reader_body(&r, env, &v);
         } else if (st == WEFT_OK) {
             weft__reader_skip_body(&r);

@@ -260,7 +260,8 @@ weft_status_t weft__frame_check(const Weft__V1__Envelope *env, size_t elen, uint
         uint64_t nb = 0;
         WEFT_CHECK(check_meta(env->tensors[i], i, &nb));
     }
-    if (max_bytes > 0 && (4 + (uint64_t)elen + body < body || 4 + (uint64_t)elen + body > max_bytes)) {
+    if (max_bytes > 0 &&
+        (4 + (uint64_t)elen + body < body || 4 + (uint64_t)elen + body > max_bytes)) {
         return weft__set_error(
             WEFT_ERR_TOO_LARGE, "wire: message of %llu bytes exceeds the limit of %llu bytes",
             (unsigned long long)(4 + elen + body), (unsigned long long)max_bytes);
@@ -317,8 +318,8 @@ weft_status_t weft__reader_envelope(weft__reader_t *r, uint64_t max_bytes,
     *env_p = NULL;
     r->body_left = 0;
     if (!reader_read(r, lenb, 4)) {
-        status = weft__set_error(WEFT_ERR_PROTOCOL,
-                                 "wire: frame header cut short (%zu bytes left)", r->left);
+        status = weft__set_error(WEFT_ERR_PROTOCOL, "wire: frame header cut short (%zu bytes left)",
+                                 r->left);
         reader_drop_rest(r);
         return status;
     }

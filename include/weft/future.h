@@ -30,7 +30,7 @@ WEFT_API void weft_future_release(weft_future_t *f);
  * Thread-safe.
  */
 WEFT_API int weft_future_complete(weft_future_t *f, weft_status_t status, const char *text,
-                         weft_value_t *value);
+                                  weft_value_t *value);
 /** As weft_future_complete with printf-style text. */
 WEFT_API int weft_future_fail(weft_future_t *f, weft_status_t status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -69,11 +69,12 @@ WEFT_API weft_status_t weft_future_then(weft_future_t *f, weft_future_cb_t cb, v
  * if all succeeded, the first failing one's status otherwise, WEFT_ERR_TIMEOUT if some are still
  * pending when time runs out. Thread-safe.
  */
-WEFT_API weft_status_t weft_future_wait_all(weft_future_t *const *futs, size_t n, int64_t timeout_ms);
+WEFT_API weft_status_t weft_future_wait_all(weft_future_t *const *futs, size_t n,
+                                            int64_t timeout_ms);
 /** Waits until any of @p n completes (0: without limit); its index goes to @p index_p.
  * WEFT_ERR_TIMEOUT if none did in time. Thread-safe. */
-WEFT_API weft_status_t weft_future_wait_any(weft_future_t *const *futs, size_t n, int64_t timeout_ms,
-                                   size_t *index_p);
+WEFT_API weft_status_t weft_future_wait_any(weft_future_t *const *futs, size_t n,
+                                            int64_t timeout_ms, size_t *index_p);
 
 #ifdef __cplusplus
 }

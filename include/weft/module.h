@@ -133,8 +133,8 @@ typedef struct {
      * true to take the bytes, or returns false (the message then arrives as usual, with a fresh
      * tensor). Must not block.
      */
-    bool (*lander)(void *state, int src_rank, const void *payload, size_t len,
-                   weft_dtype_t dtype, int64_t numel, weft_landing_t *landing_p);
+    bool (*lander)(void *state, int src_rank, const void *payload, size_t len, weft_dtype_t dtype,
+                   int64_t numel, weft_landing_t *landing_p);
     /**
      * @p rank was lost (once per rank; never for ranks that left in shutdown). Runs on the thread
      * that noticed (a transport thread, or the timer's); must not block.
@@ -247,8 +247,7 @@ WEFT_API weft_status_t weft_msg_unpack(const weft_value_t *msg,
 /** The same from a message's raw payload (a lander sees only the payload). */
 WEFT_API weft_status_t weft_msg_unpack_payload(const void *payload, size_t len,
                                                const struct ProtobufCMessageDescriptor *desc,
-                                               struct ProtobufCMessage **hdr_p,
-                                               size_t *body_off_p);
+                                               struct ProtobufCMessage **hdr_p, size_t *body_off_p);
 /** Frees a header from weft_msg_unpack. NULL is a no-op. */
 WEFT_API void weft_msg_header_free(struct ProtobufCMessage *hdr);
 /**

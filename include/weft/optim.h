@@ -73,15 +73,17 @@ WEFT_API weft_status_t weft_optim_sgd_config_check(const weft_optim_sgd_config_t
  * @param[in] step 1 on the parameter's first update (initialises the buffer), then 2, 3, ...
  */
 WEFT_API weft_status_t weft_optim_sgd_step(const weft_optim_sgd_config_t *cfg, weft_tensor_t *param,
-                                  const weft_tensor_t *grad, weft_tensor_t *momentum_buf,
-                                  int64_t step);
+                                           const weft_tensor_t *grad, weft_tensor_t *momentum_buf,
+                                           int64_t step);
 /**
  * SGD from a sparse-row gradient: param[indices[k]] -= lr * (sum of the rows of that index).
  * Like torch, takes no momentum and no weight decay (WEFT_ERR_UNSUPPORTED otherwise).
  * @param[in] indices i64 [nnz], each in [0, param dim 0); @param[in] rows [nnz, param dims 1...].
  */
-WEFT_API weft_status_t weft_optim_sgd_sparse_step(const weft_optim_sgd_config_t *cfg, weft_tensor_t *param,
-                                         const weft_tensor_t *indices, const weft_tensor_t *rows);
+WEFT_API weft_status_t weft_optim_sgd_sparse_step(const weft_optim_sgd_config_t *cfg,
+                                                  weft_tensor_t *param,
+                                                  const weft_tensor_t *indices,
+                                                  const weft_tensor_t *rows);
 
 /* ---- Adagrad --------------------------------------------------------------------------------- */
 
@@ -110,17 +112,19 @@ WEFT_API weft_status_t weft_optim_adagrad_config_check(const weft_optim_adagrad_
  * @param[in,out] sum the sum of squares; fill it with cfg->initial_accumulator_value before the
  *                first step (weft_tensor_fill).
  */
-WEFT_API weft_status_t weft_optim_adagrad_step(const weft_optim_adagrad_config_t *cfg, weft_tensor_t *param,
-                                      const weft_tensor_t *grad, weft_tensor_t *sum, int64_t step);
+WEFT_API weft_status_t weft_optim_adagrad_step(const weft_optim_adagrad_config_t *cfg,
+                                               weft_tensor_t *param, const weft_tensor_t *grad,
+                                               weft_tensor_t *sum, int64_t step);
 /**
  * Adagrad from a sparse-row gradient, as torch's sparse Adagrad: for each distinct index r with
  * summed row g, sum[r] += g * g and param[r] -= clr * g / (sqrt(sum[r]) + eps); other rows do
  * not change. No weight decay (WEFT_ERR_UNSUPPORTED otherwise, as torch).
  */
 WEFT_API weft_status_t weft_optim_adagrad_sparse_step(const weft_optim_adagrad_config_t *cfg,
-                                             weft_tensor_t *param, const weft_tensor_t *indices,
-                                             const weft_tensor_t *rows, weft_tensor_t *sum,
-                                             int64_t step);
+                                                      weft_tensor_t *param,
+                                                      const weft_tensor_t *indices,
+                                                      const weft_tensor_t *rows, weft_tensor_t *sum,
+                                                      int64_t step);
 
 /* ---- Adam and AdamW -------------------------------------------------------------------------- */
 
@@ -162,18 +166,18 @@ WEFT_API weft_status_t weft_optim_adam_config_check(const weft_optim_adam_config
  * @param[in,out] max_exp_avg_sq zero before the first step; required with amsgrad, ignored (may
  *                be NULL) without.
  */
-WEFT_API weft_status_t weft_optim_adam_step(const weft_optim_adam_config_t *cfg, weft_tensor_t *param,
-                                   const weft_tensor_t *grad, weft_tensor_t *exp_avg,
-                                   weft_tensor_t *exp_avg_sq, weft_tensor_t *max_exp_avg_sq,
-                                   int64_t step);
+WEFT_API weft_status_t weft_optim_adam_step(const weft_optim_adam_config_t *cfg,
+                                            weft_tensor_t *param, const weft_tensor_t *grad,
+                                            weft_tensor_t *exp_avg, weft_tensor_t *exp_avg_sq,
+                                            weft_tensor_t *max_exp_avg_sq, int64_t step);
 /**
  * One AdamW step: param *= 1 - lr * weight_decay, then Adam's update with the raw gradient
  * (no weight decay added to it). Same arguments as weft_optim_adam_step.
  */
-WEFT_API weft_status_t weft_optim_adamw_step(const weft_optim_adam_config_t *cfg, weft_tensor_t *param,
-                                    const weft_tensor_t *grad, weft_tensor_t *exp_avg,
-                                    weft_tensor_t *exp_avg_sq, weft_tensor_t *max_exp_avg_sq,
-                                    int64_t step);
+WEFT_API weft_status_t weft_optim_adamw_step(const weft_optim_adam_config_t *cfg,
+                                             weft_tensor_t *param, const weft_tensor_t *grad,
+                                             weft_tensor_t *exp_avg, weft_tensor_t *exp_avg_sq,
+                                             weft_tensor_t *max_exp_avg_sq, int64_t step);
 
 #ifdef __cplusplus
 }

@@ -40,9 +40,11 @@ WEFT_API uint64_t weft_rng_below(weft_rng_t *rng, uint64_t n);
  * Fills a CPU f32 or f64 tensor with values uniform in [lo, hi), in element order.
  * @return WEFT_ERR_INVALID_ARG (NULL, hi < lo), WEFT_ERR_DTYPE (not f32/f64).
  */
-WEFT_API weft_status_t weft_tensor_fill_uniform(weft_tensor_t *t, double lo, double hi, weft_rng_t *rng);
+WEFT_API weft_status_t weft_tensor_fill_uniform(weft_tensor_t *t, double lo, double hi,
+                                                weft_rng_t *rng);
 /** Fills a CPU f32 or f64 tensor with normal values (mean, std >= 0), in element order. */
-WEFT_API weft_status_t weft_tensor_fill_normal(weft_tensor_t *t, double mean, double std, weft_rng_t *rng);
+WEFT_API weft_status_t weft_tensor_fill_normal(weft_tensor_t *t, double mean, double std,
+                                               weft_rng_t *rng);
 /** Sets every element of a CPU f32, f64, i32 or i64 tensor to @p v. */
 WEFT_API weft_status_t weft_tensor_fill(weft_tensor_t *t, double v);
 
@@ -51,7 +53,8 @@ WEFT_API weft_status_t weft_tensor_fill(weft_tensor_t *t, double v);
  * the dims after 1 (a 2-D [out, in] weight gives fan_in = in, fan_out = out).
  * @return WEFT_ERR_SHAPE for fewer than 2 dims.
  */
-WEFT_API weft_status_t weft_init_fans(const weft_tensor_t *t, int64_t *fan_in_p, int64_t *fan_out_p);
+WEFT_API weft_status_t weft_init_fans(const weft_tensor_t *t, int64_t *fan_in_p,
+                                      int64_t *fan_out_p);
 /** torch.nn.init.kaiming_uniform_ (fan_in mode, leaky_relu gain with slope @p a). */
 WEFT_API weft_status_t weft_init_kaiming_uniform(weft_tensor_t *t, double a, weft_rng_t *rng);
 /** torch.nn.init.kaiming_normal_ (fan_in mode, relu gain). */

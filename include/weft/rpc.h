@@ -100,8 +100,7 @@ WEFT_API const char *weft_agent_name(const weft_agent_t *a);
 /** Borrowed name of @p rank (after join), NULL if out of range. Thread-safe after join. */
 WEFT_API const char *weft_agent_worker_name(const weft_agent_t *a, int rank);
 /** Rank of the worker named @p name. WEFT_ERR_NOT_FOUND if none. Thread-safe after join. */
-WEFT_API weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name,
-                                              int *rank_p);
+WEFT_API weft_status_t weft_agent_worker_rank(const weft_agent_t *a, const char *name, int *rank_p);
 /** The deadline a call given a timeout of 0 gets (opts.default_timeout_ms, else
  * WEFT_RPC_TIMEOUT_MS, else 60000). Thread-safe. */
 WEFT_API int64_t weft_agent_call_timeout_ms(const weft_agent_t *a);

@@ -87,9 +87,10 @@ typedef struct {
  * weft_agent_join, like functions). Strings are copied.
  * @return WEFT_ERR_ALREADY_EXISTS, WEFT_ERR_INVALID_ARG.
  */
-WEFT_API weft_status_t weft_rref_register_type(weft_agent_t *a, const char *type, weft_rref_ctor_cb_t ctor,
-                                      weft_rref_dtor_cb_t dtor, const weft_rref_method_t *methods,
-                                      int n_methods, void *type_arg);
+WEFT_API weft_status_t weft_rref_register_type(weft_agent_t *a, const char *type,
+                                               weft_rref_ctor_cb_t ctor, weft_rref_dtor_cb_t dtor,
+                                               const weft_rref_method_t *methods, int n_methods,
+                                               void *type_arg);
 
 /* ---- creation ---------------------------------------------------------------------------------
  */
@@ -103,12 +104,13 @@ WEFT_API weft_status_t weft_rref_register_type(weft_agent_t *a, const char *type
  * so that a to_here issued before that answer needs no message of its own (docs/rref.md §4).
  * @param[out] rref_p a handle; caller releases with weft_rref_release.
  */
-WEFT_API weft_status_t weft_rref_remote(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
-                               int64_t timeout_ms, weft_rref_t **rref_p);
+WEFT_API weft_status_t weft_rref_remote(weft_agent_t *a, int to, const char *fn,
+                                        const weft_value_t *args, int64_t timeout_ms,
+                                        weft_rref_t **rref_p);
 /** As weft_rref_remote, constructing an object of the registered @p type on @p to. */
 WEFT_API weft_status_t weft_rref_remote_object(weft_agent_t *a, int to, const char *type,
-                                      const weft_value_t *args, int64_t timeout_ms,
-                                      weft_rref_t **rref_p);
+                                               const weft_value_t *args, int64_t timeout_ms,
+                                               weft_rref_t **rref_p);
 /** A reference owned by this worker to @p value (takes ownership on success), like torch's RRef(v).
  */
 WEFT_API weft_status_t weft_rref_create(weft_agent_t *a, weft_value_t *value, weft_rref_t **rref_p);
@@ -122,26 +124,31 @@ WEFT_API weft_status_t weft_rref_create(weft_agent_t *a, weft_value_t *value, we
  * @param[out] value_p caller frees with weft_value_free.
  * @return the creation's failure, WEFT_ERR_OWNER_LOST, WEFT_ERR_TIMEOUT.
  */
-WEFT_API weft_status_t weft_rref_to_here(weft_rref_t *r, int64_t timeout_ms, weft_value_t **value_p);
+WEFT_API weft_status_t weft_rref_to_here(weft_rref_t *r, int64_t timeout_ms,
+                                         weft_value_t **value_p);
 /** As weft_rref_to_here, asynchronously: the future's value is the copy. */
-WEFT_API weft_status_t weft_rref_to_here_async(weft_rref_t *r, int64_t timeout_ms, weft_future_t **f_p);
+WEFT_API weft_status_t weft_rref_to_here_async(weft_rref_t *r, int64_t timeout_ms,
+                                               weft_future_t **f_p);
 /**
  * The owner's value, borrowed while @p r lives (owner only: WEFT_ERR_INVALID_STATE elsewhere);
  * waits up to @p timeout_ms for the creating function to finish.
  */
 WEFT_API weft_status_t weft_rref_local_value(weft_rref_t *r, int64_t timeout_ms,
-                                    const weft_value_t **value_p);
+                                             const weft_value_t **value_p);
 /** The owner's object of an object reference, borrowed as weft_rref_local_value. */
 WEFT_API weft_status_t weft_rref_local_object(weft_rref_t *r, int64_t timeout_ms, void **obj_p);
 
 /** Calls @p method of the owner's object with @p args (torch's rref.rpc_sync().method()). */
-WEFT_API weft_status_t weft_rref_rpc_sync(weft_rref_t *r, const char *method, const weft_value_t *args,
-                                 int64_t timeout_ms, weft_value_t **result_p);
-WEFT_API weft_status_t weft_rref_rpc_async(weft_rref_t *r, const char *method, const weft_value_t *args,
-                                  int64_t timeout_ms, weft_future_t **f_p);
+WEFT_API weft_status_t weft_rref_rpc_sync(weft_rref_t *r, const char *method,
+                                          const weft_value_t *args, int64_t timeout_ms,
+                                          weft_value_t **result_p);
+WEFT_API weft_status_t weft_rref_rpc_async(weft_rref_t *r, const char *method,
+                                           const weft_value_t *args, int64_t timeout_ms,
+                                           weft_future_t **f_p);
 /** Calls @p method on the owner and keeps its result there, as a new reference owned by it. */
-WEFT_API weft_status_t weft_rref_remote_method(weft_rref_t *r, const char *method, const weft_value_t *args,
-                                      int64_t timeout_ms, weft_rref_t **result_p);
+WEFT_API weft_status_t weft_rref_remote_method(weft_rref_t *r, const char *method,
+                                               const weft_value_t *args, int64_t timeout_ms,
+                                               weft_rref_t **result_p);
 
 /* ---- identity ---------------------------------------------------------------------------------
  */

@@ -59,24 +59,25 @@ WEFT_API int weft_dtype_valid(int dtype);
  * @return WEFT_ERR_INVALID_ARG (bad dtype/shape), WEFT_ERR_NO_MEMORY.
  */
 WEFT_API weft_status_t weft_tensor_create(weft_dtype_t dtype, int ndim, const int64_t *shape,
-                                 weft_tensor_t **t_p);
+                                          weft_tensor_t **t_p);
 /** As weft_tensor_create, but the contents are uninitialised. */
 WEFT_API weft_status_t weft_tensor_empty(weft_dtype_t dtype, int ndim, const int64_t *shape,
-                                weft_tensor_t **t_p);
+                                         weft_tensor_t **t_p);
 /**
  * Wraps a caller's buffer without copying. The buffer is borrowed: it must stay
  * valid until @p release is called (once, when the last reference goes);
  * @p release may be NULL. @p nbytes must equal numel * dtype size.
  */
-WEFT_API weft_status_t weft_tensor_wrap(weft_dtype_t dtype, int ndim, const int64_t *shape, void *data,
-                               size_t nbytes, weft_device_t device, weft_release_cb_t release,
-                               void *release_arg, weft_tensor_t **t_p);
+WEFT_API weft_status_t weft_tensor_wrap(weft_dtype_t dtype, int ndim, const int64_t *shape,
+                                        void *data, size_t nbytes, weft_device_t device,
+                                        weft_release_cb_t release, void *release_arg,
+                                        weft_tensor_t **t_p);
 /**
  * A new tensor of another shape sharing @p t's storage (same numel).
  * @return WEFT_ERR_SHAPE when the element counts differ.
  */
 WEFT_API weft_status_t weft_tensor_view(weft_tensor_t *t, int ndim, const int64_t *shape,
-                               weft_tensor_t **t_p);
+                                        weft_tensor_t **t_p);
 /** A deep copy into fresh CPU storage. */
 WEFT_API weft_status_t weft_tensor_clone(const weft_tensor_t *t, weft_tensor_t **t_p);
 

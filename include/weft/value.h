@@ -52,7 +52,8 @@ typedef struct {
  * reference (see weft_agent_register_ref_codec).
  * @return WEFT_ERR_INVALID_ARG (NULL value, type, callback or object), WEFT_ERR_NO_MEMORY.
  */
-WEFT_API weft_status_t weft_value_add_ref(weft_value_t *v, const weft_value_ref_type_t *type, void *obj);
+WEFT_API weft_status_t weft_value_add_ref(weft_value_t *v, const weft_value_ref_type_t *type,
+                                          void *obj);
 /** Number of references in @p v (0 for NULL). */
 WEFT_API size_t weft_value_num_refs(const weft_value_t *v);
 /** Borrowed object of reference @p i (NULL when out of range); its kind goes to @p kind_p. */

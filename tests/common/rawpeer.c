@@ -20,8 +20,8 @@
 
 /* The agent's own signing (rpc/hello.c; linked from the static library): a raw peer proves a rank
  * only with that rank's key, so only an agent's own process can prove it. */
-weft_status_t weft__hello_sign(weft_agent_t *a, char tp, const uint8_t *challenge,
-                               int server_rank, uint8_t *sig);
+weft_status_t weft__hello_sign(weft_agent_t *a, char tp, const uint8_t *challenge, int server_rank,
+                               uint8_t *sig);
 
 #define DIRECT_MAGIC   0x42544657u
 #define DIRECT_VERSION 2u
@@ -359,8 +359,9 @@ void rawpeer_free(rawpeer_t *p)
     grpc_metadata_array_destroy(&p->trailing);
     grpc_slice_unref(p->details);
     grpc_completion_queue_shutdown(p->cq);
-    while (grpc_completion_queue_pluck(p->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL)
-               .type != GRPC_QUEUE_SHUTDOWN) {
+    while (
+        grpc_completion_queue_pluck(p->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+        GRPC_QUEUE_SHUTDOWN) {
     }
     grpc_completion_queue_destroy(p->cq);
     grpc_channel_destroy(p->ch);
@@ -469,10 +470,10 @@ int rawpeer_frames(const char *address, int rank, int world, const char *token, 
 {
     char why[512];
     rawpeer_t *p = rawpeer_open(address);
-    int result = rawpeer_challenge(p) == NULL
-                     ? 1000 + GRPC_STATUS_UNAVAILABLE
-                     : rawpeer_say_hello(p, WEFT_PROTOCOL_VERSION, rank, world, token, as, why,
-                                         sizeof(why));
+    int result =
+        rawpeer_challenge(p) == NULL
+            ? 1000 + GRPC_STATUS_UNAVAILABLE
+            : rawpeer_say_hello(p, WEFT_PROTOCOL_VERSION, rank, world, token, as, why, sizeof(why));
     for (size_t i = 0; result == 0 && i < n; i++) {
         const rawpeer_frame_t *f = &frames[i];
         Weft__V1__Envelope e = WEFT__V1__ENVELOPE__INIT;

@@ -78,7 +78,8 @@ Test(config, invalid_values_fall_back_to_the_default, .init = cr_redirect_stderr
     cr_assert_not(weft__cfg_is_set(WEFT__CFG_COLL_ALGO));
     fflush(stderr);
     cr_assert_stderr_eq_str(
-        "[weft] warning: ignoring WEFT_RPC_TIMEOUT_MS=12x: not an integer in 1..9223372036854775807; "
+        "[weft] warning: ignoring WEFT_RPC_TIMEOUT_MS=12x: not an integer in "
+        "1..9223372036854775807; "
         "using the default 60000\n"
         "[weft] warning: ignoring WEFT_PEER_TIMEOUT_MS=10: not an integer in "
         "200..9223372036854775807; using the default 2000\n"

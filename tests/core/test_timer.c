@@ -70,7 +70,8 @@ Test(timer, runs_in_due_order_then_added_order)
     cr_assert_gt(weft__timer_add(t, now + 10 * MS, record, NULL, &lg, 2, NULL), 0);
     cr_assert_gt(weft__timer_add(t, now + 20 * MS, record, NULL, &lg, 3, NULL), 0);
     cr_assert_gt(weft__timer_add(t, now + 20 * MS, record, NULL, &lg, 4, NULL), 0);
-    cr_assert_gt(weft__timer_add(t, now - 5 * MS, record, NULL, &lg, 1, NULL), 0); /* past: at once */
+    cr_assert_gt(weft__timer_add(t, now - 5 * MS, record, NULL, &lg, 1, NULL),
+                 0); /* past: at once */
     wait_runs(5);
     for (int i = 0; i < 5; i++) {
         cr_assert_eq(lg.order[i], (uint64_t)i + 1, "position %d ran task %llu", i,
@@ -109,7 +110,8 @@ Test(timer, cancel_takes_a_task_out_before_it_runs)
     cr_assert_eq(weft__timer_create("test", &t), WEFT_OK);
     uint64_t ids[40];
     for (int i = 0; i < 40; i++) {
-        ids[i] = weft__timer_add(t, now + (20 + i) * MS, record, record_drop, &lg, (uint64_t)i, NULL);
+        ids[i] =
+            weft__timer_add(t, now + (20 + i) * MS, record, record_drop, &lg, (uint64_t)i, NULL);
         cr_assert_gt(ids[i], 0);
     }
     /* Every odd one is cancelled: neither run nor drop is called for them. */
@@ -175,9 +177,9 @@ Test(timer, cancel_owner_drops_its_tasks_and_waits_for_the_running_one)
         cr_assert_gt(weft__timer_add(t, now + (3600000 + 10 - i) * MS, record, record_drop, &lg,
                                      (uint64_t)(100 + i), &owner_a),
                      0);
-        cr_assert_gt(weft__timer_add(t, now + (5 + i) * MS, record, record_drop, &lg,
-                                     (uint64_t)i, &owner_b),
-                     0);
+        cr_assert_gt(
+            weft__timer_add(t, now + (5 + i) * MS, record, record_drop, &lg, (uint64_t)i, &owner_b),
+            0);
     }
     int64_t end = weft__now_ns() + 10000 * MS;
     while (!atomic_load(&slow.entered)) {
@@ -219,9 +221,8 @@ Test(timer, a_task_may_cancel_its_own_owner)
 
     cr_assert_eq(weft__timer_create("test", &self_t), WEFT_OK);
     cr_assert_gt(weft__timer_add(self_t, now, cancel_self, NULL, NULL, 0, &self_owner), 0);
-    cr_assert_gt(weft__timer_add(self_t, now + 3600000 * MS, record, record_drop, &lg, 7,
-                                 &self_owner),
-                 0);
+    cr_assert_gt(
+        weft__timer_add(self_t, now + 3600000 * MS, record, record_drop, &lg, 7, &self_owner), 0);
     wait_runs(1);
     cr_assert_eq(lg.dropped, 1);
     weft__timer_free(self_t);

@@ -175,8 +175,7 @@ static rawpeer_t *open_self(weft_agent_t *a, int rank, int world)
     char why[512];
     rawpeer_t *p = rawpeer_open(weft_agent_worker_address(a, rank));
     if (rawpeer_challenge(p) == NULL ||
-        rawpeer_say_hello(p, WEFT_PROTOCOL_VERSION, rank, world, TOKEN, a, why, sizeof(why)) !=
-            0) {
+        rawpeer_say_hello(p, WEFT_PROTOCOL_VERSION, rank, world, TOKEN, a, why, sizeof(why)) != 0) {
         fprintf(stderr, "own hello refused: %s\n", why);
         rawpeer_free(p);
         return NULL;
