@@ -1053,7 +1053,8 @@ static int body_held_past_deadline(weft_agent_t *a, int rank, int world, void *a
         RANK_CHECK(weft_coll_all_reduce(pair, t, WEFT_SUM, &f) == WEFT_OK, "all_reduce: %s",
                    weft_last_error());
         RANK_CHECK(weft_future_then(f, held_cb, &probe) == WEFT_OK, "then");
-        /* Past the deadline, with rank 1 still stopped. */
+        /* Past the deadline (1 s from the call), with rank 1 still stopped: the event is the
+         * clock itself; should the operation end in the meantime, probe.held tells. */
         (void)weft_future_wait(f, 3000);
         RANK_CHECK(kill((pid_t)peer, SIGCONT) == 0, "SIGCONT");
         weft_status_t st = weft_future_wait(f, 60000);
