@@ -1442,28 +1442,73 @@ Test(collectives, handles_to_the_world_share_one_sequence, .timeout = 120)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* Rank 2 of the dead-rank test counts the others' notes: each says its sender is past the first
+ * barrier and inside the all_reduce. */
+#define NOTE_CHANNEL 64
+static atomic_int notes;
+
+static void on_note(void *state, int src, weft_value_t *msg)
+{
+    (void)state;
+    (void)src;
+    weft_value_free(msg);
+    atomic_fetch_add(&notes, 1);
+}
+
+static int note_state;
+
+static weft_status_t note_create(weft_agent_t *a, void **state_p)
+{
+    (void)a;
+    *state_p = &note_state;
+    return WEFT_OK;
+}
+
+static const weft_module_desc_t note_module = {
+    .name = "note", .channel = NOTE_CHANNEL, .create = note_create, .on_message = on_note};
+
+static void dead_setup(weft_agent_t *a, int rank, void *arg)
+{
+    void *state;
+    (void)rank;
+    (void)arg;
+    if (weft_agent_module(a, &note_module, &state) != WEFT_OK) {
+        abort();
+    }
+}
+
 static int body_dead(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)arg;
-    (void)world;
     weft_pg_t *pg;
     weft_pg_world(a, &pg);
     weft_pg_set_timeout(pg, 30000);
     RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "first barrier");
     if (rank == 2) {
-        /* Dies while the others are inside the next operation; first let its part of
-         * the barrier leave the process (a rank that dies at once may take it along). */
-        usleep(500 * 1000);
+        /* Dies while the others are inside the next operation; first its part of the barrier
+         * must have left the process (a rank that dies at once may take it along): every other
+         * rank finished the barrier, which it could not without that part. */
+        RANK_WAIT(atomic_load(&notes) == world - 1, 20000, "%d of %d notes", atomic_load(&notes),
+                  world - 1);
         raise(SIGKILL);
     }
     int64_t n = 100000;
     weft_tensor_t *t;
     weft_tensor_create(WEFT_F32, 1, &n, &t);
     int64_t t0 = now_ms();
-    weft_status_t st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    weft_future_t *f;
+    RANK_CHECK(weft_coll_all_reduce(pg, t, WEFT_SUM, &f) == WEFT_OK, "all_reduce: %s",
+               weft_last_error());
+    weft_value_t *note;
+    weft_value_create(&note);
+    weft_status_t st = weft_agent_send(a, 2, NOTE_CHANNEL, note, NULL);
+    weft_value_free(note);
+    RANK_CHECK(st == WEFT_OK, "note to rank 2: %s", weft_last_error());
+    st = weft_future_wait(f, 60000);
     RANK_CHECK(st == WEFT_ERR_PEER_LOST, "all_reduce with a dead rank gave %s: %s",
-               weft_strerror(st), weft_last_error());
+               weft_strerror(st), weft_future_error(f));
     RANK_CHECK(now_ms() - t0 < 10000, "failed after %lld ms", (long long)(now_ms() - t0));
+    weft_future_release(f);
     weft_tensor_release(t);
     weft_pg_free(pg);
     return 0;
@@ -1479,6 +1524,7 @@ Test(collectives, dead_rank_fails_pending_operations, .timeout = 120)
             setenv("WEFT_COLL_ALGO", "ring", 1);
         }
         ranks_opts_init(&o, 4, body_dead);
+        o.setup = dead_setup;
         ranks_run(&o, codes);
         cr_assert_eq(codes[0], 0, "ring %d", ring);
         cr_assert_eq(codes[1], 0, "ring %d", ring);
@@ -1551,7 +1597,8 @@ static int body_held_past_deadline(weft_agent_t *a, int rank, int world, void *a
         RANK_CHECK(weft_coll_all_reduce(pair, t, WEFT_SUM, &f) == WEFT_OK, "all_reduce: %s",
                    weft_last_error());
         RANK_CHECK(weft_future_then(f, held_cb, &probe) == WEFT_OK, "then");
-        /* Past the deadline, with rank 1 still stopped. */
+        /* Past the deadline (1 s from the call), with rank 1 still stopped: the event is the
+         * clock itself; should the operation end in the meantime, probe.held tells. */
         (void)weft_future_wait(f, 3000);
         RANK_CHECK(kill((pid_t)peer, SIGCONT) == 0, "SIGCONT");
         weft_status_t st = weft_future_wait(f, 60000);
@@ -1597,11 +1644,13 @@ static int body_deadline_from_call(weft_agent_t *a, int rank, int world, void *a
         weft_future_t *fa, *fb;
         RANK_CHECK(weft_coll_barrier(pg, &fa) == WEFT_OK, "barrier A");
         weft_pg_set_timeout(pg, 1000);
-        int64_t t0 = now_ms();
         RANK_CHECK(weft_coll_barrier(pg, &fb) == WEFT_OK, "barrier B");
+        int64_t t0 = now_ms(); /* B's deadline is at most t0 + 1 s */
         weft_pg_set_timeout(pg, 60000);
         while (now_ms() - t0 < 1500) {
-            usleep(50 * 1000); /* B's deadline passes while A waits for rank 1 */
+            /* B's deadline passes while A waits for rank 1: the event is the clock itself
+             * (nothing happens at a queued operation's deadline); the wait ends at 1.5 s. */
+            usleep(50 * 1000);
         }
         if (signal_rank(pg, 0, 1, 1, NULL) != 0) {
             return 1;

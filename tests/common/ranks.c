@@ -36,13 +36,6 @@ void ranks_opts_init(ranks_opts_t *o, int world, rank_main_cb_t body)
     o->no_direct_rank = -1;
 }
 
-int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 weft_value_t *value_of_string(const char *s)
 {
     weft_value_t *v;

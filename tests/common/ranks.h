@@ -6,6 +6,8 @@
 
 #include <weft/weft.h>
 
+#include "wait.h"
+
 /* A rank's body; returns its exit code (0 = pass). */
 typedef int (*rank_main_cb_t)(weft_agent_t *a, int rank, int world, void *arg);
 /* Called in each rank after weft_agent_create, before join (register functions here). */
@@ -51,6 +53,5 @@ int ranks_run(const ranks_opts_t *o, int *codes);
 /* Helpers */
 weft_value_t *value_of_string(const char *s);
 weft_tensor_t *tensor_f32_range(int64_t n, float start);
-int64_t now_ms(void);
 
 #endif

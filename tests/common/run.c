@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "run.h"
+#include "wait.h"
 
 #define MAX_ENV 512
 
@@ -55,6 +56,17 @@ static bool scrubbed(const char *entry, const char *const *keep)
         }
     }
     return false;
+}
+
+/* How many times @p want occurs in @p text. */
+static int occurrences(const char *text, const char *want)
+{
+    int n = 0;
+
+    for (const char *at = strstr(text, want); at != NULL; at = strstr(at + 1, want)) {
+        n++;
+    }
+    return n;
 }
 
 static void append(char **buf, size_t *len, const char *data, size_t n)
@@ -107,16 +119,9 @@ void run_capture(const run_opts_t *o, run_result_t *r)
     int open_fds = 2;
     while (open_fds > 0 && now_s() < deadline) {
         double wait = deadline - now_s();
-        if (o->sig != 0 && !sent) {
-            double until = start + o->sig_after - now_s();
-            if (until <= 0) {
-                kill(r->pid, o->sig);
-                sent = true;
-                continue;
-            }
-            if (until < wait) {
-                wait = until;
-            }
+        if (o->sig != 0 && !sent && occurrences(r->out, o->sig_when) >= o->sig_when_count) {
+            kill(r->pid, o->sig);
+            sent = true;
         }
         if (poll(pfds, 2, (int)(wait * 1000) + 1) < 0) {
             cr_assert(errno == EINTR);
@@ -151,11 +156,14 @@ void run_capture(const run_opts_t *o, run_result_t *r)
             break;
         }
         if (now_s() >= deadline) {
-            /* weftrun passes SIGTERM on to its ranks and stops them. */
+            /* weftrun passes SIGTERM on to its ranks and stops them: it has a second for it. */
+            bool exited;
             kill(r->pid, SIGTERM);
-            sleep(1);
-            kill(r->pid, SIGKILL);
-            waitpid(r->pid, &status, 0);
+            WAIT_UNTIL(exited, waitpid(r->pid, &status, WNOHANG) == r->pid, 1000);
+            if (!exited) {
+                kill(r->pid, SIGKILL);
+                waitpid(r->pid, &status, 0);
+            }
             r->code = -1;
             r->elapsed = now_s() - start;
             cr_assert_fail("%s did not finish within %g s\nstdout:\n%s\nstderr:\n%s", o->argv[0],

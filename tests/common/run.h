@@ -22,8 +22,11 @@ typedef struct {
     const char *const *env;  /* extra "NAME=VALUE" entries, NULL-terminated, or NULL */
     const char *const *keep; /* "NAME=" prefixes kept although launcher-like, or NULL */
     double deadline_s;       /* killed (SIGTERM, then SIGKILL) and the test failed after it */
-    int sig;                 /* if not 0, sent to the program sig_after seconds in */
-    double sig_after;
+    /* If sig is not 0, it is sent to the program once its stdout holds sig_when_count
+     * occurrences of sig_when: an event, not a delay. */
+    int sig;
+    const char *sig_when;
+    int sig_when_count;
 } run_opts_t;
 
 /* Runs the program; fails the test (criterion) when it outlives the deadline. */

@@ -10,6 +10,7 @@
 
 #include "counting_alloc.h"
 #include "internal.h"
+#include "wait.h"
 
 /* n_alloc, n_free, counting, use_counting, check_balanced */
 
@@ -32,11 +33,13 @@ static weft_value_t *string_value(const char *s)
     return v;
 }
 
-/* ---- a thread that completes a future after a delay ---- */
+/* ---- a thread that completes a future after a delay, or once a counter reaches a value ---- */
 
 typedef struct {
     weft_future_t *f; /* own reference, released by the thread */
     int delay_ms;
+    atomic_int *counter; /* if not NULL: complete once it reaches at_least (10 s at most) */
+    int at_least;
     weft_status_t status;
     const char *text;
     pthread_t th;
@@ -46,7 +49,16 @@ static void *completer_main(void *arg)
 {
     completer_t *c = arg;
 
-    usleep((useconds_t)c->delay_ms * 1000);
+    if (c->counter != NULL) {
+        bool reached;
+
+        WAIT_UNTIL(reached, atomic_load(c->counter) >= c->at_least, 10000);
+        (void)reached; /* the waiter's own assertions fail if it never came */
+    } else {
+        /* The delay only makes it likely that the waiter sleeps first; what the tests check
+         * holds whichever comes first. */
+        usleep((useconds_t)c->delay_ms * 1000);
+    }
     weft_future_complete(c->f, c->status, c->text, NULL);
     weft_future_release(c->f);
     return NULL;
@@ -57,6 +69,20 @@ static void complete_later(completer_t *c, weft_future_t *f, int delay_ms, weft_
 {
     c->f = weft_future_retain(f);
     c->delay_ms = delay_ms;
+    c->counter = NULL;
+    c->status = status;
+    c->text = text;
+    cr_assert_eq(pthread_create(&c->th, NULL, completer_main, c), 0);
+}
+
+/* Completes @p f once @p counter reaches @p at_least. */
+static void complete_when(completer_t *c, weft_future_t *f, atomic_int *counter, int at_least,
+                          weft_status_t status, const char *text)
+{
+    c->f = weft_future_retain(f);
+    c->delay_ms = 0;
+    c->counter = counter;
+    c->at_least = at_least;
     c->status = status;
     c->text = text;
     cr_assert_eq(pthread_create(&c->th, NULL, completer_main, c), 0);
@@ -199,10 +225,22 @@ Test(future, take_value_moves_it_out)
     check_balanced();
 }
 
+/* Waiters that went to sleep in a wait (their block hook's calls with entering = 1). */
+static atomic_int asleep;
+
+static void count_asleep(int entering, void *arg)
+{
+    (void)arg;
+    if (entering) {
+        atomic_fetch_add(&asleep, 1);
+    }
+}
+
 static void *wait_long(void *arg)
 {
     weft_future_t *f = arg;
 
+    weft__set_block_hook(count_asleep, NULL);
     return (void *)(intptr_t)weft_future_wait(f, 10000);
 }
 
@@ -215,7 +253,7 @@ Test(future, many_waiters_wake)
     for (int i = 0; i < N; i++) {
         cr_assert_eq(pthread_create(&th[i], NULL, wait_long, f), 0);
     }
-    usleep(20000);
+    TEST_WAIT(atomic_load(&asleep) == N, 10000, "%d of %d waiters asleep", atomic_load(&asleep), N);
     cr_assert_eq(weft_future_fail(f, WEFT_ERR_CANCELLED, "stop"), 1);
     for (int i = 0; i < N; i++) {
         void *ret = NULL;
@@ -520,7 +558,7 @@ Test(future, waiters_race_with_completions)
 
 typedef struct {
     int events[8];
-    int n;
+    atomic_int n;
     int tag;
 } hook_log_t;
 
@@ -529,10 +567,11 @@ static void hook_cb(int entering, void *arg)
     hook_log_t *h = arg;
 
     cr_assert_eq(h->tag, 0x600d);
-    if (h->n < 8) {
-        h->events[h->n] = entering;
+    int n = atomic_load(&h->n);
+    if (n < 8) {
+        h->events[n] = entering;
     }
-    h->n++;
+    atomic_store(&h->n, n + 1); /* after the event: a completer waits on it */
 }
 
 Test(future, block_hook_called_around_a_sleep_only)
@@ -546,10 +585,11 @@ Test(future, block_hook_called_around_a_sleep_only)
 
     weft__set_block_hook(hook_cb, &h);
 
-    complete_later(&c, f, 50, WEFT_OK, NULL);
+    /* Each future completes once its waiter has gone to sleep (the hook's call with 1). */
+    complete_when(&c, f, &h.n, 1, WEFT_OK, NULL);
     cr_assert_eq(weft_future_wait(f, 10000), WEFT_OK);
     join_completer(&c);
-    cr_assert_eq(h.n, 2);
+    cr_assert_eq(atomic_load(&h.n), 2);
     cr_assert_eq(h.events[0], 1);
     cr_assert_eq(h.events[1], 0);
 
@@ -558,7 +598,7 @@ Test(future, block_hook_called_around_a_sleep_only)
     cr_assert_not(weft_future_done(g)); /* looking does not wait */
     cr_assert_eq(weft_future_wait_all(&f, 1, 1000), WEFT_OK);
     cr_assert_eq(weft_future_wait_any(&f, 1, 1000, &index), WEFT_OK);
-    cr_assert_eq(h.n, 2);
+    cr_assert_eq(atomic_load(&h.n), 2);
 
     /* wait_any and wait_all sleep through the hook too. */
     both[0] = g;
@@ -566,17 +606,17 @@ Test(future, block_hook_called_around_a_sleep_only)
     weft_future_release(f);
     f = new_future();
     both[1] = f;
-    complete_later(&c, g, 50, WEFT_OK, NULL);
+    complete_when(&c, g, &h.n, 3, WEFT_OK, NULL);
     cr_assert_eq(weft_future_wait_any(both, 2, 10000, &index), WEFT_OK);
     join_completer(&c);
     cr_assert_eq(index, 0);
-    cr_assert_eq(h.n, 4);
+    cr_assert_eq(atomic_load(&h.n), 4);
     cr_assert_eq(h.events[2], 1);
     cr_assert_eq(h.events[3], 0);
-    complete_later(&c, f, 50, WEFT_OK, NULL);
+    complete_when(&c, f, &h.n, 5, WEFT_OK, NULL);
     cr_assert_eq(weft_future_wait_all(both, 2, 10000), WEFT_OK);
     join_completer(&c);
-    cr_assert_eq(h.n, 6);
+    cr_assert_eq(atomic_load(&h.n), 6);
     cr_assert_eq(h.events[4], 1);
     cr_assert_eq(h.events[5], 0);
 
@@ -585,7 +625,7 @@ Test(future, block_hook_called_around_a_sleep_only)
     weft_future_release(g);
     g = new_future();
     cr_assert_eq(weft_future_wait(g, 20), WEFT_ERR_TIMEOUT);
-    cr_assert_eq(h.n, 6);
+    cr_assert_eq(atomic_load(&h.n), 6);
     weft_future_release(f);
     weft_future_release(g);
     check_balanced();
@@ -606,7 +646,7 @@ Test(future, block_hook_is_per_thread)
     weft__set_block_hook(hook_cb, &h);
     cr_assert_eq(pthread_create(&th, NULL, wait_without_hook, f), 0);
     pthread_join(th, NULL);
-    cr_assert_eq(h.n, 0);
+    cr_assert_eq(atomic_load(&h.n), 0);
     weft__set_block_hook(NULL, NULL);
     weft_future_release(f);
     check_balanced();

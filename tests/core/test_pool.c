@@ -9,6 +9,7 @@
 
 #include "counting_alloc.h"
 #include "internal.h"
+#include "wait.h"
 
 /* n_alloc, n_free, counting, use_counting, check_balanced */
 
@@ -62,26 +63,53 @@ Test(pool, one_thread_is_fifo)
     check_balanced();
 }
 
-static atomic_int slow_done;
+static weft_pool_t *drain_pool;
+static atomic_int slow_done, refused, probes, probe_runs;
 
-static void slow_task(void *arg)
+static void probe_task(void *arg)
 {
     (void)arg;
-    usleep(2000);
+    atomic_fetch_add(&probe_runs, 1);
+}
+
+/* Whether destroy has begun: the pool refused a probe (each accepted one is one more task for
+ * destroy to run). */
+static bool destroy_began(void)
+{
+    if (atomic_load(&refused)) {
+        return true;
+    }
+    if (weft_pool_submit(drain_pool, probe_task, NULL) != WEFT_OK) {
+        atomic_store(&refused, 1);
+        return true;
+    }
+    atomic_fetch_add(&probes, 1);
+    return false;
+}
+
+/* Holds its thread until destroy has begun (10 s at most). */
+static void slow_task(void *arg)
+{
+    bool began;
+
+    (void)arg;
+    WAIT_UNTIL(began, destroy_began(), 10000);
+    (void)began; /* the test asserts refused */
     atomic_fetch_add(&slow_done, 1);
 }
 
 Test(pool, destroy_drains_the_queue)
 {
-    weft_pool_t *pool = NULL;
-
-    cr_assert_eq(weft_pool_create(2, &pool), WEFT_OK);
+    cr_assert_eq(weft_pool_create(2, &drain_pool), WEFT_OK);
     for (int i = 0; i < 50; i++) {
-        cr_assert_eq(weft_pool_submit(pool, slow_task, NULL), WEFT_OK);
+        cr_assert_eq(weft_pool_submit(drain_pool, slow_task, NULL), WEFT_OK);
     }
-    /* Most are still queued here; destroy must run them all. */
-    weft_pool_destroy(pool);
+    /* Both threads hold until destroy begins: at least 48 tasks are still queued then, and
+     * destroy must run them all. */
+    weft_pool_destroy(drain_pool);
+    cr_assert(atomic_load(&refused), "the tasks never saw destroy begin");
     cr_assert_eq(atomic_load(&slow_done), 50);
+    cr_assert_eq(atomic_load(&probe_runs), atomic_load(&probes));
     check_balanced();
 }
 
@@ -103,9 +131,11 @@ static void resubmit_task(void *arg)
     int64_t deadline = weft__now_ms() + 10000;
 
     (void)arg;
+    /* A wait for the flag, with a deadline. */
     while (!atomic_load(&destroying) && weft__now_ms() < deadline) {
         usleep(100);
     }
+    /* Submits until refused; the pause only paces the loop. */
     while (weft__now_ms() < deadline) {
         weft_status_t st = weft_pool_submit(the_pool, noop_task, NULL);
 

@@ -317,6 +317,7 @@ Test(clock, monotonic)
     int64_t a = weft__now_ns();
     int64_t b;
 
+    /* The input: the clock must move across a sleep of at least 2 ms (not a wait for an event). */
     usleep(2000);
     b = weft__now_ns();
     cr_assert_gt(a, 0);

@@ -3,6 +3,8 @@
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -15,21 +17,77 @@ static void echo(weft_call_t *call, void *arg)
     weft_call_reply(call, weft_call_take_args(call));
 }
 
+/* "slow" calls, in the order they came, and how many of them "release" let answer (per rank). */
+static _Atomic int64_t slow_came, slow_released, slow_answered;
+
+typedef struct {
+    weft_call_t *call;
+    int64_t ticket;
+} late_t;
+
 static void *late_reply(void *arg)
 {
-    weft_call_t *call = arg;
-    usleep(600 * 1000);
-    weft_call_reply(call, NULL);
+    late_t *l = arg;
+    bool released;
+    WAIT_UNTIL(released, atomic_load(&slow_released) > l->ticket, 30000);
+    if (released) {
+        weft_call_reply(l->call, NULL);
+    } else {
+        weft_call_fail(l->call, WEFT_ERR_TIMEOUT, "test: slow call %lld never released",
+                       (long long)l->ticket);
+    }
+    atomic_fetch_add(&slow_answered, 1);
+    free(l);
     return NULL;
 }
 
-/* Answers after 600 ms from another thread. */
+/* Answers from another thread once "release" lets it (never, if nobody does). */
 static void slow(weft_call_t *call, void *arg)
 {
     (void)arg;
+    late_t *l = malloc(sizeof(*l));
+    l->call = call;
+    l->ticket = atomic_fetch_add(&slow_came, 1);
     pthread_t th;
-    pthread_create(&th, NULL, late_reply, call);
+    pthread_create(&th, NULL, late_reply, l);
     pthread_detach(th);
+}
+
+/* Lets the first n (an int64 payload) "slow" calls answer, and answers once they have: their
+ * answers leave before this one. */
+static void release(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    size_t len;
+    const int64_t *n = weft_value_payload(weft_call_args(call), &len);
+    if (n == NULL || len != sizeof(*n)) {
+        weft_call_fail(call, WEFT_ERR_INVALID_ARG, "release: want one int64");
+        return;
+    }
+    int64_t want = *n;
+    int64_t cur = atomic_load(&slow_released);
+    while (cur < want && !atomic_compare_exchange_weak(&slow_released, &cur, want)) {
+    }
+    bool answered;
+    WAIT_UNTIL(answered, atomic_load(&slow_answered) >= want, 10000);
+    if (!answered) {
+        weft_call_fail(call, WEFT_ERR_TIMEOUT, "release: %lld of %lld slow calls answered",
+                       (long long)atomic_load(&slow_answered), (long long)want);
+        return;
+    }
+    weft_call_reply(call, NULL);
+}
+
+/* Lets the first @p n "slow" calls on @p rank answer; 0 once they have. */
+static int release_slow(weft_agent_t *a, int rank, int64_t n)
+{
+    weft_value_t *v;
+    weft_value_create(&v);
+    weft_value_set_payload(v, &n, sizeof(n));
+    weft_status_t st = weft_rpc_sync(a, rank, "release", v, 20000, NULL);
+    weft_value_free(v);
+    RANK_CHECK(st == WEFT_OK, "release %lld on rank %d: %s", (long long)n, rank, weft_last_error());
+    return 0;
 }
 
 static void time_left(weft_call_t *call, void *arg)
@@ -84,6 +142,7 @@ static void setup(weft_agent_t *a, int rank, void *arg)
     (void)arg;
     weft_rpc_register(a, "echo", echo, NULL);
     weft_rpc_register(a, "slow", slow, NULL);
+    weft_rpc_register(a, "release", release, NULL);
     weft_rpc_register(a, "time_left", time_left, NULL);
     weft_rpc_register(a, "pid", get_pid, NULL);
     weft_rpc_register(a, "die", die, NULL);
@@ -104,8 +163,8 @@ static int body_deadline(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(st == WEFT_ERR_TIMEOUT, "slow call gave %s", weft_strerror(st));
     RANK_CHECK(strstr(weft_last_error(), "deadline") != NULL, "text: %s", weft_last_error());
     RANK_CHECK(now_ms() - t0 < 600, "failed at the deadline, not at the late reply");
-    /* The late reply arrives and is dropped; the stream keeps working. */
-    usleep(700 * 1000);
+    /* The late reply arrives (before release's own) and is dropped; the stream keeps working. */
+    RANK_CHECK(release_slow(a, 1, 1) == 0, "release");
     st = weft_rpc_sync(a, 1, "echo", NULL, 5000, &res);
     RANK_CHECK(st == WEFT_OK, "after timeout: %s", weft_last_error());
     weft_value_free(res);
@@ -121,6 +180,7 @@ static int body_deadline(weft_agent_t *a, int rank, int world, void *arg)
     weft_future_t *f;
     RANK_CHECK(weft_rpc_async(a, 1, "slow", NULL, 5000, &f) == WEFT_OK, "async");
     RANK_CHECK(weft_future_wait(f, 10) == WEFT_ERR_TIMEOUT, "wait 10 ms");
+    RANK_CHECK(release_slow(a, 1, 2) == 0, "release");
     RANK_CHECK(weft_future_wait(f, 5000) == WEFT_OK, "then done: %s", weft_future_error(f));
     weft_future_release(f);
     return 0;
@@ -408,6 +468,45 @@ Test(rpc_failure, missing_rank_fails_rendezvous, .timeout = 60)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* On rank 0, a module whose shutdown listener lets ranks 1 and 2 answer their three "slow" calls
+ * each, without waiting for it: the calls are in flight when rank 0's shutdown begins, and the
+ * answers come while its barrier waits for them. */
+static weft_future_t *drain_released[2];
+
+static weft_status_t releaser_create(weft_agent_t *a, void **state_p)
+{
+    *state_p = a;
+    return WEFT_OK;
+}
+
+static weft_status_t releaser_shutdown(void *state, int64_t deadline_ms)
+{
+    (void)deadline_ms;
+    weft_agent_t *a = state;
+    weft_status_t st = WEFT_OK;
+    int64_t n = 3;
+    weft_value_t *v;
+    weft_value_create(&v);
+    weft_value_set_payload(v, &n, sizeof(n));
+    for (int r = 1; r <= 2 && st == WEFT_OK; r++) {
+        st = weft_rpc_async(a, r, "release", v, 20000, &drain_released[r - 1]);
+    }
+    weft_value_free(v);
+    return st;
+}
+
+static const weft_module_desc_t releaser = {
+    .name = "releaser", .channel = 64, .create = releaser_create, .on_shutdown = releaser_shutdown};
+
+static void drain_setup(weft_agent_t *a, int rank, void *arg)
+{
+    void *state;
+    setup(a, rank, arg);
+    if (rank == 0) {
+        weft_agent_module(a, &releaser, &state);
+    }
+}
+
 static int body_drain(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)world;
@@ -426,6 +525,13 @@ static int body_drain(weft_agent_t *a, int rank, int world, void *arg)
                    "call %d drained with %s", i, weft_strerror(weft_future_status(fs[i])));
         weft_future_release(fs[i]);
     }
+    for (int i = 0; i < 2; i++) {
+        RANK_CHECK(drain_released[i] != NULL && weft_future_done(drain_released[i]) &&
+                       weft_future_status(drain_released[i]) == WEFT_OK,
+                   "release on rank %d: %s", i + 1,
+                   drain_released[i] != NULL ? weft_future_error(drain_released[i]) : "not sent");
+        weft_future_release(drain_released[i]);
+    }
     st = weft_rpc_sync(a, 1, "echo", NULL, 1000, NULL);
     RANK_CHECK(st == WEFT_ERR_SHUTDOWN, "call after shutdown gave %s", weft_strerror(st));
     return 0;
@@ -441,7 +547,7 @@ Test(rpc_failure, shutdown_drains_in_flight_calls, .timeout = 60)
     ranks_opts_t o;
     int codes[3];
     ranks_opts_init(&o, 3, body_drain_outer);
-    o.setup = setup;
+    o.setup = drain_setup;
     /* Rank 0 shuts down in its body; the harness shuts down the others. */
     o.no_shutdown = 0;
     cr_assert_eq(ranks_run(&o, codes), 0);

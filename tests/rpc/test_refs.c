@@ -18,7 +18,7 @@
 #define CHANNEL 64
 
 /* Flags in an object's id that steer the test codec. */
-#define F_SLOW       (1ull << 40) /* decode: ready 300 ms later */
+#define F_SLOW       (1ull << 40) /* decode: ready 300 ms later (or when no longer held) */
 #define F_FAIL_LATER (1ull << 41) /* decode: its future fails 200 ms later */
 #define F_GONE       (1ull << 42) /* decode: fails at once */
 #define F_BIG        (1ull << 43) /* encode: 5000 bytes */
@@ -34,6 +34,9 @@ typedef struct {
 /* Per process (each rank is one). */
 static _Atomic int64_t n_created, n_destroyed, n_encodes, n_decodes, n_unsent, n_unsent_bad;
 static _Atomic int n_handler_runs, n_chan_msgs, slow_done;
+/* Threads completing objects' futures later that have not ended yet; while later_held is set, an
+ * F_SLOW object decoded here is ready only once it is cleared, not after its 300 ms. */
+static _Atomic int later_live, later_held;
 
 static void obj_retain(void *o)
 {
@@ -100,13 +103,24 @@ typedef struct {
     weft_future_t *f;
     int ms;
     bool fail;
+    bool held;
     uint64_t id;
 } later_t;
 
 static void *complete_later(void *arg)
 {
     later_t *l = arg;
-    usleep((useconds_t)l->ms * 1000);
+    if (l->held) {
+        bool released;
+        WAIT_UNTIL(released, !atomic_load(&later_held), 20000);
+        if (!released) {
+            fprintf(stderr, "object %llu: held for 20 s\n", (unsigned long long)l->id);
+        }
+    } else {
+        /* The object arrives later: the scenario itself. What the tests check does not depend on
+         * the delay (a handler waits for the future, however long it takes). */
+        usleep((useconds_t)l->ms * 1000);
+    }
     if (l->fail) {
         weft_future_fail(l->f, WEFT_ERR_NOT_FOUND, "test: object %llu failed to arrive",
                          (unsigned long long)(l->id & 0xffffffffu));
@@ -116,6 +130,7 @@ static void *complete_later(void *arg)
     }
     weft_future_release(l->f);
     weft_free(l);
+    atomic_fetch_sub(&later_live, 1);
     return NULL;
 }
 
@@ -140,8 +155,10 @@ static weft_status_t t_decode(void *state, weft_agent_t *a, int src, const void 
         weft_future_create(&l->f);
         l->ms = (id & F_SLOW) ? 300 : 200;
         l->fail = (id & F_FAIL_LATER) != 0;
+        l->held = (id & F_SLOW) != 0 && atomic_load(&later_held);
         l->id = id;
         *ready_p = weft_future_retain(l->f);
+        atomic_fetch_add(&later_live, 1);
         pthread_t th;
         pthread_create(&th, NULL, complete_later, l);
         pthread_detach(th);
@@ -301,6 +318,40 @@ static void setup(weft_agent_t *a, int rank, void *arg)
     weft_rpc_register(a, "make", make, NULL);
     weft_rpc_register(a, "stats", stats, NULL);
     weft_future_create(&inbox_full);
+}
+
+/* "Done" messages: a rank that leaves without the collective shutdown waits for one from its peer,
+ * the proof that the answers it had to give have arrived. */
+#define DONE_CHANNEL 69
+static weft_future_t *done_msg; /* kept to the end: a late message may still complete it */
+
+static void on_done(void *state, int src, weft_value_t *msg)
+{
+    (void)state;
+    (void)src;
+    weft_value_free(msg);
+    weft_future_complete(done_msg, WEFT_OK, NULL, NULL);
+}
+
+static const weft_module_desc_t done_module = {
+    .name = "done", .channel = DONE_CHANNEL, .create = test_create, .on_message = on_done};
+
+static void done_setup(weft_agent_t *a)
+{
+    void *state;
+    weft_future_create(&done_msg);
+    weft_agent_module(a, &done_module, &state);
+}
+
+/* Tells @p to that this rank is done with it. */
+static int send_done(weft_agent_t *a, int to)
+{
+    weft_value_t *v;
+    RANK_CHECK(weft_value_create(&v) == WEFT_OK, "value");
+    weft_status_t st = weft_agent_send(a, to, DONE_CHANNEL, v, NULL);
+    weft_value_free(v);
+    RANK_CHECK(st == WEFT_OK, "done to rank %d: %s", to, weft_last_error());
+    return 0;
 }
 
 /* A value holding new objects with @p ids (the value keeps the only references). */
@@ -536,13 +587,18 @@ static int ready_body(weft_agent_t *a, int rank, int world, void *arg)
     uint64_t slow_ids[1] = {F_SLOW | 10};
     weft_value_set_payload(req, slow_ids, sizeof(slow_ids));
     atomic_store(&slow_done, 0);
+    /* The result's object is held (never ready) until the call has returned. */
+    atomic_store(&later_held, 1);
     RANK_CHECK(weft_rpc_sync(a, 0, "make", req, 10000, &r) == WEFT_OK, "slow result: %s",
                weft_last_error());
     RANK_CHECK(atomic_load(&slow_done) == 0, "the caller waited for a result's object");
     RANK_CHECK(weft_value_num_refs(r) == 1, "slow result refs");
+    atomic_store(&later_held, 0);
     weft_value_free(r);
     weft_value_free(req);
-    usleep(400 * 1000); /* the completing thread ends */
+    RANK_WAIT(atomic_load(&later_live) == 0, 20000, "%d completing threads left",
+              atomic_load(&later_live));
+    RANK_CHECK(atomic_load(&slow_done) == 1, "the result's object never became ready");
     LEAK_CHECK();
     weft_future_release(inbox_full);
     return 0;
@@ -715,6 +771,7 @@ static void ping(weft_call_t *call, void *arg)
 static void dead_setup(weft_agent_t *a, int rank, void *arg)
 {
     setup(a, rank, arg);
+    done_setup(a);
     weft_future_create(&lost);
     weft_future_create(&pinged);
     weft_rpc_register(a, "ping", ping, NULL);
@@ -726,13 +783,14 @@ static int dead_body(weft_agent_t *a, int rank, int world, void *arg)
     (void)world;
     weft_future_release(inbox_full);
     if (rank == 1) {
-        /* Answers one call, then goes away without a shutdown. */
+        /* Answers one call, then goes away without a shutdown once rank 0 has the answer. */
         RANK_CHECK(weft_future_wait(pinged, 20000) == WEFT_OK, "pinged");
-        usleep(100 * 1000);
+        RANK_CHECK(weft_future_wait(done_msg, 20000) == WEFT_OK, "rank 0 never had the answer");
         return 0;
     }
     RANK_CHECK(weft_rpc_sync(a, 1, "ping", NULL, 10000, NULL) == WEFT_OK, "ping: %s",
                weft_last_error());
+    RANK_CHECK(send_done(a, 1) == 0, "done");
     RANK_CHECK(weft_future_wait(lost, 20000) == WEFT_OK, "rank 1 was not seen lost");
     uint64_t two[2] = {1, 2};
     weft_value_t *v = value_of_ids(two, 2);
@@ -780,6 +838,8 @@ static void raw_setup(weft_agent_t *a, int rank, void *arg)
 {
     inbox_drop = 1;
     setup(a, rank, arg);
+    done_setup(a);
+    weft_future_create(&lost);
     weft_future_create(&bye);
     weft_rpc_register(a, "bye", bye_fn, NULL);
 }
@@ -789,8 +849,12 @@ static int raw_body(weft_agent_t *a, int rank, int world, void *arg)
     (void)arg;
     if (rank == 0) {
         RANK_CHECK(weft_future_wait(bye, 40000) == WEFT_OK, "no bye");
-        usleep(200 * 1000); /* the bye's answer leaves */
-        LEAK_CHECK();
+        /* Rank 1 has the bye's answer: this rank may go (rank 1 stays until it is gone). */
+        RANK_CHECK(weft_future_wait(done_msg, 20000) == WEFT_OK, "rank 1 never had the answer");
+        /* A call's arguments are freed just after its answer leaves. */
+        RANK_WAIT(atomic_load(&n_created) == atomic_load(&n_destroyed), 10000,
+                  "objects created %lld, destroyed %lld", (long long)atomic_load(&n_created),
+                  (long long)atomic_load(&n_destroyed));
         weft_future_release(inbox_full);
         return 0;
     }
@@ -845,6 +909,8 @@ static int raw_body(weft_agent_t *a, int rank, int world, void *arg)
     weft_value_free(v);
     RANK_CHECK(weft_rpc_sync(a, 0, "bye", NULL, 10000, NULL) == WEFT_OK, "bye: %s",
                weft_last_error());
+    RANK_CHECK(send_done(a, 0) == 0, "done");
+    RANK_CHECK(weft_future_wait(lost, 20000) == WEFT_OK, "rank 0 never left");
     LEAK_CHECK();
     weft_future_release(inbox_full);
     return 0;

@@ -39,21 +39,6 @@ static void fn_fail(weft_call_t *call, void *arg)
     weft_call_fail(call, WEFT_ERR_INVALID_ARG, "bad input x");
 }
 
-static void *late_reply(void *arg)
-{
-    usleep(800 * 1000);
-    weft_call_reply(arg, value_of_string("late"));
-    return NULL;
-}
-
-static void fn_slow(weft_call_t *call, void *arg)
-{
-    (void)arg;
-    pthread_t th;
-    pthread_create(&th, NULL, late_reply, call);
-    pthread_detach(th);
-}
-
 /* Fetches its RRef argument (which must be confirmed by now) and answers with the value. */
 static void fn_take_rref(weft_call_t *call, void *arg)
 {
@@ -155,20 +140,29 @@ static void fn_gated_echo(weft_call_t *call, void *arg)
     pthread_mutex_unlock(&g_gate_mu);
 }
 
+/* "slow" answers "late" once "open_gate" is called. */
+static void fn_slow(weft_call_t *call, void *arg)
+{
+    weft_call_set_args(call, value_of_string("late"));
+    fn_gated_echo(call, arg);
+}
+
+static weft_call_t *take_gated(void)
+{
+    pthread_mutex_lock(&g_gate_mu);
+    weft_call_t *gated = g_gated;
+    g_gated = NULL;
+    pthread_mutex_unlock(&g_gate_mu);
+    return gated;
+}
+
 static void fn_open_gate(weft_call_t *call, void *arg)
 {
     (void)arg;
     weft_call_t *gated = NULL;
-    for (int64_t until = now_ms() + 5000; gated == NULL && now_ms() < until;) {
-        pthread_mutex_lock(&g_gate_mu);
-        gated = g_gated;
-        g_gated = NULL;
-        pthread_mutex_unlock(&g_gate_mu);
-        if (gated == NULL) {
-            usleep(1000);
-        }
-    }
-    if (gated == NULL) {
+    bool came;
+    WAIT_UNTIL(came, (gated = take_gated()) != NULL, 5000);
+    if (!came) {
         weft_call_fail(call, WEFT_ERR_TIMEOUT, "no gated call came");
         return;
     }
@@ -673,11 +667,16 @@ static int body_creation_fails(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(strstr(weft_last_error(), "creation") != NULL, "text: %s", weft_last_error());
     RANK_CHECK(now_ms() - t0 < 4000, "reported at the deadline");
     weft_rref_release(r);
+    /* Its answer comes late. */
+    RANK_CHECK(weft_rpc_sync(a, 1, "open_gate", NULL, 10000, NULL) == WEFT_OK, "gate: %s",
+               weft_last_error());
 
     /* to_here's own timeout while the creation runs */
     RANK_CHECK(weft_rref_remote(a, 1, "slow", NULL, 5000, &r) == WEFT_OK, "remote slow 2");
     st = weft_rref_to_here(r, 100, &v);
     RANK_CHECK(st == WEFT_ERR_TIMEOUT, "to_here timeout: %s", weft_strerror(st));
+    RANK_CHECK(weft_rpc_sync(a, 1, "open_gate", NULL, 10000, NULL) == WEFT_OK, "gate: %s",
+               weft_last_error());
     st = weft_rref_to_here(r, 5000, &v);
     RANK_CHECK(st == WEFT_OK && payload_is(v, "late"), "later: %s", weft_last_error());
     weft_value_free(v);
@@ -971,6 +970,8 @@ static int body_eager(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(weft_rref_remote(a, 1, "slow", NULL, 5000, &r) == WEFT_OK, "remote slow");
     st = weft_rref_to_here(r, 100, &v);
     RANK_CHECK(st == WEFT_ERR_TIMEOUT, "short to_here: %s", weft_strerror(st));
+    RANK_CHECK(weft_rpc_sync(a, 1, "open_gate", NULL, 10000, NULL) == WEFT_OK, "gate: %s",
+               weft_last_error());
     st = weft_rref_to_here(r, 5000, &v);
     RANK_CHECK(st == WEFT_OK && payload_is(v, "late"), "to_here after: %s", weft_last_error());
     weft_value_free(v);
@@ -1106,7 +1107,8 @@ static int body_user_lost(weft_agent_t *a, int rank, int world, void *arg)
     (void)arg;
 
     if (rank == 1) {
-        /* Stays out of shutdown (which would release what it holds) until "die" kills it. */
+        /* Stays out of shutdown (which would release what it holds) until "die" kills it: the
+         * scenario, not a wait for something to happen; past 40 s the rank fails. */
         for (int64_t until = now_ms() + 40000; now_ms() < until;) {
             usleep(10000);
         }
@@ -1156,6 +1158,32 @@ Test(rref, user_killed_owner_frees, .timeout = 60)
 
 /* --------------------------------------------------------- shutdown leaks */
 
+/* Rank 2's first shutdown listener (its module is made before rref's) opens rank 0's gate: the
+ * "slow" creation is answered after rank 2's shutdown has begun, while rref's listener waits. */
+static weft_status_t opener_create(weft_agent_t *a, void **state_p)
+{
+    *state_p = a;
+    return WEFT_OK;
+}
+
+static weft_status_t opener_shutdown(void *state, int64_t deadline_ms)
+{
+    (void)deadline_ms;
+    return weft_rpc_sync(state, 0, "open_gate", NULL, 10000, NULL);
+}
+
+static const weft_module_desc_t opener = {
+    .name = "opener", .channel = 64, .create = opener_create, .on_shutdown = opener_shutdown};
+
+static void leaks_setup(weft_agent_t *a, int rank, void *arg)
+{
+    void *state;
+    if (rank == 2 && weft_agent_module(a, &opener, &state) != WEFT_OK) {
+        abort();
+    }
+    setup(a, rank, arg);
+}
+
 static int body_leaks(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)world;
@@ -1197,7 +1225,7 @@ Test(rref, shutdown_reports_and_releases_leaks, .timeout = 60)
     ranks_opts_t o;
     int codes[3];
     ranks_opts_init(&o, 3, body_leaks);
-    o.setup = setup;
+    o.setup = leaks_setup;
     o.no_shutdown = 1;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }

@@ -11,7 +11,7 @@
  *                              and sleep SEC
  *   child orphan R K           rank R starts a grandchild that sleeps 60 s, prints
  *                              "GRANDCHILD pid", and exits K; the others sleep 60 s
- *   child sleep SEC            sleep SEC
+ *   child sleep SEC            print "sleeping", then sleep SEC
  */
 
 #include <errno.h>
@@ -30,7 +30,9 @@ static const char *const rank_vars[] = {
     "MASTER_ADDR",    "MASTER_PORT",
 };
 
-/* Sleep the whole time, even when signals that do not kill us come in. */
+/* Sleep the whole time, even when signals that do not kill us come in. The sleeps are the ranks'
+ * scenario (a rank that stays until weftrun stops it, or fails a moment in); what the tests
+ * check never depends on their length. */
 static void sleep_s(double sec)
 {
     struct timespec ts;
@@ -129,6 +131,8 @@ int main(int argc, char **argv)
         return code;
     }
     if (strcmp(mode, "sleep") == 0) {
+        printf("sleeping\n");
+        fflush(stdout);
         sleep_s(arg_int(argc, argv, 2));
         return 0;
     }

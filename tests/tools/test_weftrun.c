@@ -6,6 +6,7 @@
 #include <criterion/criterion.h>
 
 #include "run.h"
+#include "wait.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -39,9 +40,10 @@ static const char *child_path(void)
 /*
  * Run weftrun with the NULL-terminated arguments after `env` (extra
  * "NAME=VALUE" entries, NULL-terminated, or NULL). When sig != 0 it is sent
- * to weftrun sig_after seconds after the start.
+ * to weftrun once sig_ranks ranks have said "sleeping" (child's sleep mode):
+ * weftrun installs its handlers before it starts the ranks.
  */
-static void run_weftrun(result_t *r, const char *const *env, int sig, double sig_after, ...)
+static void run_weftrun(result_t *r, const char *const *env, int sig, int sig_ranks, ...)
 {
     const char *argv[MAX_ARGS + 2];
     int nargs = 0;
@@ -49,15 +51,19 @@ static void run_weftrun(result_t *r, const char *const *env, int sig, double sig
     const char *a;
 
     argv[nargs++] = run_path_from_env("WEFTRUN");
-    va_start(ap, sig_after);
+    va_start(ap, sig_ranks);
     while ((a = va_arg(ap, const char *)) != NULL) {
         cr_assert(nargs < MAX_ARGS);
         argv[nargs++] = a;
     }
     va_end(ap);
     argv[nargs] = NULL;
-    run_opts_t o = {
-        .argv = argv, .env = env, .deadline_s = DEADLINE_S, .sig = sig, .sig_after = sig_after};
+    run_opts_t o = {.argv = argv,
+                    .env = env,
+                    .deadline_s = DEADLINE_S,
+                    .sig = sig,
+                    .sig_when = "sleeping\n",
+                    .sig_when_count = sig_ranks};
     run_capture(&o, r);
 }
 
@@ -590,16 +596,37 @@ Test(weftrun, sigterm_and_sigint_are_forwarded)
 {
     result_t r;
 
-    run_weftrun(&r, NULL, SIGTERM, 0.5, "-n", "2", child_path(), "sleep", "60", NULL);
+    run_weftrun(&r, NULL, SIGTERM, 2, "-n", "2", child_path(), "sleep", "60", NULL);
     cr_expect_eq(r.code, 143, "exit %d\nstderr:\n%s", r.code, r.err);
     cr_expect_lt(r.elapsed, 15.0, "took %.1f s", r.elapsed);
     result_free(&r);
 
-    run_weftrun(&r, NULL, SIGINT, 0.5, "-n", "2", child_path(), "sleep", "60", NULL);
+    run_weftrun(&r, NULL, SIGINT, 2, "-n", "2", child_path(), "sleep", "60", NULL);
     cr_expect_eq(r.code, 130, "exit %d\nstderr:\n%s", r.code, r.err);
     cr_expect(strstr(r.err, "SIGINT") != NULL, "stderr:\n%s", r.err);
     cr_expect_lt(r.elapsed, 15.0, "took %.1f s", r.elapsed);
     result_free(&r);
+}
+
+/* Whether process @p pid is gone (or a zombie). */
+static bool process_gone(int pid)
+{
+    char path[64];
+    char stat[512] = "";
+    bool gone = false;
+    FILE *f;
+
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    f = fopen(path, "r");
+    if (f == NULL) {
+        return true;
+    }
+    if (fgets(stat, sizeof(stat), f) != NULL) {
+        const char *state = strrchr(stat, ')');
+        gone = state != NULL && (state[2] == 'Z' || state[2] == 'X');
+    }
+    fclose(f);
+    return gone;
 }
 
 /* A process a failed rank leaves behind is killed, and its open pipe does not hang weftrun. */
@@ -617,26 +644,7 @@ Test(weftrun, failed_rank_leftovers_are_killed)
     cr_assert_not_null(g, "stdout:\n%s", r.out);
     pid = atoi(g + strlen("[rank 1] GRANDCHILD "));
     cr_assert_gt(pid, 0);
-    for (int i = 0; i < 300 && !gone; i++) {
-        char path[64];
-        char stat[512] = "";
-        FILE *f;
-
-        snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-        f = fopen(path, "r");
-        if (f == NULL) {
-            gone = true;
-            break;
-        }
-        if (fgets(stat, sizeof(stat), f) != NULL) {
-            const char *state = strrchr(stat, ')');
-            gone = state != NULL && (state[2] == 'Z' || state[2] == 'X');
-        }
-        fclose(f);
-        if (!gone) {
-            usleep(10000);
-        }
-    }
+    WAIT_UNTIL(gone, process_gone(pid), 10000);
     if (!gone) {
         kill(pid, SIGKILL);
     }
