@@ -12,7 +12,6 @@
  */
 #include <pthread.h>
 #include <stdatomic.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -208,27 +207,8 @@ static int same_shape(int nd_a, const int64_t *a, int nd_b, const int64_t *b)
     return 1;
 }
 
-/* "[2, 3]" into @p buf. */
-static const char *shape_str(char *buf, size_t cap, int ndim, const int64_t *shape)
-{
-    size_t off = 0;
-
-    off += (size_t)snprintf(buf + off, cap - off, "[");
-    for (int i = 0; i < ndim && off < cap; i++) {
-        off +=
-            (size_t)snprintf(buf + off, cap - off, i == 0 ? "%lld" : ", %lld", (long long)shape[i]);
-    }
-    if (off < cap) {
-        snprintf(buf + off, cap - off, "]");
-    }
-    return buf;
-}
-
 static weft_status_t check_like(const char *what, const weft_tensor_t *t, const weft_tensor_t *g)
 {
-    char a[96];
-    char b[96];
-
     if (weft_tensor_dtype(g) != weft_tensor_dtype(t)) {
         return weft__set_error(WEFT_ERR_DTYPE, "%s: gradient is %s, tensor is %s", what,
                                weft_dtype_name(weft_tensor_dtype(g)),
@@ -237,9 +217,7 @@ static weft_status_t check_like(const char *what, const weft_tensor_t *t, const 
     if (!same_shape(weft_tensor_ndim(g), weft_tensor_shape(g), weft_tensor_ndim(t),
                     weft_tensor_shape(t))) {
         return weft__set_error(WEFT_ERR_SHAPE, "%s: gradient has shape %s, tensor has shape %s",
-                               what,
-                               shape_str(a, sizeof(a), weft_tensor_ndim(g), weft_tensor_shape(g)),
-                               shape_str(b, sizeof(b), weft_tensor_ndim(t), weft_tensor_shape(t)));
+                               what, weft__tensor_shape_str(g).s, weft__tensor_shape_str(t).s);
     }
     return WEFT_OK;
 }
@@ -1063,16 +1041,13 @@ static weft_status_t run_node(run_t *r, weft__ag_node_t *n)
             (weft_tensor_dtype(gin[i]) != n->in_dtype[i] ||
              !same_shape(weft_tensor_ndim(gin[i]), weft_tensor_shape(gin[i]), n->in_ndim[i],
                          n->in_shape[i]))) {
-            char a[96];
-            char b[96];
-            status = weft__set_error(
-                WEFT_ERR_SHAPE,
-                "backward: %s gave input %d a %s gradient of shape %s for a %s "
-                "input of shape %s",
-                n->name, i, weft_dtype_name(weft_tensor_dtype(gin[i])),
-                shape_str(a, sizeof(a), weft_tensor_ndim(gin[i]), weft_tensor_shape(gin[i])),
-                weft_dtype_name(n->in_dtype[i]),
-                shape_str(b, sizeof(b), n->in_ndim[i], n->in_shape[i]));
+            status =
+                weft__set_error(WEFT_ERR_SHAPE,
+                                "backward: %s gave input %d a %s gradient of shape %s for a %s "
+                                "input of shape %s",
+                                n->name, i, weft_dtype_name(weft_tensor_dtype(gin[i])),
+                                weft__tensor_shape_str(gin[i]).s, weft_dtype_name(n->in_dtype[i]),
+                                weft__shape_str(n->in_ndim[i], n->in_shape[i]).s);
             goto out;
         }
     }

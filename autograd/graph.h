@@ -131,4 +131,16 @@ weft_status_t weft__op_add_same(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_
 /** a += b in place for equal shapes and dtypes. */
 weft_status_t weft__op_add_inplace(weft_tensor_t *a, const weft_tensor_t *b);
 
+/** A shape as text for error messages, by value so that it can go straight into a format. */
+typedef struct {
+    char s[WEFT_MAX_DIMS * 22 + 8]; /* "[" + 8 x ", <20 digits>" + ", ...]" */
+} weft__shape_str_t;
+/**
+ * "[2, 3, 4]" ("[]" for no dims): weft__shape_str(nd, shape).s. At most WEFT_MAX_DIMS dims are
+ * written, then ", ...".
+ */
+weft__shape_str_t weft__shape_str(int ndim, const int64_t *shape);
+/** weft__shape_str of @p t's shape. */
+weft__shape_str_t weft__tensor_shape_str(const weft_tensor_t *t);
+
 #endif

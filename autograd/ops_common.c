@@ -1,4 +1,5 @@
-/* Helpers shared by the operations and the engine: broadcast reduction, zeros, sums. */
+/* Helpers shared by the operations and the engine: broadcast reduction, zeros, sums, texts. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -187,4 +188,24 @@ weft_status_t weft__op_sum_to(weft_tensor_t *g, int ndim, const int64_t *shape,
     }
     *out_p = out;
     return WEFT_OK;
+}
+
+weft__shape_str_t weft__shape_str(int ndim, const int64_t *shape)
+{
+    weft__shape_str_t r;
+    const int shown = ndim < WEFT_MAX_DIMS ? ndim : WEFT_MAX_DIMS;
+    size_t off = 0;
+
+    r.s[off++] = '[';
+    for (int i = 0; i < shown; i++) {
+        off += (size_t)snprintf(r.s + off, sizeof(r.s) - off, i == 0 ? "%lld" : ", %lld",
+                                (long long)shape[i]);
+    }
+    snprintf(r.s + off, sizeof(r.s) - off, "%s]", ndim > shown ? ", ..." : "");
+    return r;
+}
+
+weft__shape_str_t weft__tensor_shape_str(const weft_tensor_t *t)
+{
+    return weft__shape_str(weft_tensor_ndim(t), weft_tensor_shape(t));
 }

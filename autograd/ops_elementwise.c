@@ -10,7 +10,6 @@
  * so the common cases compile to plain vectorisable loops (see ops_math.h).
  */
 #include <math.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "graph.h"
@@ -19,21 +18,6 @@
 #include <weft/ops.h>
 
 /* ---- checks ---------------------------------------------------------------------------------- */
-
-#define SHAPE_STR_MAX 200
-
-/* "[2, 3]" (at most 8 dims of at most 20 characters fit). */
-static const char *shape_str(char *buf, int ndim, const int64_t *shape)
-{
-    int len = snprintf(buf, SHAPE_STR_MAX, "[");
-
-    for (int d = 0; d < ndim; d++) {
-        len += snprintf(buf + len, (size_t)(SHAPE_STR_MAX - len), "%s%lld", d > 0 ? ", " : "",
-                        (long long)shape[d]);
-    }
-    snprintf(buf + len, (size_t)(SHAPE_STR_MAX - len), "]");
-    return buf;
-}
 
 static weft_status_t check_float(const char *op, const weft_tensor_t *t)
 {
@@ -797,12 +781,9 @@ static weft_status_t binary(int op, weft_tensor_t *a, weft_tensor_t *b, weft_ten
     WEFT_CHECK(check_two(name, a, b, out_p));
     if (!broadcast_shapes(weft_tensor_ndim(a), weft_tensor_shape(a), weft_tensor_ndim(b),
                           weft_tensor_shape(b), &nd, shape)) {
-        char sa[SHAPE_STR_MAX];
-        char sb[SHAPE_STR_MAX];
 
         return weft__set_error(WEFT_ERR_SHAPE, "%s: shapes %s and %s do not broadcast", name,
-                               shape_str(sa, weft_tensor_ndim(a), weft_tensor_shape(a)),
-                               shape_str(sb, weft_tensor_ndim(b), weft_tensor_shape(b)));
+                               weft__tensor_shape_str(a).s, weft__tensor_shape_str(b).s);
     }
     WEFT_CHECK(bin_eval(op, a, b, nd, shape, &out));
     WEFT_CHECK_GOTO(node_begin(bin_ops[op].node, binary_backward, 2, (weft_tensor_t *[]){a, b}, &n),

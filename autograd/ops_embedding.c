@@ -4,7 +4,6 @@
  * weight a sparse one: a copy of the indices and one gradient row per index
  * (weft__ag_grad_sparse), so that a step touches only the rows that were looked up.
  */
-#include <stdio.h>
 #include <string.h>
 
 #include "graph.h"
@@ -12,26 +11,6 @@
 #include <weft/ops.h>
 
 /* ---- helpers --------------------------------------------------------------------------------- */
-
-typedef struct {
-    char s[WEFT_MAX_DIMS * 24 + 4];
-} shape_str_t;
-
-/* "[2, 3, 4]", for error texts. */
-static shape_str_t tshape_str(const weft_tensor_t *t)
-{
-    shape_str_t r;
-    size_t off = 0;
-
-    r.s[off++] = '[';
-    for (int i = 0; i < weft_tensor_ndim(t); i++) {
-        off += (size_t)snprintf(r.s + off, sizeof(r.s) - off, i == 0 ? "%lld" : ", %lld",
-                                (long long)weft_tensor_shape(t)[i]);
-    }
-    r.s[off++] = ']';
-    r.s[off] = '\0';
-    return r;
-}
 
 /* weight: f32/f64 [V, D]; indices: i64, each in [0, V). */
 static weft_status_t check_lookup(const char *op, const weft_tensor_t *weight,
@@ -48,7 +27,7 @@ static weft_status_t check_lookup(const char *op, const weft_tensor_t *weight,
     }
     if (weft_tensor_ndim(weight) != 2) {
         return weft__set_error(WEFT_ERR_SHAPE, "%s: weight must be 2-D [V, D], got %s", op,
-                               tshape_str(weight).s);
+                               weft__tensor_shape_str(weight).s);
     }
     if (weft_tensor_dtype(indices) != WEFT_I64) {
         return weft__set_error(WEFT_ERR_DTYPE, "%s: indices must be i64, got %s", op,
@@ -337,7 +316,7 @@ weft_status_t weft_op_embedding_bag(weft_tensor_t *weight, weft_tensor_t *indice
     WEFT_CHECK(check_lookup("embedding_bag", weight, indices));
     if (weft_tensor_ndim(indices) != 1) {
         return weft__set_error(WEFT_ERR_SHAPE, "embedding_bag: indices must be 1-D, got %s",
-                               tshape_str(indices).s);
+                               weft__tensor_shape_str(indices).s);
     }
     if (weft_tensor_dtype(offsets) != WEFT_I64) {
         return weft__set_error(WEFT_ERR_DTYPE, "embedding_bag: offsets must be i64, got %s",
@@ -345,7 +324,7 @@ weft_status_t weft_op_embedding_bag(weft_tensor_t *weight, weft_tensor_t *indice
     }
     if (weft_tensor_ndim(offsets) != 1) {
         return weft__set_error(WEFT_ERR_SHAPE, "embedding_bag: offsets must be 1-D, got %s",
-                               tshape_str(offsets).s);
+                               weft__tensor_shape_str(offsets).s);
     }
     off = weft_tensor_data(offsets);
     nb = weft_tensor_numel(offsets);

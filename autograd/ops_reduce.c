@@ -9,7 +9,6 @@
  * the input as [outer, size, inner] and have a fast path for inner == 1 (the last dim).
  */
 #include <math.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "graph.h"
@@ -18,21 +17,6 @@
 #include <weft/ops.h>
 
 /* ---- checks ---------------------------------------------------------------------------------- */
-
-#define SHAPE_STR_MAX 200
-
-/* "[2, 3]" (at most 8 dims of at most 20 characters fit). */
-static const char *shape_str(char *buf, int ndim, const int64_t *shape)
-{
-    int len = snprintf(buf, SHAPE_STR_MAX, "[");
-
-    for (int d = 0; d < ndim; d++) {
-        len += snprintf(buf + len, (size_t)(SHAPE_STR_MAX - len), "%s%lld", d > 0 ? ", " : "",
-                        (long long)shape[d]);
-    }
-    snprintf(buf + len, (size_t)(SHAPE_STR_MAX - len), "]");
-    return buf;
-}
 
 static weft_status_t check_float(const char *op, const weft_tensor_t *t)
 {
@@ -958,21 +942,18 @@ weft_status_t weft_op_cross_entropy(weft_tensor_t *logits, weft_tensor_t *labels
                                weft_dtype_name(weft_tensor_dtype(labels)));
     }
     if (weft_tensor_ndim(logits) != 2) {
-        char s[SHAPE_STR_MAX];
 
         return weft__set_error(WEFT_ERR_SHAPE, "cross_entropy: logits must be [N, C], not %s",
-                               shape_str(s, weft_tensor_ndim(logits), weft_tensor_shape(logits)));
+                               weft__tensor_shape_str(logits).s);
     }
     const int64_t rows = weft_tensor_shape(logits)[0];
     const int64_t cls = weft_tensor_shape(logits)[1];
     if (weft_tensor_ndim(labels) != 1 || weft_tensor_shape(labels)[0] != rows) {
-        char s[SHAPE_STR_MAX];
-        char t[SHAPE_STR_MAX];
 
         return weft__set_error(WEFT_ERR_SHAPE,
                                "cross_entropy: labels %s do not match logits %s (want [%lld])",
-                               shape_str(s, weft_tensor_ndim(labels), weft_tensor_shape(labels)),
-                               shape_str(t, 2, weft_tensor_shape(logits)), (long long)rows);
+                               weft__tensor_shape_str(labels).s,
+                               weft__shape_str(2, weft_tensor_shape(logits)).s, (long long)rows);
     }
     const int64_t *lab = weft_tensor_data(labels);
     for (int64_t i = 0; i < rows; i++) {
@@ -1127,12 +1108,9 @@ weft_status_t weft_op_mse_loss(weft_tensor_t *a, weft_tensor_t *b, weft_reductio
     if (weft_tensor_ndim(a) != weft_tensor_ndim(b) ||
         memcmp(weft_tensor_shape(a), weft_tensor_shape(b),
                (size_t)weft_tensor_ndim(a) * sizeof(int64_t)) != 0) {
-        char s[SHAPE_STR_MAX];
-        char t[SHAPE_STR_MAX];
 
         return weft__set_error(WEFT_ERR_SHAPE, "mse_loss: shapes %s and %s differ",
-                               shape_str(s, weft_tensor_ndim(a), weft_tensor_shape(a)),
-                               shape_str(t, weft_tensor_ndim(b), weft_tensor_shape(b)));
+                               weft__tensor_shape_str(a).s, weft__tensor_shape_str(b).s);
     }
     const int64_t cnt = weft_tensor_numel(a);
     if (reduction == WEFT_REDUCTION_NONE) {
