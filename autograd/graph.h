@@ -131,6 +131,22 @@ weft_status_t weft__op_add_same(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_
 /** a += b in place for equal shapes and dtypes. */
 weft_status_t weft__op_add_inplace(weft_tensor_t *a, const weft_tensor_t *b);
 
+/** A CPU tensor of f32 or f64 (WEFT_ERR_INVALID_ARG, WEFT_ERR_DTYPE with a text naming @p op). */
+weft_status_t weft__op_check_float(const char *op, const weft_tensor_t *t);
+/** weft__op_check_float of @p a, and a non-NULL @p out_p. */
+weft_status_t weft__op_check_one(const char *op, const weft_tensor_t *a, weft_tensor_t **out_p);
+/** A fresh tensor of @p t's dtype and shape, contents uninitialised. */
+weft_status_t weft__op_empty_like(const weft_tensor_t *t, weft_tensor_t **out_p);
+/**
+ * For a one-output op: a node (weft__ag_node_new) when grad mode and the inputs call for one,
+ * *n_p = NULL otherwise. Finish with weft__op_node_end.
+ */
+weft_status_t weft__op_node_begin(const char *name, weft__ag_backward_cb_t backward, int n_in,
+                                  weft_tensor_t *const *inputs, weft__ag_node_t **n_p);
+/** Attaches @p n to @p out unless @p st already failed; drops the caller's reference to @p n.
+ * Returns the first failure. */
+weft_status_t weft__op_node_end(weft__ag_node_t *n, weft_status_t st, weft_tensor_t *out);
+
 /** A shape as text for error messages, by value so that it can go straight into a format. */
 typedef struct {
     char s[WEFT_MAX_DIMS * 22 + 8]; /* "[" + 8 x ", <20 digits>" + ", ...]" */

@@ -36,6 +36,54 @@ weft_status_t weft__op_zeros(weft_dtype_t dt, int ndim, const int64_t *shape, we
     return weft_tensor_create(dt, ndim, shape, out_p);
 }
 
+weft_status_t weft__op_check_float(const char *op, const weft_tensor_t *t)
+{
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: NULL tensor", op);
+    }
+    if (weft_tensor_device(t).type != WEFT_DEVICE_CPU) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: not a CPU tensor", op);
+    }
+    if (!weft__op_is_float(weft_tensor_dtype(t))) {
+        return weft__set_error(WEFT_ERR_DTYPE, "%s: dtype %s is not supported (f32 or f64)", op,
+                               weft_dtype_name(weft_tensor_dtype(t)));
+    }
+    return WEFT_OK;
+}
+
+weft_status_t weft__op_check_one(const char *op, const weft_tensor_t *a, weft_tensor_t **out_p)
+{
+    if (out_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: NULL output", op);
+    }
+    return weft__op_check_float(op, a);
+}
+
+weft_status_t weft__op_empty_like(const weft_tensor_t *t, weft_tensor_t **out_p)
+{
+    return weft_tensor_empty(weft_tensor_dtype(t), weft_tensor_ndim(t), weft_tensor_shape(t),
+                             out_p);
+}
+
+weft_status_t weft__op_node_begin(const char *name, weft__ag_backward_cb_t backward, int n_in,
+                                  weft_tensor_t *const *inputs, weft__ag_node_t **n_p)
+{
+    if (!weft__ag_should_record(n_in, inputs)) {
+        *n_p = NULL;
+        return WEFT_OK;
+    }
+    return weft__ag_node_new(name, backward, n_in, inputs, n_p);
+}
+
+weft_status_t weft__op_node_end(weft__ag_node_t *n, weft_status_t st, weft_tensor_t *out)
+{
+    if (st == WEFT_OK) {
+        st = weft__ag_attach(n, 1, &out);
+    }
+    weft__ag_node_unref(n);
+    return st;
+}
+
 static weft_status_t same_check(const char *what, const weft_tensor_t *a, const weft_tensor_t *b)
 {
     if (weft_tensor_dtype(a) != weft_tensor_dtype(b) || !weft__op_is_float(weft_tensor_dtype(a))) {
