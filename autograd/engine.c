@@ -610,20 +610,8 @@ static weft_status_t densify(const sparse_t *s, weft_dtype_t dt, int ndim, const
             return weft__set_error(WEFT_ERR_INVALID_ARG, "autograd: sparse index %lld out of range",
                                    (long long)idx[r]);
         }
-        if (dt == WEFT_F32) {
-            float *dst = (float *)weft_tensor_data(d) + idx[r] * width;
-            const float *src = (const float *)weft_tensor_data(s->rows) + r * width;
-            for (int64_t j = 0; j < width; j++) {
-                dst[j] += src[j];
-            }
-        } else {
-            double *dst = (double *)weft_tensor_data(d) + idx[r] * width;
-            const double *src = (const double *)weft_tensor_data(s->rows) + r * width;
-            for (int64_t j = 0; j < width; j++) {
-                dst[j] += src[j];
-            }
-        }
     }
+    weft__op_scatter_add_rows(dt, weft_tensor_data(d), weft_tensor_data(s->rows), idx, rows, width);
     *out_p = d;
     return WEFT_OK;
 }

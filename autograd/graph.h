@@ -147,6 +147,14 @@ weft_status_t weft__op_node_begin(const char *name, weft__ag_backward_cb_t backw
  * Returns the first failure. */
 weft_status_t weft__op_node_end(weft__ag_node_t *n, weft_status_t st, weft_tensor_t *out);
 
+/**
+ * dst[idx[i] * width + j] += src[i * width + j] for i < @p k, j < @p width: rows of an f32 or f64
+ * gradient added into the rows they were taken from (embedding, index_select, a sparse gradient
+ * made dense, packing sparse gradients). The caller has checked the indices.
+ */
+void weft__op_scatter_add_rows(weft_dtype_t dt, void *dst, const void *src, const int64_t *idx,
+                               int64_t k, int64_t width);
+
 /** A shape as text for error messages, by value so that it can go straight into a format. */
 typedef struct {
     char s[WEFT_MAX_DIMS * 22 + 8]; /* "[" + 8 x ", <20 digits>" + ", ...]" */

@@ -238,6 +238,31 @@ weft_status_t weft__op_sum_to(weft_tensor_t *g, int ndim, const int64_t *shape,
     return WEFT_OK;
 }
 
+#define DEFINE_SCATTER_ADD(T)                                                                      \
+    static void scatter_add_##T(T *restrict dst, const T *restrict src, const int64_t *idx,        \
+                                int64_t k, int64_t width)                                          \
+    {                                                                                              \
+        for (int64_t i = 0; i < k; i++) {                                                          \
+            T *restrict d = dst + idx[i] * width;                                                  \
+            const T *restrict s = src + i * width;                                                 \
+            for (int64_t j = 0; j < width; j++) {                                                  \
+                d[j] += s[j];                                                                      \
+            }                                                                                      \
+        }                                                                                          \
+    }
+DEFINE_SCATTER_ADD(float)
+DEFINE_SCATTER_ADD(double)
+
+void weft__op_scatter_add_rows(weft_dtype_t dt, void *dst, const void *src, const int64_t *idx,
+                               int64_t k, int64_t width)
+{
+    if (dt == WEFT_F32) {
+        scatter_add_float(dst, src, idx, k, width);
+    } else {
+        scatter_add_double(dst, src, idx, k, width);
+    }
+}
+
 weft__shape_str_t weft__shape_str(int ndim, const int64_t *shape)
 {
     weft__shape_str_t r;

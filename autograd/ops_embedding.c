@@ -86,22 +86,6 @@ static weft_status_t flat_indices(weft_tensor_t *indices, weft_tensor_t **out_p)
     return WEFT_OK;
 }
 
-#define DEFINE_SCATTER(T)                                                                          \
-    /* dst[idx[i]] += src[i] for rows of @p d elements. */                                         \
-    static void scatter_add_##T(T *restrict dst, const T *restrict src, const int64_t *idx,        \
-                                int64_t k, int64_t d)                                              \
-    {                                                                                              \
-        for (int64_t i = 0; i < k; i++) {                                                          \
-            T *restrict r = dst + idx[i] * d;                                                      \
-            const T *restrict s = src + i * d;                                                     \
-            for (int64_t e = 0; e < d; e++) {                                                      \
-                r[e] += s[e];                                                                      \
-            }                                                                                      \
-        }                                                                                          \
-    }
-DEFINE_SCATTER(float)
-DEFINE_SCATTER(double)
-
 /* ---- embedding ------------------------------------------------------------------------------- */
 
 /* Inputs: weight, indices. Saved: indices. iargs: sparse. */
@@ -127,13 +111,8 @@ static weft_status_t embedding_backward(weft__ag_node_t *n, weft_tensor_t *const
         goto out;
     }
     WEFT_CHECK(weft_tensor_create(n->in_dtype[0], 2, n->in_shape[0], &g));
-    if (n->in_dtype[0] == WEFT_F32) {
-        scatter_add_float(weft_tensor_data(g), weft_tensor_data(grad_out[0]),
-                          weft_tensor_data(indices), k, d);
-    } else {
-        scatter_add_double(weft_tensor_data(g), weft_tensor_data(grad_out[0]),
-                           weft_tensor_data(indices), k, d);
-    }
+    weft__op_scatter_add_rows(n->in_dtype[0], weft_tensor_data(g), weft_tensor_data(grad_out[0]),
+                              weft_tensor_data(indices), k, d);
     grad_in[0] = g;
     return WEFT_OK;
 

@@ -685,23 +685,6 @@ weft_status_t weft_op_chunk(weft_tensor_t *a, int chunks, int dim, weft_tensor_t
 
 /* ---- index_select ---------------------------------------------------------------------------- */
 
-#define DEFINE_INDEX_ADD(T)                                                                        \
-    static void index_add_##T(T *restrict dst, const T *restrict g, const int64_t *idx,            \
-                              int64_t outer, int64_t size, int64_t k, int64_t inner)               \
-    {                                                                                              \
-        for (int64_t o = 0; o < outer; o++) {                                                      \
-            for (int64_t j = 0; j < k; j++) {                                                      \
-                T *restrict d = dst + (o * size + idx[j]) * inner;                                 \
-                const T *restrict s = g + (o * k + j) * inner;                                     \
-                for (int64_t e = 0; e < inner; e++) {                                              \
-                    d[e] += s[e];                                                                  \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-    }
-DEFINE_INDEX_ADD(float)
-DEFINE_INDEX_ADD(double)
-
 /* iargs: dim. Saved: index. Backward adds each gradient slice into the row it was taken from. */
 static weft_status_t index_select_backward(weft__ag_node_t *n, weft_tensor_t *const *grad_out,
                                            weft_tensor_t **grad_in)
@@ -712,18 +695,19 @@ static weft_status_t index_select_backward(weft__ag_node_t *n, weft_tensor_t *co
     int64_t outer = prod(0, d, s);
     int64_t inner = prod(d + 1, nd, s);
     int64_t k = weft_tensor_numel(n->saved[0]);
+    size_t es = weft_dtype_size(n->in_dtype[0]);
     weft_tensor_t *g = NULL;
 
     if (!weft__ag_needs_grad(n, 0)) {
         return WEFT_OK;
     }
     WEFT_CHECK(weft_tensor_create(n->in_dtype[0], nd, s, &g));
-    if (n->in_dtype[0] == WEFT_F32) {
-        index_add_float(weft_tensor_data(g), weft_tensor_data(grad_out[0]),
-                        weft_tensor_data(n->saved[0]), outer, s[d], k, inner);
-    } else {
-        index_add_double(weft_tensor_data(g), weft_tensor_data(grad_out[0]),
-                         weft_tensor_data(n->saved[0]), outer, s[d], k, inner);
+    /* Each outer slice is a scatter of k rows of inner elements into s[d] rows. */
+    for (int64_t o = 0; o < outer; o++) {
+        weft__op_scatter_add_rows(
+            n->in_dtype[0], (char *)weft_tensor_data(g) + (size_t)(o * s[d] * inner) * es,
+            (const char *)weft_tensor_data(grad_out[0]) + (size_t)(o * k * inner) * es,
+            weft_tensor_data(n->saved[0]), k, inner);
     }
     grad_in[0] = g;
     return WEFT_OK;
