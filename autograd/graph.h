@@ -19,6 +19,30 @@
  * with weft__ag_needs_grad(n, i), leaving the others NULL. A gradient must have the input's shape
  * and dtype (reduce broadcast dimensions with weft__op_sum_to). An input may instead receive a
  * sparse gradient through weft__ag_grad_sparse (embedding). The engine releases grad_in.
+ *
+ * A backward that cannot finish at once (distributed autograd: it sends gradients to another
+ * worker, or waits for gradients from one) waits on a future instead of blocking:
+ *
+ *     static weft_status_t recv_backward(weft__ag_node_t *n, weft_tensor_t *const *grad_out,
+ *                                        weft_tensor_t **grad_in)
+ *     {
+ *         weft_future_t *f = ...;                  // completed later, on any thread
+ *         weft_status_t st = weft__ag_wait(n, f, recv_resume, NULL);
+ *         weft_future_release(f);                  // the engine holds its own reference
+ *         return st;                               // WEFT__AG_WAITING
+ *     }
+ *
+ * The engine goes on with the other ready nodes. Once f has completed successfully it calls
+ * recv_resume(n, f, arg, grad_out, grad_in) on its own thread (the one that called backward, never
+ * the thread that completed f), with the grad_out the backward got; resume fills grad_in exactly
+ * as a backward would (weft__ag_grad_sparse included), or waits again the same way. Only the step
+ * that finishes gives gradients. A failed future fails the whole backward with the future's
+ * status and a text naming the node (resume is not called); a failing resume fails it with its
+ * status, its text prefixed with the node's name. Each wait is bounded by the backward's
+ * wait_timeout_ms (weft_backward_opts_t), counted from when the node began to wait; past it the
+ * backward fails with WEFT_ERR_TIMEOUT. When a backward fails, the waits still pending are
+ * abandoned: the engine drops its references to their futures (it registers no callback on
+ * them), so a future may complete later without touching the engine.
  */
 #ifndef WEFT_AUTOGRAD_GRAPH_H
 #define WEFT_AUTOGRAD_GRAPH_H
@@ -40,6 +64,18 @@ typedef struct weft__ag_node weft__ag_node_t;
 
 typedef weft_status_t (*weft__ag_backward_cb_t)(weft__ag_node_t *n, weft_tensor_t *const *grad_out,
                                                 weft_tensor_t **grad_in);
+/**
+ * Resumes node @p n once the future @p f it waited on has completed successfully. @p f is
+ * borrowed (the engine releases it after the call; the callback may take its value); @p arg is
+ * what was given to weft__ag_wait; @p grad_out and @p grad_in are as for the backward. Returns
+ * WEFT_OK with the gradients in grad_in, what weft__ag_wait returned to wait again, or an error.
+ */
+typedef weft_status_t (*weft__ag_resume_cb_t)(weft__ag_node_t *n, weft_future_t *f, void *arg,
+                                              weft_tensor_t *const *grad_out,
+                                              weft_tensor_t **grad_in);
+
+/** What a step that waits returns (weft__ag_wait's status): "not completed yet". */
+#define WEFT__AG_WAITING WEFT_ERR_PENDING
 
 /* Where the gradient of one input goes: the node that made it, or a leaf, or nowhere. */
 typedef struct {
@@ -112,6 +148,19 @@ int weft__ag_needs_grad(const weft__ag_node_t *n, int i);
  */
 weft_status_t weft__ag_grad_sparse(weft__ag_node_t *n, int i, weft_tensor_t *indices,
                                    weft_tensor_t *rows);
+/**
+ * Inside the backward or a resume callback of @p n: ends this step without gradients and has the
+ * engine call @p resume(n, f, arg, ...) on its own thread once @p f has completed successfully
+ * (see the top of this file). The step must return what this returns.
+ * @param f retained by the engine until the node is resumed or the backward ends; the caller
+ *          keeps its own reference.
+ * @param arg borrowed; must stay valid until resume is called or the backward returns (the
+ *            engine never frees it: state that must outlive a failed backward belongs in n->ctx).
+ * @return WEFT__AG_WAITING when the wait is recorded; WEFT_ERR_INVALID_ARG (NULL argument),
+ *         WEFT_ERR_INVALID_STATE (outside a step of @p n, or a second wait in one step).
+ */
+weft_status_t weft__ag_wait(weft__ag_node_t *n, weft_future_t *f, weft__ag_resume_cb_t resume,
+                            void *arg);
 
 /* ---- helpers for op writers (autograd/ops_*.c) ---------------------------------------------- */
 
