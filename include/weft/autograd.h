@@ -71,7 +71,7 @@ WEFT_API weft_tensor_t *weft_tensor_grad(const weft_tensor_t *t);
  * @return WEFT_ERR_NOT_FOUND when @p t has no sparse gradient.
  */
 WEFT_API weft_status_t weft_tensor_sparse_grad(const weft_tensor_t *t, weft_tensor_t **indices_p,
-                                      weft_tensor_t **rows_p);
+                                               weft_tensor_t **rows_p);
 /** True when leaf @p t has a sparse gradient (records no error text when it has none). */
 WEFT_API int weft_tensor_has_sparse_grad(const weft_tensor_t *t);
 /** Drops the gradient of @p t, dense and sparse (zero_grad with set_to_none). */
@@ -105,8 +105,8 @@ WEFT_API weft_status_t weft_tensor_detach(weft_tensor_t *t, weft_tensor_t **out_
  */
 WEFT_API weft_status_t weft_backward(weft_tensor_t *root, weft_tensor_t *grad, int retain_graph);
 /** Backward from several roots at once (each with its gradient, NULL for 1). */
-WEFT_API weft_status_t weft_backward_many(int n, weft_tensor_t *const *roots, weft_tensor_t *const *grads,
-                                 int retain_graph);
+WEFT_API weft_status_t weft_backward_many(int n, weft_tensor_t *const *roots,
+                                          weft_tensor_t *const *grads, int retain_graph);
 
 /** The bound on one wait of a node in backward when weft_backward_opts_t gives 0 (5 minutes). */
 #define WEFT_BACKWARD_WAIT_TIMEOUT_MS 300000
@@ -158,8 +158,8 @@ typedef weft_status_t (*weft_grad_hook_cb_t)(weft_tensor_t *param, weft_tensor_t
  * order they were added.
  * @param[out] id_p identifies the hook for weft_tensor_remove_grad_hook (may be NULL).
  */
-WEFT_API weft_status_t weft_tensor_add_grad_hook(weft_tensor_t *param, weft_grad_hook_cb_t cb, void *arg,
-                                        int *id_p);
+WEFT_API weft_status_t weft_tensor_add_grad_hook(weft_tensor_t *param, weft_grad_hook_cb_t cb,
+                                                 void *arg, int *id_p);
 /** Removes a hook. @return WEFT_ERR_NOT_FOUND for an unknown id. */
 WEFT_API weft_status_t weft_tensor_remove_grad_hook(weft_tensor_t *param, int id);
 
