@@ -1046,74 +1046,87 @@ static void wait_clear(const weft__ag_node_t *n, wait_t *w)
     weft_free(w->gout);
 }
 
+/* Room for one more wait. */
+static weft_status_t waits_reserve(run_t *r)
+{
+    size_t ncap = r->cap_waits == 0 ? 4 : r->cap_waits * 2;
+    wait_t *waits;
+    weft_future_t **futs;
+
+    if (r->n_waits < r->cap_waits) {
+        return WEFT_OK;
+    }
+    waits = weft_realloc(r->waits, ncap * sizeof(*waits));
+    if (waits == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+    }
+    r->waits = waits;
+    futs = weft_realloc(r->wait_futs, ncap * sizeof(*futs));
+    if (futs == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+    }
+    r->wait_futs = futs;
+    r->cap_waits = ncap;
+    return WEFT_OK;
+}
+
 /*
- * The step of @p n recorded a wait (@p st holds what waited): checks that it returned
- * WEFT__AG_WAITING with no gradients, then parks the node with its future, its resume callback
- * and @p gout (moved out: each entry is set to NULL). Consumes st->wait_f.
+ * The step of @p n recorded a wait in @p st and returned @p status: checks that it returned
+ * WEFT__AG_WAITING and gave no gradients, then parks the node with its future, its resume
+ * callback and @p gout (moved out: each entry is set to NULL). Consumes st->wait_f.
  */
 static weft_status_t park(run_t *r, weft__ag_node_t *n, step_t *st, weft_status_t status,
                           weft_tensor_t **gout, weft_tensor_t *const *gin)
 {
     wait_t *w;
+    int64_t now;
     int gave = st->n > 0;
 
     for (int i = 0; i < n->n_in && !gave; i++) {
         gave = gin[i] != NULL;
     }
-    if (status == WEFT__AG_WAITING && gave) {
-        status = weft__set_error(WEFT_ERR_INVALID_STATE,
-                                 "backward: %s gave gradients and waited on a future; only the "
-                                 "step that finishes (its last resume) gives gradients",
-                                 n->name);
-    } else if (status == WEFT_OK) {
+    if (status == WEFT_OK) {
         status = weft__set_error(WEFT_ERR_INVALID_STATE,
                                  "backward: %s waited on a future but returned WEFT_OK; return "
                                  "what weft__ag_wait returned",
                                  n->name);
+        goto err_drop_wait;
     }
     if (status != WEFT__AG_WAITING) {
-        weft_future_release(st->wait_f);
-        st->wait_f = NULL;
-        return status;
+        goto err_drop_wait; /* the step's own error */
     }
-    if (r->n_waits == r->cap_waits) {
-        size_t ncap = r->cap_waits == 0 ? 4 : r->cap_waits * 2;
-        wait_t *a = weft_realloc(r->waits, ncap * sizeof(*a));
-        weft_future_t **fa;
-
-        if (a != NULL) {
-            r->waits = a;
-        }
-        fa = a == NULL ? NULL : weft_realloc(r->wait_futs, ncap * sizeof(*fa));
-        if (fa == NULL) {
-            weft_future_release(st->wait_f);
-            st->wait_f = NULL;
-            return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
-        }
-        r->wait_futs = fa;
-        r->cap_waits = ncap;
+    if (gave) {
+        status = weft__set_error(WEFT_ERR_INVALID_STATE,
+                                 "backward: %s gave gradients and waited on a future; only the "
+                                 "step that finishes (its last resume) gives gradients",
+                                 n->name);
+        goto err_drop_wait;
     }
+    WEFT_CHECK_GOTO(waits_reserve(r), status, err_drop_wait);
     w = &r->waits[r->n_waits];
     w->gout = weft_calloc((size_t)n->n_out, sizeof(*w->gout));
     if (w->gout == NULL) {
-        weft_future_release(st->wait_f);
-        st->wait_f = NULL;
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+        status = weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+        goto err_drop_wait;
     }
     for (int k = 0; k < n->n_out; k++) {
         w->gout[k] = gout[k];
         gout[k] = NULL;
     }
+    now = weft__now_ns();
     w->node = n;
     w->f = st->wait_f;
     w->resume = st->resume;
     w->arg = st->resume_arg;
-    w->deadline_ns = weft__now_ns();
-    w->deadline_ns =
-        w->deadline_ns > INT64_MAX - r->wait_ns ? INT64_MAX : w->deadline_ns + r->wait_ns;
+    w->deadline_ns = now > INT64_MAX - r->wait_ns ? INT64_MAX : now + r->wait_ns;
     st->wait_f = NULL;
     r->wait_futs[r->n_waits++] = w->f;
     return WEFT_OK;
+
+err_drop_wait:
+    weft_future_release(st->wait_f);
+    st->wait_f = NULL;
+    return status;
 }
 
 /*
