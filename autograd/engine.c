@@ -9,10 +9,20 @@
  * it; a node runs when all of them have delivered, later-created nodes first (as torch does, so
  * parameters' gradients complete in reverse order of use, which is what bucketed reducers want).
  * A leaf's gradients are summed per backward and accumulated once, then its hooks fire.
+ *
+ * A node's step (its backward, later its resume callback) may instead wait on a future
+ * (weft__ag_wait): the node is parked with the future and the gradients of its outputs, and the
+ * engine runs the other ready nodes. Between nodes it resumes the parked nodes whose futures have
+ * completed; when nothing is ready it sleeps on their futures (weft_future_wait_any, never past
+ * the earliest wait's deadline). Resuming always happens here, on the thread that called
+ * backward; the engine registers no callback on a future, so whatever thread completes it only
+ * wakes this one, and a future completing after a failed backward touches nothing of it. The
+ * engine uses core only (futures, the clock): distributed autograd builds its send and receive
+ * nodes on this in a library above rpc and rref.
  */
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -208,27 +218,8 @@ static int same_shape(int nd_a, const int64_t *a, int nd_b, const int64_t *b)
     return 1;
 }
 
-/* "[2, 3]" into @p buf. */
-static const char *shape_str(char *buf, size_t cap, int ndim, const int64_t *shape)
-{
-    size_t off = 0;
-
-    off += (size_t)snprintf(buf + off, cap - off, "[");
-    for (int i = 0; i < ndim && off < cap; i++) {
-        off +=
-            (size_t)snprintf(buf + off, cap - off, i == 0 ? "%lld" : ", %lld", (long long)shape[i]);
-    }
-    if (off < cap) {
-        snprintf(buf + off, cap - off, "]");
-    }
-    return buf;
-}
-
 static weft_status_t check_like(const char *what, const weft_tensor_t *t, const weft_tensor_t *g)
 {
-    char a[96];
-    char b[96];
-
     if (weft_tensor_dtype(g) != weft_tensor_dtype(t)) {
         return weft__set_error(WEFT_ERR_DTYPE, "%s: gradient is %s, tensor is %s", what,
                                weft_dtype_name(weft_tensor_dtype(g)),
@@ -237,9 +228,7 @@ static weft_status_t check_like(const char *what, const weft_tensor_t *t, const 
     if (!same_shape(weft_tensor_ndim(g), weft_tensor_shape(g), weft_tensor_ndim(t),
                     weft_tensor_shape(t))) {
         return weft__set_error(WEFT_ERR_SHAPE, "%s: gradient has shape %s, tensor has shape %s",
-                               what,
-                               shape_str(a, sizeof(a), weft_tensor_ndim(g), weft_tensor_shape(g)),
-                               shape_str(b, sizeof(b), weft_tensor_ndim(t), weft_tensor_shape(t)));
+                               what, weft__tensor_shape_str(g).s, weft__tensor_shape_str(t).s);
     }
     return WEFT_OK;
 }
@@ -524,26 +513,31 @@ int weft__ag_needs_grad(const weft__ag_node_t *n, int i)
 
 /* ---- backward -------------------------------------------------------------------------------- */
 
-/* Sparse gradients a running backward callback hands over (weft__ag_grad_sparse). */
+/* A sparse gradient a running step hands over (weft__ag_grad_sparse). */
 typedef struct {
     int input;
     weft_tensor_t *idx;
     weft_tensor_t *rows;
 } sparse_t;
 
+/* One step of a node (its backward, or a resume callback) as it runs: what it hands over besides
+ * grad_in. On the stack of the engine's thread; cur_step points at it while the callback runs. */
 typedef struct {
     weft__ag_node_t *node;
-    sparse_t *items;
+    sparse_t *items; /* weft__ag_grad_sparse */
     int n;
     int cap;
-} sparse_list_t;
+    weft_future_t *wait_f; /* weft__ag_wait: strong reference, or NULL */
+    weft__ag_resume_cb_t resume;
+    void *resume_arg;
+} step_t;
 
-static _Thread_local sparse_list_t *cur_sparse;
+static _Thread_local step_t *cur_step;
 
 weft_status_t weft__ag_grad_sparse(weft__ag_node_t *n, int i, weft_tensor_t *indices,
                                    weft_tensor_t *rows)
 {
-    sparse_list_t *l = cur_sparse;
+    step_t *l = cur_step;
 
     if (l == NULL || l->node != n || i < 0 || i >= n->n_in) {
         return weft__set_error(WEFT_ERR_INVALID_STATE,
@@ -570,6 +564,31 @@ weft_status_t weft__ag_grad_sparse(weft__ag_node_t *n, int i, weft_tensor_t *ind
     l->items[l->n].rows = weft_tensor_retain(rows);
     l->n++;
     return WEFT_OK;
+}
+
+weft_status_t weft__ag_wait(weft__ag_node_t *n, weft_future_t *f, weft__ag_resume_cb_t resume,
+                            void *arg)
+{
+    step_t *l = cur_step;
+
+    if (n == NULL || f == NULL || resume == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "autograd: wait needs a node, a future and a "
+                                                     "resume callback");
+    }
+    if (l == NULL || l->node != n) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE,
+                               "autograd: %s waits outside its backward or resume callback",
+                               n->name);
+    }
+    if (l->wait_f != NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE,
+                               "autograd: %s waits twice in one step (wait again from resume)",
+                               n->name);
+    }
+    l->wait_f = weft_future_retain(f);
+    l->resume = resume;
+    l->resume_arg = arg;
+    return WEFT__AG_WAITING;
 }
 
 /* Adds @p g (a new reference, consumed) into *slot (summing in place when it may). */
@@ -632,20 +651,8 @@ static weft_status_t densify(const sparse_t *s, weft_dtype_t dt, int ndim, const
             return weft__set_error(WEFT_ERR_INVALID_ARG, "autograd: sparse index %lld out of range",
                                    (long long)idx[r]);
         }
-        if (dt == WEFT_F32) {
-            float *dst = (float *)weft_tensor_data(d) + idx[r] * width;
-            const float *src = (const float *)weft_tensor_data(s->rows) + r * width;
-            for (int64_t j = 0; j < width; j++) {
-                dst[j] += src[j];
-            }
-        } else {
-            double *dst = (double *)weft_tensor_data(d) + idx[r] * width;
-            const double *src = (const double *)weft_tensor_data(s->rows) + r * width;
-            for (int64_t j = 0; j < width; j++) {
-                dst[j] += src[j];
-            }
-        }
     }
+    weft__op_scatter_add_rows(dt, weft_tensor_data(d), weft_tensor_data(s->rows), idx, rows, width);
     *out_p = d;
     return WEFT_OK;
 }
@@ -719,6 +726,16 @@ typedef struct {
     weft_tensor_t *grad;
 } leaf_state_t;
 
+/* A node whose step waits on a future: what resuming it needs, and until when it may wait. */
+typedef struct {
+    weft__ag_node_t *node;
+    weft_future_t *f; /* strong */
+    weft__ag_resume_cb_t resume;
+    void *arg;
+    weft_tensor_t **gout; /* node->n_out gradients its backward got (owned), for the resume */
+    int64_t deadline_ns;
+} wait_t;
+
 typedef struct {
     uint64_t run;
     int retain;
@@ -732,6 +749,13 @@ typedef struct {
     size_t cap_leaves;
     size_t *slots; /* open-addressing index into leaves (entry + 1; 0 = empty) */
     size_t n_slots;
+    /* Nodes waiting on a future (weft__ag_wait), in the order they began to wait; wait_futs[i] is
+     * waits[i].f, laid out for weft_future_wait_any. Empty unless some node waits. */
+    wait_t *waits;
+    weft_future_t **wait_futs;
+    size_t n_waits;
+    size_t cap_waits;
+    int64_t wait_ns; /* how long one wait may last */
 } run_t;
 
 static weft_status_t push_ptr(void ***arr, size_t *n, size_t *cap, void *p)
@@ -1012,46 +1036,139 @@ static weft_status_t deliver(run_t *r, weft__ag_edge_t *e, weft_tensor_t *g)
     return WEFT_OK;
 }
 
-static weft_status_t run_node(run_t *r, weft__ag_node_t *n)
+/* Releases what a wait holds (its future and the gradients kept for the resume). */
+static void wait_clear(const weft__ag_node_t *n, wait_t *w)
 {
-    weft_tensor_t *gout_inline[WEFT__AG_MAX_IN] = {0};
+    weft_future_release(w->f);
+    for (int k = 0; k < n->n_out; k++) {
+        weft_tensor_release(w->gout[k]);
+    }
+    weft_free(w->gout);
+}
+
+/* Room for one more wait. */
+static weft_status_t waits_reserve(run_t *r)
+{
+    size_t ncap = r->cap_waits == 0 ? 4 : r->cap_waits * 2;
+    wait_t *waits;
+    weft_future_t **futs;
+
+    if (r->n_waits < r->cap_waits) {
+        return WEFT_OK;
+    }
+    waits = weft_realloc(r->waits, ncap * sizeof(*waits));
+    if (waits == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+    }
+    r->waits = waits;
+    futs = weft_realloc(r->wait_futs, ncap * sizeof(*futs));
+    if (futs == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+    }
+    r->wait_futs = futs;
+    r->cap_waits = ncap;
+    return WEFT_OK;
+}
+
+/*
+ * The step of @p n recorded a wait in @p st and returned @p status: checks that it returned
+ * WEFT__AG_WAITING and gave no gradients, then parks the node with its future, its resume
+ * callback and @p gout (moved out: each entry is set to NULL). Consumes st->wait_f.
+ */
+static weft_status_t park(run_t *r, weft__ag_node_t *n, step_t *st, weft_status_t status,
+                          weft_tensor_t **gout, weft_tensor_t *const *gin)
+{
+    wait_t *w;
+    int64_t now;
+    int gave = st->n > 0;
+
+    for (int i = 0; i < n->n_in && !gave; i++) {
+        gave = gin[i] != NULL;
+    }
+    if (status == WEFT_OK) {
+        status = weft__set_error(WEFT_ERR_INVALID_STATE,
+                                 "backward: %s waited on a future but returned WEFT_OK; return "
+                                 "what weft__ag_wait returned",
+                                 n->name);
+        goto err_drop_wait;
+    }
+    if (status != WEFT__AG_WAITING) {
+        goto err_drop_wait; /* the step's own error */
+    }
+    if (gave) {
+        status = weft__set_error(WEFT_ERR_INVALID_STATE,
+                                 "backward: %s gave gradients and waited on a future; only the "
+                                 "step that finishes (its last resume) gives gradients",
+                                 n->name);
+        goto err_drop_wait;
+    }
+    WEFT_CHECK_GOTO(waits_reserve(r), status, err_drop_wait);
+    w = &r->waits[r->n_waits];
+    w->gout = weft_calloc((size_t)n->n_out, sizeof(*w->gout));
+    if (w->gout == NULL) {
+        status = weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+        goto err_drop_wait;
+    }
+    for (int k = 0; k < n->n_out; k++) {
+        w->gout[k] = gout[k];
+        gout[k] = NULL;
+    }
+    now = weft__now_ns();
+    w->node = n;
+    w->f = st->wait_f;
+    w->resume = st->resume;
+    w->arg = st->resume_arg;
+    w->deadline_ns = now > INT64_MAX - r->wait_ns ? INT64_MAX : now + r->wait_ns;
+    st->wait_f = NULL;
+    r->wait_futs[r->n_waits++] = w->f;
+    return WEFT_OK;
+
+err_drop_wait:
+    weft_future_release(st->wait_f);
+    st->wait_f = NULL;
+    return status;
+}
+
+/*
+ * Runs one step of @p n with the gradients of its outputs @p gout: its backward (@p w NULL) or
+ * the resume callback of wait @p w. A step that finishes delivers the node's input gradients; a
+ * step that waits parks the node (taking gout's entries). The caller releases what is left in
+ * gout.
+ */
+static weft_status_t node_step(run_t *r, weft__ag_node_t *n, weft_tensor_t **gout, const wait_t *w)
+{
     weft_tensor_t *gin_inline[WEFT__AG_MAX_IN] = {0};
-    weft_tensor_t **gout = gout_inline;
     weft_tensor_t **gin = gin_inline;
-    sparse_list_t sp = {.node = n};
-    sparse_list_t *prev_sp = cur_sparse;
+    step_t sp = {.node = n};
+    step_t *prev_sp = cur_step;
     weft_status_t status = WEFT_OK;
     int prev_mode;
 
-    if (n->n_out > WEFT__AG_MAX_IN) {
-        gout = weft_calloc((size_t)n->n_out, sizeof(*gout));
-    }
     if (n->n_in > WEFT__AG_MAX_IN) {
         gin = weft_calloc((size_t)n->n_in, sizeof(*gin));
-    }
-    if (gout == NULL || gin == NULL) {
-        status = weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
-        goto out;
-    }
-    memset(gout, 0, (size_t)n->n_out * sizeof(*gout));
-    memset(gin, 0, (size_t)n->n_in * sizeof(*gin));
-    for (int k = 0; k < n->n_out; k++) {
-        if (n->buf != NULL && n->buf[k] != NULL) {
-            gout[k] = n->buf[k];
-            n->buf[k] = NULL;
-        } else {
-            WEFT_CHECK_GOTO(out_zeros(n, k, &gout[k]), status, out);
+        if (gin == NULL) {
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
         }
     }
-    weft_free(n->buf);
-    n->buf = NULL;
 
     prev_mode = weft_grad_set_enabled(0);
-    cur_sparse = &sp;
-    status = n->backward(n, gout, gin);
-    cur_sparse = prev_sp;
+    cur_step = &sp;
+    if (w == NULL) {
+        status = n->backward(n, gout, gin);
+    } else {
+        status = w->resume(n, w->f, w->arg, gout, gin);
+    }
+    cur_step = prev_sp;
     weft_grad_set_enabled(prev_mode);
+    if (sp.wait_f != NULL) {
+        status = park(r, n, &sp, status, gout, gin);
+        goto out;
+    }
     if (status != WEFT_OK) {
+        if (w != NULL) {
+            status =
+                weft__set_error(status, "backward: resuming %s: %s", n->name, weft_last_error());
+        }
         goto out;
     }
     for (int i = 0; i < n->n_in; i++) {
@@ -1063,16 +1180,13 @@ static weft_status_t run_node(run_t *r, weft__ag_node_t *n)
             (weft_tensor_dtype(gin[i]) != n->in_dtype[i] ||
              !same_shape(weft_tensor_ndim(gin[i]), weft_tensor_shape(gin[i]), n->in_ndim[i],
                          n->in_shape[i]))) {
-            char a[96];
-            char b[96];
-            status = weft__set_error(
-                WEFT_ERR_SHAPE,
-                "backward: %s gave input %d a %s gradient of shape %s for a %s "
-                "input of shape %s",
-                n->name, i, weft_dtype_name(weft_tensor_dtype(gin[i])),
-                shape_str(a, sizeof(a), weft_tensor_ndim(gin[i]), weft_tensor_shape(gin[i])),
-                weft_dtype_name(n->in_dtype[i]),
-                shape_str(b, sizeof(b), n->in_ndim[i], n->in_shape[i]));
+            status =
+                weft__set_error(WEFT_ERR_SHAPE,
+                                "backward: %s gave input %d a %s gradient of shape %s for a %s "
+                                "input of shape %s",
+                                n->name, i, weft_dtype_name(weft_tensor_dtype(gin[i])),
+                                weft__tensor_shape_str(gin[i]).s, weft_dtype_name(n->in_dtype[i]),
+                                weft__shape_str(n->in_ndim[i], n->in_shape[i]).s);
             goto out;
         }
     }
@@ -1126,23 +1240,123 @@ out:
         weft_tensor_release(sp.items[s].rows);
     }
     weft_free(sp.items);
-    if (gout != NULL) {
-        for (int k = 0; k < n->n_out; k++) {
-            weft_tensor_release(gout[k]);
-        }
-    }
-    if (gin != NULL) {
-        for (int i = 0; i < n->n_in; i++) {
-            weft_tensor_release(gin[i]);
-        }
-    }
-    if (gout != gout_inline) {
-        weft_free(gout);
+    for (int i = 0; i < n->n_in; i++) {
+        weft_tensor_release(gin[i]);
     }
     if (gin != gin_inline) {
         weft_free(gin);
     }
     return status;
+}
+
+/* Runs a ready node: gathers the gradients of its outputs, then its backward. */
+static weft_status_t run_node(run_t *r, weft__ag_node_t *n)
+{
+    weft_tensor_t *gout_inline[WEFT__AG_MAX_IN] = {0};
+    weft_tensor_t **gout = gout_inline;
+    weft_status_t status = WEFT_OK;
+
+    if (n->n_out > WEFT__AG_MAX_IN) {
+        gout = weft_calloc((size_t)n->n_out, sizeof(*gout));
+        if (gout == NULL) {
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+        }
+    }
+    for (int k = 0; k < n->n_out; k++) {
+        if (n->buf != NULL && n->buf[k] != NULL) {
+            gout[k] = n->buf[k];
+            n->buf[k] = NULL;
+        } else {
+            WEFT_CHECK_GOTO(out_zeros(n, k, &gout[k]), status, out);
+        }
+    }
+    weft_free(n->buf);
+    n->buf = NULL;
+    status = node_step(r, n, gout, NULL);
+
+out:
+    for (int k = 0; k < n->n_out; k++) {
+        weft_tensor_release(gout[k]);
+    }
+    if (gout != gout_inline) {
+        weft_free(gout);
+    }
+    return status;
+}
+
+/*
+ * Resumes, on this (the engine's) thread, the waiting nodes whose futures have completed: those
+ * waiting when called, in the order they began to wait. A node that waits again goes to the back.
+ */
+static weft_status_t resume_ready(run_t *r)
+{
+    size_t n_scan = r->n_waits;
+    size_t i = 0;
+
+    while (i < n_scan) {
+        wait_t w;
+        weft_status_t status;
+
+        if (!weft_future_done(r->wait_futs[i])) {
+            i++;
+            continue;
+        }
+        w = r->waits[i];
+        memmove(&r->waits[i], &r->waits[i + 1], (r->n_waits - i - 1) * sizeof(*r->waits));
+        memmove(&r->wait_futs[i], &r->wait_futs[i + 1],
+                (r->n_waits - i - 1) * sizeof(*r->wait_futs));
+        r->n_waits--;
+        n_scan--;
+        if (weft_future_status(w.f) != WEFT_OK) {
+            status = weft__set_error(weft_future_status(w.f),
+                                     "backward: %s waited on a future that failed: %s",
+                                     w.node->name, weft_future_error(w.f));
+        } else {
+            status = node_step(r, w.node, w.gout, &w);
+        }
+        wait_clear(w.node, &w);
+        if (status != WEFT_OK) {
+            return status;
+        }
+    }
+    return WEFT_OK;
+}
+
+/*
+ * Nothing is ready to run and some nodes wait: sleeps until one of their futures completes. A
+ * wait that outlives its bound (the backward's wait_timeout_ms from when the node began to wait)
+ * fails the backward; the engine never sleeps past the earliest such deadline.
+ */
+static weft_status_t sleep_until_resumable(run_t *r)
+{
+    for (;;) {
+        const wait_t *first = &r->waits[0];
+        int64_t now = weft__now_ns();
+        int64_t left;
+        weft_status_t status;
+        size_t index;
+
+        for (size_t i = 1; i < r->n_waits; i++) {
+            if (r->waits[i].deadline_ns < first->deadline_ns) {
+                first = &r->waits[i];
+            }
+        }
+        if (weft_future_done(first->f)) {
+            return WEFT_OK;
+        }
+        if (now >= first->deadline_ns) {
+            return weft__set_error(WEFT_ERR_TIMEOUT,
+                                   "backward: %s waited %lld ms on a future that did not complete "
+                                   "(the backward's wait_timeout_ms)",
+                                   first->node->name, (long long)(r->wait_ns / 1000000));
+        }
+        left = first->deadline_ns - now;
+        status = weft_future_wait_any(r->wait_futs, r->n_waits,
+                                      left / 1000000 + (left % 1000000 != 0), &index);
+        if (status != WEFT_ERR_TIMEOUT) {
+            return status;
+        }
+    }
 }
 
 static weft_status_t ones_like(const weft_tensor_t *t, weft_tensor_t **out_p)
@@ -1164,17 +1378,42 @@ static weft_status_t ones_like(const weft_tensor_t *t, weft_tensor_t **out_p)
     return WEFT_OK;
 }
 
-weft_status_t weft_backward_many(int n_roots, weft_tensor_t *const *roots,
-                                 weft_tensor_t *const *grads, int retain_graph)
+void weft_backward_opts_init(weft_backward_opts_t *opts)
 {
-    run_t r = {.retain = retain_graph};
+    if (opts != NULL) {
+        opts->retain_graph = false;
+        opts->wait_timeout_ms = 0;
+    }
+}
+
+weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots, weft_tensor_t *const *grads,
+                                const weft_backward_opts_t *opts)
+{
+    weft_backward_opts_t o;
+    run_t r = {0};
     weft__ag_node_t **root_nodes = NULL;
     weft_tensor_t **root_grads = NULL;
     weft_status_t status = WEFT_OK;
+    int n_roots;
 
-    if (n_roots < 1 || roots == NULL) {
+    weft_backward_opts_init(&o);
+    if (opts != NULL) {
+        o = *opts;
+    }
+    if (n < 1 || n > INT_MAX || roots == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "backward: no roots");
     }
+    if (o.wait_timeout_ms < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "backward: wait_timeout_ms is %lld (0 for the default)",
+                               (long long)o.wait_timeout_ms);
+    }
+    n_roots = (int)n;
+    r.retain = o.retain_graph;
+    if (o.wait_timeout_ms == 0) {
+        o.wait_timeout_ms = WEFT_BACKWARD_WAIT_TIMEOUT_MS;
+    }
+    r.wait_ns = o.wait_timeout_ms > INT64_MAX / 1000000 ? INT64_MAX : o.wait_timeout_ms * 1000000;
     root_nodes = weft_calloc((size_t)n_roots, sizeof(*root_nodes));
     root_grads = weft_calloc((size_t)n_roots, sizeof(*root_grads));
     if (root_nodes == NULL || root_grads == NULL) {
@@ -1240,11 +1479,30 @@ weft_status_t weft_backward_many(int n_roots, weft_tensor_t *const *roots,
         }
         WEFT_CHECK_GOTO(deliver(&r, &e, g), status, out);
     }
-    while (r.n_heap > 0) {
-        WEFT_CHECK_GOTO(run_node(&r, heap_pop(&r)), status, out);
+    /* Run ready nodes, later-created first; resume waiting nodes as their futures complete, and
+     * sleep on those futures only when nothing else is ready. */
+    for (;;) {
+        while (r.n_heap > 0) {
+            WEFT_CHECK_GOTO(run_node(&r, heap_pop(&r)), status, out);
+            if (r.n_waits > 0) {
+                WEFT_CHECK_GOTO(resume_ready(&r), status, out);
+            }
+        }
+        if (r.n_waits == 0) {
+            break;
+        }
+        WEFT_CHECK_GOTO(sleep_until_resumable(&r), status, out);
+        WEFT_CHECK_GOTO(resume_ready(&r), status, out);
     }
 
 out:
+    /* Waits still pending are abandoned: their futures may complete later, into nothing of ours
+     * (the engine registered no callback on them; it only drops its references). */
+    for (size_t i = 0; i < r.n_waits; i++) {
+        wait_clear(r.waits[i].node, &r.waits[i]);
+    }
+    weft_free(r.waits);
+    weft_free(r.wait_futs);
     /* On failure, drop what is half-summed so that the next backward starts clean. */
     for (size_t i = 0; i < r.n_nodes; i++) {
         weft__ag_node_t *n = r.nodes[i];
@@ -1272,6 +1530,19 @@ out:
     weft_free(r.heap);
     weft_free(r.leaves);
     return status;
+}
+
+weft_status_t weft_backward_many(int n_roots, weft_tensor_t *const *roots,
+                                 weft_tensor_t *const *grads, int retain_graph)
+{
+    weft_backward_opts_t opts;
+
+    if (n_roots < 1) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "backward: no roots");
+    }
+    weft_backward_opts_init(&opts);
+    opts.retain_graph = retain_graph != 0;
+    return weft_backward_run((size_t)n_roots, roots, grads, &opts);
 }
 
 weft_status_t weft_backward(weft_tensor_t *root, weft_tensor_t *grad, int retain_graph)

@@ -19,6 +19,30 @@
  * with weft__ag_needs_grad(n, i), leaving the others NULL. A gradient must have the input's shape
  * and dtype (reduce broadcast dimensions with weft__op_sum_to). An input may instead receive a
  * sparse gradient through weft__ag_grad_sparse (embedding). The engine releases grad_in.
+ *
+ * A backward that cannot finish at once (distributed autograd: it sends gradients to another
+ * worker, or waits for gradients from one) waits on a future instead of blocking:
+ *
+ *     static weft_status_t recv_backward(weft__ag_node_t *n, weft_tensor_t *const *grad_out,
+ *                                        weft_tensor_t **grad_in)
+ *     {
+ *         weft_future_t *f = ...;                  // completed later, on any thread
+ *         weft_status_t st = weft__ag_wait(n, f, recv_resume, NULL);
+ *         weft_future_release(f);                  // the engine holds its own reference
+ *         return st;                               // WEFT__AG_WAITING
+ *     }
+ *
+ * The engine goes on with the other ready nodes. Once f has completed successfully it calls
+ * recv_resume(n, f, arg, grad_out, grad_in) on its own thread (the one that called backward, never
+ * the thread that completed f), with the grad_out the backward got; resume fills grad_in exactly
+ * as a backward would (weft__ag_grad_sparse included), or waits again the same way. Only the step
+ * that finishes gives gradients. A failed future fails the whole backward with the future's
+ * status and a text naming the node (resume is not called); a failing resume fails it with its
+ * status, its text prefixed with the node's name. Each wait is bounded by the backward's
+ * wait_timeout_ms (weft_backward_opts_t), counted from when the node began to wait; past it the
+ * backward fails with WEFT_ERR_TIMEOUT. When a backward fails, the waits still pending are
+ * abandoned: the engine drops its references to their futures (it registers no callback on
+ * them), so a future may complete later without touching the engine.
  */
 #ifndef WEFT_AUTOGRAD_GRAPH_H
 #define WEFT_AUTOGRAD_GRAPH_H
@@ -40,6 +64,18 @@ typedef struct weft__ag_node weft__ag_node_t;
 
 typedef weft_status_t (*weft__ag_backward_cb_t)(weft__ag_node_t *n, weft_tensor_t *const *grad_out,
                                                 weft_tensor_t **grad_in);
+/**
+ * Resumes node @p n once the future @p f it waited on has completed successfully. @p f is
+ * borrowed (the engine releases it after the call; the callback may take its value); @p arg is
+ * what was given to weft__ag_wait; @p grad_out and @p grad_in are as for the backward. Returns
+ * WEFT_OK with the gradients in grad_in, what weft__ag_wait returned to wait again, or an error.
+ */
+typedef weft_status_t (*weft__ag_resume_cb_t)(weft__ag_node_t *n, weft_future_t *f, void *arg,
+                                              weft_tensor_t *const *grad_out,
+                                              weft_tensor_t **grad_in);
+
+/** What a step that waits returns (weft__ag_wait's status): "not completed yet". */
+#define WEFT__AG_WAITING WEFT_ERR_PENDING
 
 /* Where the gradient of one input goes: the node that made it, or a leaf, or nowhere. */
 typedef struct {
@@ -112,6 +148,19 @@ int weft__ag_needs_grad(const weft__ag_node_t *n, int i);
  */
 weft_status_t weft__ag_grad_sparse(weft__ag_node_t *n, int i, weft_tensor_t *indices,
                                    weft_tensor_t *rows);
+/**
+ * Inside the backward or a resume callback of @p n: ends this step without gradients and has the
+ * engine call @p resume(n, f, arg, ...) on its own thread once @p f has completed successfully
+ * (see the top of this file). The step must return what this returns.
+ * @param f retained by the engine until the node is resumed or the backward ends; the caller
+ *          keeps its own reference.
+ * @param arg borrowed; must stay valid until resume is called or the backward returns (the
+ *            engine never frees it: state that must outlive a failed backward belongs in n->ctx).
+ * @return WEFT__AG_WAITING when the wait is recorded; WEFT_ERR_INVALID_ARG (NULL argument),
+ *         WEFT_ERR_INVALID_STATE (outside a step of @p n, or a second wait in one step).
+ */
+weft_status_t weft__ag_wait(weft__ag_node_t *n, weft_future_t *f, weft__ag_resume_cb_t resume,
+                            void *arg);
 
 /* ---- helpers for op writers (autograd/ops_*.c) ---------------------------------------------- */
 
@@ -130,5 +179,41 @@ weft_status_t weft__op_zeros(weft_dtype_t dt, int ndim, const int64_t *shape,
 weft_status_t weft__op_add_same(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **out_p);
 /** a += b in place for equal shapes and dtypes. */
 weft_status_t weft__op_add_inplace(weft_tensor_t *a, const weft_tensor_t *b);
+
+/** A CPU tensor of f32 or f64 (WEFT_ERR_INVALID_ARG, WEFT_ERR_DTYPE with a text naming @p op). */
+weft_status_t weft__op_check_float(const char *op, const weft_tensor_t *t);
+/** weft__op_check_float of @p a, and a non-NULL @p out_p. */
+weft_status_t weft__op_check_one(const char *op, const weft_tensor_t *a, weft_tensor_t **out_p);
+/** A fresh tensor of @p t's dtype and shape, contents uninitialised. */
+weft_status_t weft__op_empty_like(const weft_tensor_t *t, weft_tensor_t **out_p);
+/**
+ * For a one-output op: a node (weft__ag_node_new) when grad mode and the inputs call for one,
+ * *n_p = NULL otherwise. Finish with weft__op_node_end.
+ */
+weft_status_t weft__op_node_begin(const char *name, weft__ag_backward_cb_t backward, int n_in,
+                                  weft_tensor_t *const *inputs, weft__ag_node_t **n_p);
+/** Attaches @p n to @p out unless @p st already failed; drops the caller's reference to @p n.
+ * Returns the first failure. */
+weft_status_t weft__op_node_end(weft__ag_node_t *n, weft_status_t st, weft_tensor_t *out);
+
+/**
+ * dst[idx[i] * width + j] += src[i * width + j] for i < @p k, j < @p width: rows of an f32 or f64
+ * gradient added into the rows they were taken from (embedding, index_select, a sparse gradient
+ * made dense, packing sparse gradients). The caller has checked the indices.
+ */
+void weft__op_scatter_add_rows(weft_dtype_t dt, void *dst, const void *src, const int64_t *idx,
+                               int64_t k, int64_t width);
+
+/** A shape as text for error messages, by value so that it can go straight into a format. */
+typedef struct {
+    char s[WEFT_MAX_DIMS * 22 + 8]; /* "[" + 8 x ", <20 digits>" + ", ...]" */
+} weft__shape_str_t;
+/**
+ * "[2, 3, 4]" ("[]" for no dims): weft__shape_str(nd, shape).s. At most WEFT_MAX_DIMS dims are
+ * written, then ", ...".
+ */
+weft__shape_str_t weft__shape_str(int ndim, const int64_t *shape);
+/** weft__shape_str of @p t's shape. */
+weft__shape_str_t weft__tensor_shape_str(const weft_tensor_t *t);
 
 #endif

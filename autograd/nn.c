@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../core/internal.h"
+#include "graph.h"
 
 #include <weft/autograd.h>
 #include <weft/nn.h>
@@ -274,29 +274,6 @@ static int has_sparse_grad(const weft_tensor_t *t, weft_tensor_t **idx_p, weft_t
     return weft_tensor_has_sparse_grad(t) && weft_tensor_sparse_grad(t, idx_p, rows_p) == WEFT_OK;
 }
 
-/* dst[idx[k] * d + j] += rows[k * d + j] */
-static void scatter_add(void *dst, const weft_tensor_t *idx, const weft_tensor_t *rows, int64_t d)
-{
-    const int64_t *ix = weft_tensor_data(idx);
-    int64_t nnz = weft_tensor_numel(idx);
-
-    for (int64_t k = 0; k < nnz; k++) {
-        if (weft_tensor_dtype(rows) == WEFT_F32) {
-            float *o = (float *)dst + ix[k] * d;
-            const float *r = (const float *)weft_tensor_data(rows) + k * d;
-            for (int64_t j = 0; j < d; j++) {
-                o[j] += r[j];
-            }
-        } else {
-            double *o = (double *)dst + ix[k] * d;
-            const double *r = (const double *)weft_tensor_data(rows) + k * d;
-            for (int64_t j = 0; j < d; j++) {
-                o[j] += r[j];
-            }
-        }
-    }
-}
-
 /* A sparse gradient that fits its parameter: i64 indices in range, rows of its row size. */
 static weft_status_t sparse_check(const char *fn, const char *name, const weft_tensor_t *p,
                                   const weft_tensor_t *idx, const weft_tensor_t *rows, int64_t *d_p)
@@ -355,7 +332,9 @@ weft_status_t weft_param_list_pack_grads(const weft_param_list_t *list, weft_ten
             memset(dst, 0, nb);
         }
         if (has_sparse_grad(p, &idx, &rows)) {
-            scatter_add(dst, idx, rows, weft_tensor_numel(p) / weft_tensor_shape(p)[0]);
+            weft__op_scatter_add_rows(weft_tensor_dtype(rows), dst, weft_tensor_data(rows),
+                                      weft_tensor_data(idx), weft_tensor_numel(idx),
+                                      weft_tensor_numel(p) / weft_tensor_shape(p)[0]);
         }
         dst += nb;
     }

@@ -1,4 +1,5 @@
-/* Helpers shared by the operations and the engine: broadcast reduction, zeros, sums. */
+/* Helpers shared by the operations and the engine: broadcast reduction, zeros, sums, texts. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -33,6 +34,54 @@ int weft__op_is_float(weft_dtype_t dt)
 weft_status_t weft__op_zeros(weft_dtype_t dt, int ndim, const int64_t *shape, weft_tensor_t **out_p)
 {
     return weft_tensor_create(dt, ndim, shape, out_p);
+}
+
+weft_status_t weft__op_check_float(const char *op, const weft_tensor_t *t)
+{
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: NULL tensor", op);
+    }
+    if (weft_tensor_device(t).type != WEFT_DEVICE_CPU) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: not a CPU tensor", op);
+    }
+    if (!weft__op_is_float(weft_tensor_dtype(t))) {
+        return weft__set_error(WEFT_ERR_DTYPE, "%s: dtype %s is not supported (f32 or f64)", op,
+                               weft_dtype_name(weft_tensor_dtype(t)));
+    }
+    return WEFT_OK;
+}
+
+weft_status_t weft__op_check_one(const char *op, const weft_tensor_t *a, weft_tensor_t **out_p)
+{
+    if (out_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: NULL output", op);
+    }
+    return weft__op_check_float(op, a);
+}
+
+weft_status_t weft__op_empty_like(const weft_tensor_t *t, weft_tensor_t **out_p)
+{
+    return weft_tensor_empty(weft_tensor_dtype(t), weft_tensor_ndim(t), weft_tensor_shape(t),
+                             out_p);
+}
+
+weft_status_t weft__op_node_begin(const char *name, weft__ag_backward_cb_t backward, int n_in,
+                                  weft_tensor_t *const *inputs, weft__ag_node_t **n_p)
+{
+    if (!weft__ag_should_record(n_in, inputs)) {
+        *n_p = NULL;
+        return WEFT_OK;
+    }
+    return weft__ag_node_new(name, backward, n_in, inputs, n_p);
+}
+
+weft_status_t weft__op_node_end(weft__ag_node_t *n, weft_status_t st, weft_tensor_t *out)
+{
+    if (st == WEFT_OK) {
+        st = weft__ag_attach(n, 1, &out);
+    }
+    weft__ag_node_unref(n);
+    return st;
 }
 
 static weft_status_t same_check(const char *what, const weft_tensor_t *a, const weft_tensor_t *b)
@@ -187,4 +236,49 @@ weft_status_t weft__op_sum_to(weft_tensor_t *g, int ndim, const int64_t *shape,
     }
     *out_p = out;
     return WEFT_OK;
+}
+
+#define DEFINE_SCATTER_ADD(T)                                                                      \
+    static void scatter_add_##T(T *restrict dst, const T *restrict src, const int64_t *idx,        \
+                                int64_t k, int64_t width)                                          \
+    {                                                                                              \
+        for (int64_t i = 0; i < k; i++) {                                                          \
+            T *restrict d = dst + idx[i] * width;                                                  \
+            const T *restrict s = src + i * width;                                                 \
+            for (int64_t j = 0; j < width; j++) {                                                  \
+                d[j] += s[j];                                                                      \
+            }                                                                                      \
+        }                                                                                          \
+    }
+DEFINE_SCATTER_ADD(float)
+DEFINE_SCATTER_ADD(double)
+
+void weft__op_scatter_add_rows(weft_dtype_t dt, void *dst, const void *src, const int64_t *idx,
+                               int64_t k, int64_t width)
+{
+    if (dt == WEFT_F32) {
+        scatter_add_float(dst, src, idx, k, width);
+    } else {
+        scatter_add_double(dst, src, idx, k, width);
+    }
+}
+
+weft__shape_str_t weft__shape_str(int ndim, const int64_t *shape)
+{
+    weft__shape_str_t r;
+    const int shown = ndim < WEFT_MAX_DIMS ? ndim : WEFT_MAX_DIMS;
+    size_t off = 0;
+
+    r.s[off++] = '[';
+    for (int i = 0; i < shown; i++) {
+        off += (size_t)snprintf(r.s + off, sizeof(r.s) - off, i == 0 ? "%lld" : ", %lld",
+                                (long long)shape[i]);
+    }
+    snprintf(r.s + off, sizeof(r.s) - off, "%s]", ndim > shown ? ", ..." : "");
+    return r;
+}
+
+weft__shape_str_t weft__tensor_shape_str(const weft_tensor_t *t)
+{
+    return weft__shape_str(weft_tensor_ndim(t), weft_tensor_shape(t));
 }

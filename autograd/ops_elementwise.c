@@ -10,7 +10,6 @@
  * so the common cases compile to plain vectorisable loops (see ops_math.h).
  */
 #include <math.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "graph.h"
@@ -20,49 +19,11 @@
 
 /* ---- checks ---------------------------------------------------------------------------------- */
 
-#define SHAPE_STR_MAX 200
-
-/* "[2, 3]" (at most 8 dims of at most 20 characters fit). */
-static const char *shape_str(char *buf, int ndim, const int64_t *shape)
-{
-    int len = snprintf(buf, SHAPE_STR_MAX, "[");
-
-    for (int d = 0; d < ndim; d++) {
-        len += snprintf(buf + len, (size_t)(SHAPE_STR_MAX - len), "%s%lld", d > 0 ? ", " : "",
-                        (long long)shape[d]);
-    }
-    snprintf(buf + len, (size_t)(SHAPE_STR_MAX - len), "]");
-    return buf;
-}
-
-static weft_status_t check_float(const char *op, const weft_tensor_t *t)
-{
-    if (t == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: NULL tensor", op);
-    }
-    if (weft_tensor_device(t).type != WEFT_DEVICE_CPU) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: not a CPU tensor", op);
-    }
-    if (!weft__op_is_float(weft_tensor_dtype(t))) {
-        return weft__set_error(WEFT_ERR_DTYPE, "%s: dtype %s is not supported (f32 or f64)", op,
-                               weft_dtype_name(weft_tensor_dtype(t)));
-    }
-    return WEFT_OK;
-}
-
-static weft_status_t check_one(const char *op, const weft_tensor_t *a, weft_tensor_t **out_p)
-{
-    if (out_p == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: NULL output", op);
-    }
-    return check_float(op, a);
-}
-
 static weft_status_t check_two(const char *op, const weft_tensor_t *a, const weft_tensor_t *b,
                                weft_tensor_t **out_p)
 {
-    WEFT_CHECK(check_one(op, a, out_p));
-    WEFT_CHECK(check_float(op, b));
+    WEFT_CHECK(weft__op_check_one(op, a, out_p));
+    WEFT_CHECK(weft__op_check_float(op, b));
     if (weft_tensor_dtype(a) != weft_tensor_dtype(b)) {
         return weft__set_error(WEFT_ERR_DTYPE, "%s: dtypes %s and %s differ", op,
                                weft_dtype_name(weft_tensor_dtype(a)),
@@ -93,34 +54,6 @@ static int broadcast_shapes(int na, const int64_t *sa, int nb, const int64_t *sb
 }
 
 /* ---- graph recording ------------------------------------------------------------------------- */
-
-/* A node for the op when grad mode and the inputs call for one; *n_p = NULL otherwise. */
-static weft_status_t node_begin(const char *name, weft__ag_backward_cb_t backward, int n_in,
-                                weft_tensor_t *const *inputs, weft__ag_node_t **n_p)
-{
-    if (!weft__ag_should_record(n_in, inputs)) {
-        *n_p = NULL;
-        return WEFT_OK;
-    }
-    return weft__ag_node_new(name, backward, n_in, inputs, n_p);
-}
-
-/* Attaches @p n to @p out unless @p st already failed; drops the caller's reference to @p n. */
-static weft_status_t node_end(weft__ag_node_t *n, weft_status_t st, weft_tensor_t *out)
-{
-    if (st == WEFT_OK) {
-        st = weft__ag_attach(n, 1, &out);
-    }
-    weft__ag_node_unref(n);
-    return st;
-}
-
-/* A fresh tensor of @p t's dtype and shape, contents uninitialised. */
-static weft_status_t empty_like(const weft_tensor_t *t, weft_tensor_t **out_p)
-{
-    return weft_tensor_empty(weft_tensor_dtype(t), weft_tensor_ndim(t), weft_tensor_shape(t),
-                             out_p);
-}
 
 /* ---- broadcast loops ------------------------------------------------------------------------- */
 
@@ -522,7 +455,7 @@ static weft_status_t un_eval(int op, const weft_tensor_t *a, double s, weft_tens
 {
     weft_tensor_t *out = NULL;
 
-    WEFT_CHECK(empty_like(a, &out));
+    WEFT_CHECK(weft__op_empty_like(a, &out));
     un_ops[op].fwd[weft_tensor_dtype(a) == WEFT_F64](weft_tensor_numel(a), weft_tensor_data(a), s,
                                                      weft_tensor_data(out));
     *out_p = out;
@@ -545,7 +478,7 @@ static weft_status_t unary_backward(weft__ag_node_t *n, weft_tensor_t *const *gr
         grad_in[0] = weft_tensor_retain(g);
         return WEFT_OK;
     }
-    WEFT_CHECK(empty_like(g, &gin));
+    WEFT_CHECK(weft__op_empty_like(g, &gin));
     un_ops[op].bwd[weft_tensor_dtype(g) == WEFT_F64](weft_tensor_numel(g), weft_tensor_data(g),
                                                      weft_tensor_data(v), n->dargs[0],
                                                      weft_tensor_data(gin));
@@ -559,9 +492,10 @@ static weft_status_t unary(int op, weft_tensor_t *a, double s, weft_tensor_t **o
     weft__ag_node_t *n = NULL;
     weft_status_t st;
 
-    WEFT_CHECK(check_one(un_ops[op].name, a, out_p));
+    WEFT_CHECK(weft__op_check_one(un_ops[op].name, a, out_p));
     WEFT_CHECK(un_eval(op, a, s, &out));
-    WEFT_CHECK_GOTO(node_begin(un_ops[op].node, unary_backward, 1, &a, &n), st, err_release_out);
+    WEFT_CHECK_GOTO(weft__op_node_begin(un_ops[op].node, unary_backward, 1, &a, &n), st,
+                    err_release_out);
     if (n != NULL) {
         n->iargs[0] = op;
         n->dargs[0] = s;
@@ -571,7 +505,7 @@ static weft_status_t unary(int op, weft_tensor_t *a, double s, weft_tensor_t **o
         } else if (un_ops[op].save == SAVE_OUTPUT) {
             st = weft__ag_save(n, out);
         }
-        WEFT_CHECK_GOTO(node_end(n, st, out), st, err_release_out);
+        WEFT_CHECK_GOTO(weft__op_node_end(n, st, out), st, err_release_out);
     }
     *out_p = out;
     return WEFT_OK;
@@ -673,10 +607,10 @@ static weft_status_t pow_grads(weft__ag_node_t *n, weft_tensor_t *g, int need_a,
     WEFT_CHECK_GOTO(expand(n->saved[SLOT_A], nd, shape, &a), st, err);
     WEFT_CHECK_GOTO(expand(n->saved[SLOT_B], nd, shape, &b), st, err);
     if (need_a) {
-        WEFT_CHECK_GOTO(empty_like(g, &ta), st, err);
+        WEFT_CHECK_GOTO(weft__op_empty_like(g, &ta), st, err);
     }
     if (need_b) {
-        WEFT_CHECK_GOTO(empty_like(g, &tb), st, err);
+        WEFT_CHECK_GOTO(weft__op_empty_like(g, &tb), st, err);
     }
     if (weft_tensor_dtype(g) == WEFT_F32) {
         pow_grad_f32(weft_tensor_numel(g), weft_tensor_data(g), weft_tensor_data(a),
@@ -797,16 +731,14 @@ static weft_status_t binary(int op, weft_tensor_t *a, weft_tensor_t *b, weft_ten
     WEFT_CHECK(check_two(name, a, b, out_p));
     if (!broadcast_shapes(weft_tensor_ndim(a), weft_tensor_shape(a), weft_tensor_ndim(b),
                           weft_tensor_shape(b), &nd, shape)) {
-        char sa[SHAPE_STR_MAX];
-        char sb[SHAPE_STR_MAX];
 
         return weft__set_error(WEFT_ERR_SHAPE, "%s: shapes %s and %s do not broadcast", name,
-                               shape_str(sa, weft_tensor_ndim(a), weft_tensor_shape(a)),
-                               shape_str(sb, weft_tensor_ndim(b), weft_tensor_shape(b)));
+                               weft__tensor_shape_str(a).s, weft__tensor_shape_str(b).s);
     }
     WEFT_CHECK(bin_eval(op, a, b, nd, shape, &out));
-    WEFT_CHECK_GOTO(node_begin(bin_ops[op].node, binary_backward, 2, (weft_tensor_t *[]){a, b}, &n),
-                    st, err_release_out);
+    WEFT_CHECK_GOTO(
+        weft__op_node_begin(bin_ops[op].node, binary_backward, 2, (weft_tensor_t *[]){a, b}, &n),
+        st, err_release_out);
     if (n != NULL) {
         const int need_a = weft__ag_needs_grad(n, 0);
         const int need_b = weft__ag_needs_grad(n, 1);
@@ -823,7 +755,7 @@ static weft_status_t binary(int op, weft_tensor_t *a, weft_tensor_t *b, weft_ten
         if (st == WEFT_OK) {
             st = weft__ag_save(n, save_out ? out : NULL);
         }
-        WEFT_CHECK_GOTO(node_end(n, st, out), st, err_release_out);
+        WEFT_CHECK_GOTO(weft__op_node_end(n, st, out), st, err_release_out);
     }
     *out_p = out;
     return WEFT_OK;
@@ -896,7 +828,7 @@ static weft_status_t dropout_backward(weft__ag_node_t *n, weft_tensor_t *const *
         grad_in[0] = gin;
         return WEFT_OK;
     }
-    WEFT_CHECK(empty_like(g, &gin));
+    WEFT_CHECK(weft__op_empty_like(g, &gin));
     if (weft_tensor_dtype(g) == WEFT_F32) {
         dropout_grad_f32(cnt, weft_tensor_data(g), weft_tensor_data(n->saved[0]), (float)scale,
                          weft_tensor_data(gin));
@@ -933,7 +865,7 @@ weft_status_t weft_op_dropout(weft_tensor_t *a, double p, int training, weft_rng
     double scale = 1;
     weft_status_t st;
 
-    WEFT_CHECK(check_one("dropout", a, out_p));
+    WEFT_CHECK(weft__op_check_one("dropout", a, out_p));
     if (!(p >= 0 && p <= 1)) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "dropout: p = %g is outside [0, 1]", p);
     }
@@ -951,7 +883,7 @@ weft_status_t weft_op_dropout(weft_tensor_t *a, double p, int training, weft_rng
         uint8_t *mask = NULL;
 
         scale = 1 / (1 - p);
-        WEFT_CHECK(empty_like(a, &out));
+        WEFT_CHECK(weft__op_empty_like(a, &out));
         if (weft__ag_should_record(1, &a)) {
             WEFT_CHECK_GOTO(
                 weft_tensor_empty(WEFT_U8, weft_tensor_ndim(a), weft_tensor_shape(a), &mask_t), st,
@@ -964,13 +896,13 @@ weft_status_t weft_op_dropout(weft_tensor_t *a, double p, int training, weft_rng
             DROPOUT_LOOP(double);
         }
     }
-    WEFT_CHECK_GOTO(node_begin("DropoutBackward", dropout_backward, 1, &a, &n), st,
+    WEFT_CHECK_GOTO(weft__op_node_begin("DropoutBackward", dropout_backward, 1, &a, &n), st,
                     err_release_out);
     if (n != NULL) {
         n->iargs[0] = drop;
         n->dargs[0] = scale;
         st = drop ? weft__ag_save(n, mask_t) : WEFT_OK;
-        WEFT_CHECK_GOTO(node_end(n, st, out), st, err_release_out);
+        WEFT_CHECK_GOTO(weft__op_node_end(n, st, out), st, err_release_out);
     }
     weft_tensor_release(mask_t);
     *out_p = out;

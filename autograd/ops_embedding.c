@@ -4,7 +4,6 @@
  * weight a sparse one: a copy of the indices and one gradient row per index
  * (weft__ag_grad_sparse), so that a step touches only the rows that were looked up.
  */
-#include <stdio.h>
 #include <string.h>
 
 #include "graph.h"
@@ -12,26 +11,6 @@
 #include <weft/ops.h>
 
 /* ---- helpers --------------------------------------------------------------------------------- */
-
-typedef struct {
-    char s[WEFT_MAX_DIMS * 24 + 4];
-} shape_str_t;
-
-/* "[2, 3, 4]", for error texts. */
-static shape_str_t tshape_str(const weft_tensor_t *t)
-{
-    shape_str_t r;
-    size_t off = 0;
-
-    r.s[off++] = '[';
-    for (int i = 0; i < weft_tensor_ndim(t); i++) {
-        off += (size_t)snprintf(r.s + off, sizeof(r.s) - off, i == 0 ? "%lld" : ", %lld",
-                                (long long)weft_tensor_shape(t)[i]);
-    }
-    r.s[off++] = ']';
-    r.s[off] = '\0';
-    return r;
-}
 
 /* weight: f32/f64 [V, D]; indices: i64, each in [0, V). */
 static weft_status_t check_lookup(const char *op, const weft_tensor_t *weight,
@@ -48,7 +27,7 @@ static weft_status_t check_lookup(const char *op, const weft_tensor_t *weight,
     }
     if (weft_tensor_ndim(weight) != 2) {
         return weft__set_error(WEFT_ERR_SHAPE, "%s: weight must be 2-D [V, D], got %s", op,
-                               tshape_str(weight).s);
+                               weft__tensor_shape_str(weight).s);
     }
     if (weft_tensor_dtype(indices) != WEFT_I64) {
         return weft__set_error(WEFT_ERR_DTYPE, "%s: indices must be i64, got %s", op,
@@ -107,22 +86,6 @@ static weft_status_t flat_indices(weft_tensor_t *indices, weft_tensor_t **out_p)
     return WEFT_OK;
 }
 
-#define DEFINE_SCATTER(T)                                                                          \
-    /* dst[idx[i]] += src[i] for rows of @p d elements. */                                         \
-    static void scatter_add_##T(T *restrict dst, const T *restrict src, const int64_t *idx,        \
-                                int64_t k, int64_t d)                                              \
-    {                                                                                              \
-        for (int64_t i = 0; i < k; i++) {                                                          \
-            T *restrict r = dst + idx[i] * d;                                                      \
-            const T *restrict s = src + i * d;                                                     \
-            for (int64_t e = 0; e < d; e++) {                                                      \
-                r[e] += s[e];                                                                      \
-            }                                                                                      \
-        }                                                                                          \
-    }
-DEFINE_SCATTER(float)
-DEFINE_SCATTER(double)
-
 /* ---- embedding ------------------------------------------------------------------------------- */
 
 /* Inputs: weight, indices. Saved: indices. iargs: sparse. */
@@ -148,13 +111,8 @@ static weft_status_t embedding_backward(weft__ag_node_t *n, weft_tensor_t *const
         goto out;
     }
     WEFT_CHECK(weft_tensor_create(n->in_dtype[0], 2, n->in_shape[0], &g));
-    if (n->in_dtype[0] == WEFT_F32) {
-        scatter_add_float(weft_tensor_data(g), weft_tensor_data(grad_out[0]),
-                          weft_tensor_data(indices), k, d);
-    } else {
-        scatter_add_double(weft_tensor_data(g), weft_tensor_data(grad_out[0]),
-                           weft_tensor_data(indices), k, d);
-    }
+    weft__op_scatter_add_rows(n->in_dtype[0], weft_tensor_data(g), weft_tensor_data(grad_out[0]),
+                              weft_tensor_data(indices), k, d);
     grad_in[0] = g;
     return WEFT_OK;
 
@@ -337,7 +295,7 @@ weft_status_t weft_op_embedding_bag(weft_tensor_t *weight, weft_tensor_t *indice
     WEFT_CHECK(check_lookup("embedding_bag", weight, indices));
     if (weft_tensor_ndim(indices) != 1) {
         return weft__set_error(WEFT_ERR_SHAPE, "embedding_bag: indices must be 1-D, got %s",
-                               tshape_str(indices).s);
+                               weft__tensor_shape_str(indices).s);
     }
     if (weft_tensor_dtype(offsets) != WEFT_I64) {
         return weft__set_error(WEFT_ERR_DTYPE, "embedding_bag: offsets must be i64, got %s",
@@ -345,7 +303,7 @@ weft_status_t weft_op_embedding_bag(weft_tensor_t *weight, weft_tensor_t *indice
     }
     if (weft_tensor_ndim(offsets) != 1) {
         return weft__set_error(WEFT_ERR_SHAPE, "embedding_bag: offsets must be 1-D, got %s",
-                               tshape_str(offsets).s);
+                               weft__tensor_shape_str(offsets).s);
     }
     off = weft_tensor_data(offsets);
     nb = weft_tensor_numel(offsets);

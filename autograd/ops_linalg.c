@@ -13,7 +13,6 @@
  * of dY.
  */
 #include <limits.h>
-#include <stdio.h>
 #include <string.h>
 
 #include <cblas.h>
@@ -23,31 +22,6 @@
 #include <weft/ops.h>
 
 /* ---- helpers --------------------------------------------------------------------------------- */
-
-typedef struct {
-    char s[WEFT_MAX_DIMS * 24 + 4];
-} shape_str_t;
-
-/* "[2, 3, 4]", for error texts. */
-static shape_str_t shape_str(int ndim, const int64_t *shape)
-{
-    shape_str_t r;
-    size_t off = 0;
-
-    r.s[off++] = '[';
-    for (int i = 0; i < ndim && i < WEFT_MAX_DIMS; i++) {
-        off += (size_t)snprintf(r.s + off, sizeof(r.s) - off, i == 0 ? "%lld" : ", %lld",
-                                (long long)shape[i]);
-    }
-    r.s[off++] = ']';
-    r.s[off] = '\0';
-    return r;
-}
-
-static shape_str_t tshape_str(const weft_tensor_t *t)
-{
-    return shape_str(weft_tensor_ndim(t), weft_tensor_shape(t));
-}
 
 /* Both f32 or both f64. */
 static weft_status_t check_float_pair(const char *op, const weft_tensor_t *a,
@@ -130,7 +104,7 @@ static weft_status_t mm_plan(const char *op, int nda, const int64_t *sa, int ndb
     if (nda < 1 || ndb < 1) {
         return weft__set_error(WEFT_ERR_SHAPE,
                                "%s: both operands need at least 1 dim, got shapes %s and %s", op,
-                               shape_str(nda, sa).s, shape_str(ndb, sb).s);
+                               weft__shape_str(nda, sa).s, weft__shape_str(ndb, sb).s);
     }
     memset(pl, 0, sizeof(*pl));
     pl->n = nda >= 2 ? sa[nda - 2] : 1;
@@ -140,7 +114,7 @@ static weft_status_t mm_plan(const char *op, int nda, const int64_t *sa, int ndb
     if (ka != kb) {
         return weft__set_error(
             WEFT_ERR_SHAPE, "%s: shapes %s and %s cannot be multiplied (%lld != %lld)", op,
-            shape_str(nda, sa).s, shape_str(ndb, sb).s, (long long)ka, (long long)kb);
+            weft__shape_str(nda, sa).s, weft__shape_str(ndb, sb).s, (long long)ka, (long long)kb);
     }
     pl->k = ka;
     pl->nbd = bda > bdb ? bda : bdb;
@@ -156,7 +130,7 @@ static weft_status_t mm_plan(const char *op, int nda, const int64_t *sa, int ndb
         if (da != db && da != 1 && db != 1) {
             return weft__set_error(WEFT_ERR_SHAPE,
                                    "%s: batch dims of shapes %s and %s do not broadcast", op,
-                                   shape_str(nda, sa).s, shape_str(ndb, sb).s);
+                                   weft__shape_str(nda, sa).s, weft__shape_str(ndb, sb).s);
         }
         pl->batch[i] = da == 1 ? db : da;
         pl->sa[i] = da == 1 ? 0 : stra;
@@ -171,7 +145,7 @@ static weft_status_t mm_plan(const char *op, int nda, const int64_t *sa, int ndb
     if (!fits_blas(pl->n * (pl->fold ? pl->nbatch_a : 1)) || !fits_blas(pl->k) ||
         !fits_blas(pl->p)) {
         return weft__set_error(WEFT_ERR_UNSUPPORTED, "%s: matrices of %s and %s are too large", op,
-                               shape_str(nda, sa).s, shape_str(ndb, sb).s);
+                               weft__shape_str(nda, sa).s, weft__shape_str(ndb, sb).s);
     }
     for (int i = 0; i < pl->nbd; i++) {
         pl->out_shape[pl->out_ndim++] = pl->batch[i];
@@ -355,11 +329,11 @@ weft_status_t weft_op_bmm(weft_tensor_t *a, weft_tensor_t *b, weft_tensor_t **ou
     sb = weft_tensor_shape(b);
     if (weft_tensor_ndim(a) != 3 || weft_tensor_ndim(b) != 3) {
         return weft__set_error(WEFT_ERR_SHAPE, "bmm: needs two 3-D tensors, got %s and %s",
-                               tshape_str(a).s, tshape_str(b).s);
+                               weft__tensor_shape_str(a).s, weft__tensor_shape_str(b).s);
     }
     if (sa[0] != sb[0]) {
         return weft__set_error(WEFT_ERR_SHAPE, "bmm: batch sizes differ: %s and %s",
-                               tshape_str(a).s, tshape_str(b).s);
+                               weft__tensor_shape_str(a).s, weft__tensor_shape_str(b).s);
     }
     WEFT_CHECK(mm_plan("bmm", 3, sa, 3, sb, &pl));
     return matmul_impl("BmmBackward", a, b, &pl, out_p);
@@ -458,7 +432,7 @@ weft_status_t weft_op_linear(weft_tensor_t *x, weft_tensor_t *w, weft_tensor_t *
         return weft__set_error(WEFT_ERR_SHAPE,
                                "linear: weight of shape %s does not fit input of shape %s "
                                "(expected [out, %lld])",
-                               tshape_str(w).s, tshape_str(x).s,
+                               weft__tensor_shape_str(w).s, weft__tensor_shape_str(x).s,
                                (long long)(xnd >= 1 ? xs[xnd - 1] : 0));
     }
     in = ws[1];
@@ -467,7 +441,8 @@ weft_status_t weft_op_linear(weft_tensor_t *x, weft_tensor_t *w, weft_tensor_t *
         return weft__set_error(WEFT_ERR_SHAPE,
                                "linear: bias of shape %s does not fit weight of shape %s "
                                "(expected [%lld])",
-                               tshape_str(b).s, tshape_str(w).s, (long long)outf);
+                               weft__tensor_shape_str(b).s, weft__tensor_shape_str(w).s,
+                               (long long)outf);
     }
     for (int i = 0; i < xnd - 1; i++) {
         rows *= xs[i];
@@ -476,7 +451,7 @@ weft_status_t weft_op_linear(weft_tensor_t *x, weft_tensor_t *w, weft_tensor_t *
     oshape[xnd - 1] = outf;
     if (!fits_blas(rows) || !fits_blas(in) || !fits_blas(outf)) {
         return weft__set_error(WEFT_ERR_UNSUPPORTED, "linear: input %s and weight %s are too large",
-                               tshape_str(x).s, tshape_str(w).s);
+                               weft__tensor_shape_str(x).s, weft__tensor_shape_str(w).s);
     }
 
     WEFT_CHECK(weft_tensor_empty(dt, xnd, oshape, &out));

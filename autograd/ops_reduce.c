@@ -9,7 +9,6 @@
  * the input as [outer, size, inner] and have a fast path for inner == 1 (the last dim).
  */
 #include <math.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "graph.h"
@@ -18,44 +17,6 @@
 #include <weft/ops.h>
 
 /* ---- checks ---------------------------------------------------------------------------------- */
-
-#define SHAPE_STR_MAX 200
-
-/* "[2, 3]" (at most 8 dims of at most 20 characters fit). */
-static const char *shape_str(char *buf, int ndim, const int64_t *shape)
-{
-    int len = snprintf(buf, SHAPE_STR_MAX, "[");
-
-    for (int d = 0; d < ndim; d++) {
-        len += snprintf(buf + len, (size_t)(SHAPE_STR_MAX - len), "%s%lld", d > 0 ? ", " : "",
-                        (long long)shape[d]);
-    }
-    snprintf(buf + len, (size_t)(SHAPE_STR_MAX - len), "]");
-    return buf;
-}
-
-static weft_status_t check_float(const char *op, const weft_tensor_t *t)
-{
-    if (t == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: NULL tensor", op);
-    }
-    if (weft_tensor_device(t).type != WEFT_DEVICE_CPU) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: not a CPU tensor", op);
-    }
-    if (!weft__op_is_float(weft_tensor_dtype(t))) {
-        return weft__set_error(WEFT_ERR_DTYPE, "%s: dtype %s is not supported (f32 or f64)", op,
-                               weft_dtype_name(weft_tensor_dtype(t)));
-    }
-    return WEFT_OK;
-}
-
-static weft_status_t check_one(const char *op, const weft_tensor_t *a, weft_tensor_t **out_p)
-{
-    if (out_p == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: NULL output", op);
-    }
-    return check_float(op, a);
-}
 
 static weft_status_t check_reduction(const char *op, weft_reduction_t reduction)
 {
@@ -81,32 +42,6 @@ static weft_status_t wrap_dim(const char *op, int ndim, int dim, int *dim_p)
 }
 
 /* ---- graph recording ------------------------------------------------------------------------- */
-
-static weft_status_t node_begin(const char *name, weft__ag_backward_cb_t backward, int n_in,
-                                weft_tensor_t *const *inputs, weft__ag_node_t **n_p)
-{
-    if (!weft__ag_should_record(n_in, inputs)) {
-        *n_p = NULL;
-        return WEFT_OK;
-    }
-    return weft__ag_node_new(name, backward, n_in, inputs, n_p);
-}
-
-/* Attaches @p n to @p out unless @p st already failed; drops the caller's reference to @p n. */
-static weft_status_t node_end(weft__ag_node_t *n, weft_status_t st, weft_tensor_t *out)
-{
-    if (st == WEFT_OK) {
-        st = weft__ag_attach(n, 1, &out);
-    }
-    weft__ag_node_unref(n);
-    return st;
-}
-
-static weft_status_t empty_like(const weft_tensor_t *t, weft_tensor_t **out_p)
-{
-    return weft_tensor_empty(weft_tensor_dtype(t), weft_tensor_ndim(t), weft_tensor_shape(t),
-                             out_p);
-}
 
 /*
  * Row helpers over n contiguous elements, for f32 and f64. Sums run in blocks of 64 over 8 lanes
@@ -411,7 +346,7 @@ static weft_status_t sum_mean(const char *op, int mean, weft_tensor_t *a, int n_
     weft_status_t st;
     rplan_t p;
 
-    WEFT_CHECK(check_one(op, a, out_p));
+    WEFT_CHECK(weft__op_check_one(op, a, out_p));
     ndim = weft_tensor_ndim(a);
     shape = weft_tensor_shape(a);
     if (n_dims < 0 || n_dims > WEFT_MAX_DIMS || (n_dims > 0 && dims == NULL)) {
@@ -472,12 +407,13 @@ static weft_status_t sum_mean(const char *op, int mean, weft_tensor_t *a, int n_
         weft_free(acc);
     }
 
-    WEFT_CHECK_GOTO(node_begin(mean ? "MeanBackward" : "SumBackward", sum_backward, 1, &a, &n), st,
-                    err_release_out);
+    WEFT_CHECK_GOTO(
+        weft__op_node_begin(mean ? "MeanBackward" : "SumBackward", sum_backward, 1, &a, &n), st,
+        err_release_out);
     if (n != NULL) {
         n->iargs[0] = mask;
         n->dargs[0] = mean ? 1.0 / (double)count : 1.0;
-        WEFT_CHECK_GOTO(node_end(n, WEFT_OK, out), st, err_release_out);
+        WEFT_CHECK_GOTO(weft__op_node_end(n, WEFT_OK, out), st, err_release_out);
     }
     *out_p = out;
     return WEFT_OK;
@@ -663,15 +599,15 @@ weft_status_t weft_op_max(weft_tensor_t *a, int dim, int keepdim, weft_tensor_t 
     weft_status_t st;
     dimview_t v;
 
-    WEFT_CHECK(check_one("max", a, values_p));
+    WEFT_CHECK(weft__op_check_one("max", a, values_p));
     WEFT_CHECK(max_eval("max", a, dim, keepdim, &v, &values, &indices));
-    WEFT_CHECK_GOTO(node_begin("MaxBackward", max_backward, 1, &a, &n), st, err_release);
+    WEFT_CHECK_GOTO(weft__op_node_begin("MaxBackward", max_backward, 1, &a, &n), st, err_release);
     if (n != NULL) {
         n->iargs[0] = v.outer;
         n->iargs[1] = v.size;
         n->iargs[2] = v.inner;
         st = weft__ag_save(n, indices);
-        WEFT_CHECK_GOTO(node_end(n, st, values), st, err_release);
+        WEFT_CHECK_GOTO(weft__op_node_end(n, st, values), st, err_release);
     }
     *values_p = values;
     if (indices_p != NULL) {
@@ -693,7 +629,7 @@ weft_status_t weft_op_argmax(weft_tensor_t *a, int dim, int keepdim, weft_tensor
     weft_tensor_t *indices = NULL;
     dimview_t v;
 
-    WEFT_CHECK(check_one("argmax", a, out_p));
+    WEFT_CHECK(weft__op_check_one("argmax", a, out_p));
     WEFT_CHECK(max_eval("argmax", a, dim, keepdim, &v, &values, &indices));
     weft_tensor_release(values);
     *out_p = indices;
@@ -798,7 +734,7 @@ static weft_status_t softmax_backward(weft__ag_node_t *n, weft_tensor_t *const *
     if (tmp == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "softmax backward: out of memory");
     }
-    weft_status_t st = empty_like(g, &gin);
+    weft_status_t st = weft__op_empty_like(g, &gin);
     if (st != WEFT_OK) {
         weft_free(tmp);
         return st;
@@ -822,9 +758,9 @@ static weft_status_t softmax_common(const char *op, int log_, weft_tensor_t *a, 
     weft_status_t st;
     dimview_t v;
 
-    WEFT_CHECK(check_one(op, a, out_p));
+    WEFT_CHECK(weft__op_check_one(op, a, out_p));
     WEFT_CHECK(dimview(op, a, dim, &v));
-    WEFT_CHECK(empty_like(a, &out));
+    WEFT_CHECK(weft__op_empty_like(a, &out));
     if (v.inner > 1) {
         tmp = weft_alloc(2 * (size_t)v.inner * sizeof(double));
         if (tmp == NULL) {
@@ -838,16 +774,16 @@ static weft_status_t softmax_common(const char *op, int log_, weft_tensor_t *a, 
         SOFTMAX_LOOP(double, ROW_F64);
     }
     weft_free(tmp);
-    WEFT_CHECK_GOTO(
-        node_begin(log_ ? "LogSoftmaxBackward" : "SoftmaxBackward", softmax_backward, 1, &a, &n),
-        st, err_release_out);
+    WEFT_CHECK_GOTO(weft__op_node_begin(log_ ? "LogSoftmaxBackward" : "SoftmaxBackward",
+                                        softmax_backward, 1, &a, &n),
+                    st, err_release_out);
     if (n != NULL) {
         n->iargs[0] = v.outer;
         n->iargs[1] = v.size;
         n->iargs[2] = v.inner;
         n->iargs[3] = log_;
         st = weft__ag_save(n, out);
-        WEFT_CHECK_GOTO(node_end(n, st, out), st, err_release_out);
+        WEFT_CHECK_GOTO(weft__op_node_end(n, st, out), st, err_release_out);
     }
     *out_p = out;
     return WEFT_OK;
@@ -928,7 +864,7 @@ static weft_status_t ce_backward(weft__ag_node_t *n, weft_tensor_t *const *grad_
     if (!weft__ag_needs_grad(n, 0)) {
         return WEFT_OK;
     }
-    WEFT_CHECK(empty_like(n->saved[0], &gin));
+    WEFT_CHECK(weft__op_empty_like(n->saved[0], &gin));
     if (weft_tensor_dtype(g) == WEFT_F32) {
         CE_GRAD_LOOP(float, ROW_F32);
     } else {
@@ -948,7 +884,7 @@ weft_status_t weft_op_cross_entropy(weft_tensor_t *logits, weft_tensor_t *labels
     double total = 0;
     weft_status_t st;
 
-    WEFT_CHECK(check_one("cross_entropy", logits, out_p));
+    WEFT_CHECK(weft__op_check_one("cross_entropy", logits, out_p));
     WEFT_CHECK(check_reduction("cross_entropy", reduction));
     if (labels == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "cross_entropy: NULL labels");
@@ -958,21 +894,18 @@ weft_status_t weft_op_cross_entropy(weft_tensor_t *logits, weft_tensor_t *labels
                                weft_dtype_name(weft_tensor_dtype(labels)));
     }
     if (weft_tensor_ndim(logits) != 2) {
-        char s[SHAPE_STR_MAX];
 
         return weft__set_error(WEFT_ERR_SHAPE, "cross_entropy: logits must be [N, C], not %s",
-                               shape_str(s, weft_tensor_ndim(logits), weft_tensor_shape(logits)));
+                               weft__tensor_shape_str(logits).s);
     }
     const int64_t rows = weft_tensor_shape(logits)[0];
     const int64_t cls = weft_tensor_shape(logits)[1];
     if (weft_tensor_ndim(labels) != 1 || weft_tensor_shape(labels)[0] != rows) {
-        char s[SHAPE_STR_MAX];
-        char t[SHAPE_STR_MAX];
 
         return weft__set_error(WEFT_ERR_SHAPE,
                                "cross_entropy: labels %s do not match logits %s (want [%lld])",
-                               shape_str(s, weft_tensor_ndim(labels), weft_tensor_shape(labels)),
-                               shape_str(t, 2, weft_tensor_shape(logits)), (long long)rows);
+                               weft__tensor_shape_str(labels).s,
+                               weft__shape_str(2, weft_tensor_shape(logits)).s, (long long)rows);
     }
     const int64_t *lab = weft_tensor_data(labels);
     for (int64_t i = 0; i < rows; i++) {
@@ -1000,7 +933,7 @@ weft_status_t weft_op_cross_entropy(weft_tensor_t *logits, weft_tensor_t *labels
         CE_LOOP(double, ROW_F64);
     }
     weft_free(scratch);
-    WEFT_CHECK_GOTO(node_begin("CrossEntropyBackward", ce_backward, 1, &logits, &n), st,
+    WEFT_CHECK_GOTO(weft__op_node_begin("CrossEntropyBackward", ce_backward, 1, &logits, &n), st,
                     err_release);
     if (n != NULL) {
         n->iargs[0] = reduction;
@@ -1013,7 +946,7 @@ weft_status_t weft_op_cross_entropy(weft_tensor_t *logits, weft_tensor_t *labels
         if (st == WEFT_OK) {
             st = weft__ag_save(n, lse_t);
         }
-        WEFT_CHECK_GOTO(node_end(n, st, out), st, err_release);
+        WEFT_CHECK_GOTO(weft__op_node_end(n, st, out), st, err_release);
     }
     weft_tensor_release(lse_t);
     *out_p = out;
@@ -1090,10 +1023,10 @@ static weft_status_t mse_backward(weft__ag_node_t *n, weft_tensor_t *const *grad
     weft_tensor_t *gin_b = NULL;
 
     if (weft__ag_needs_grad(n, 0)) {
-        WEFT_CHECK(empty_like(n->saved[0], &gin_a));
+        WEFT_CHECK(weft__op_empty_like(n->saved[0], &gin_a));
     }
     if (weft__ag_needs_grad(n, 1)) {
-        weft_status_t st = empty_like(n->saved[1], &gin_b);
+        weft_status_t st = weft__op_empty_like(n->saved[1], &gin_b);
         if (st != WEFT_OK) {
             weft_tensor_release(gin_a);
             return st;
@@ -1116,8 +1049,8 @@ weft_status_t weft_op_mse_loss(weft_tensor_t *a, weft_tensor_t *b, weft_reductio
     weft__ag_node_t *n = NULL;
     weft_status_t st;
 
-    WEFT_CHECK(check_one("mse_loss", a, out_p));
-    WEFT_CHECK(check_float("mse_loss", b));
+    WEFT_CHECK(weft__op_check_one("mse_loss", a, out_p));
+    WEFT_CHECK(weft__op_check_float("mse_loss", b));
     WEFT_CHECK(check_reduction("mse_loss", reduction));
     if (weft_tensor_dtype(a) != weft_tensor_dtype(b)) {
         return weft__set_error(WEFT_ERR_DTYPE, "mse_loss: dtypes %s and %s differ",
@@ -1127,16 +1060,13 @@ weft_status_t weft_op_mse_loss(weft_tensor_t *a, weft_tensor_t *b, weft_reductio
     if (weft_tensor_ndim(a) != weft_tensor_ndim(b) ||
         memcmp(weft_tensor_shape(a), weft_tensor_shape(b),
                (size_t)weft_tensor_ndim(a) * sizeof(int64_t)) != 0) {
-        char s[SHAPE_STR_MAX];
-        char t[SHAPE_STR_MAX];
 
         return weft__set_error(WEFT_ERR_SHAPE, "mse_loss: shapes %s and %s differ",
-                               shape_str(s, weft_tensor_ndim(a), weft_tensor_shape(a)),
-                               shape_str(t, weft_tensor_ndim(b), weft_tensor_shape(b)));
+                               weft__tensor_shape_str(a).s, weft__tensor_shape_str(b).s);
     }
     const int64_t cnt = weft_tensor_numel(a);
     if (reduction == WEFT_REDUCTION_NONE) {
-        WEFT_CHECK(empty_like(a, &out));
+        WEFT_CHECK(weft__op_empty_like(a, &out));
     } else {
         WEFT_CHECK(weft_tensor_empty(weft_tensor_dtype(a), 0, NULL, &out));
     }
@@ -1145,15 +1075,16 @@ weft_status_t weft_op_mse_loss(weft_tensor_t *a, weft_tensor_t *b, weft_reductio
     } else {
         MSE_LOOP(double);
     }
-    WEFT_CHECK_GOTO(node_begin("MseLossBackward", mse_backward, 2, (weft_tensor_t *[]){a, b}, &n),
-                    st, err_release_out);
+    WEFT_CHECK_GOTO(
+        weft__op_node_begin("MseLossBackward", mse_backward, 2, (weft_tensor_t *[]){a, b}, &n), st,
+        err_release_out);
     if (n != NULL) {
         n->iargs[0] = reduction;
         st = weft__ag_save(n, a);
         if (st == WEFT_OK) {
             st = weft__ag_save(n, b);
         }
-        WEFT_CHECK_GOTO(node_end(n, st, out), st, err_release_out);
+        WEFT_CHECK_GOTO(weft__op_node_end(n, st, out), st, err_release_out);
     }
     *out_p = out;
     return WEFT_OK;

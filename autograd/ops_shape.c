@@ -7,7 +7,6 @@
  * otherwise it moves 32x32 tiles between the output's innermost dim and the input's, so that
  * both sides are read and written a cache line at a time.
  */
-#include <stdio.h>
 #include <string.h>
 
 #include "graph.h"
@@ -15,31 +14,6 @@
 #include <weft/ops.h>
 
 /* ---- helpers --------------------------------------------------------------------------------- */
-
-typedef struct {
-    char s[WEFT_MAX_DIMS * 24 + 4];
-} shape_str_t;
-
-/* "[2, 3, 4]", for error texts. */
-static shape_str_t shape_str(int ndim, const int64_t *shape)
-{
-    shape_str_t r;
-    size_t off = 0;
-
-    r.s[off++] = '[';
-    for (int i = 0; i < ndim && i < WEFT_MAX_DIMS; i++) {
-        off += (size_t)snprintf(r.s + off, sizeof(r.s) - off, i == 0 ? "%lld" : ", %lld",
-                                (long long)shape[i]);
-    }
-    r.s[off++] = ']';
-    r.s[off] = '\0';
-    return r;
-}
-
-static shape_str_t tshape_str(const weft_tensor_t *t)
-{
-    return shape_str(weft_tensor_ndim(t), weft_tensor_shape(t));
-}
 
 /* A dim in [-ndim, ndim) as an index in [0, ndim). */
 static weft_status_t norm_dim(const char *op, int dim, int ndim, int *dim_p)
@@ -144,15 +118,15 @@ weft_status_t weft_op_reshape(weft_tensor_t *a, int ndim, const int64_t *shape,
             if (infer >= 0) {
                 return weft__set_error(WEFT_ERR_INVALID_ARG,
                                        "reshape: more than one -1 in shape %s (dims %d and %d)",
-                                       shape_str(ndim, shape).s, infer, i);
+                                       weft__shape_str(ndim, shape).s, infer, i);
             }
             infer = i;
         } else if (shape[i] < 0) {
             return weft__set_error(WEFT_ERR_INVALID_ARG, "reshape: negative size %lld in shape %s",
-                                   (long long)shape[i], shape_str(ndim, shape).s);
+                                   (long long)shape[i], weft__shape_str(ndim, shape).s);
         } else if (__builtin_mul_overflow(known, shape[i], &known)) {
             return weft__set_error(WEFT_ERR_SHAPE, "reshape: shape %s overflows 64 bits",
-                                   shape_str(ndim, shape).s);
+                                   weft__shape_str(ndim, shape).s);
         }
     }
     if (infer >= 0) {
@@ -160,15 +134,16 @@ weft_status_t weft_op_reshape(weft_tensor_t *a, int ndim, const int64_t *shape,
             return weft__set_error(WEFT_ERR_SHAPE,
                                    "reshape: shape %s does not fit a tensor of shape %s (%lld "
                                    "elements)",
-                                   shape_str(ndim, shape).s, tshape_str(a).s, (long long)numel);
+                                   weft__shape_str(ndim, shape).s, weft__tensor_shape_str(a).s,
+                                   (long long)numel);
         }
         s[infer] = numel / known;
     } else if (weft_shape_numel(ndim, s) != numel) {
         return weft__set_error(WEFT_ERR_SHAPE,
                                "reshape: shape %s (%lld elements) does not fit a tensor of shape "
                                "%s (%lld elements)",
-                               shape_str(ndim, shape).s, (long long)weft_shape_numel(ndim, s),
-                               tshape_str(a).s, (long long)numel);
+                               weft__shape_str(ndim, shape).s, (long long)weft_shape_numel(ndim, s),
+                               weft__tensor_shape_str(a).s, (long long)numel);
     }
     WEFT_CHECK(weft_tensor_view(a, ndim, s, &out));
     if (weft__ag_should_record(1, &a)) {
@@ -543,16 +518,17 @@ weft_status_t weft_op_concat(int n, weft_tensor_t *const *ts, int dim, weft_tens
                                    weft_dtype_name(weft_tensor_dtype(ts[0])));
         }
         if (weft_tensor_ndim(ts[i]) != nd) {
-            return weft__set_error(WEFT_ERR_SHAPE,
-                                   "concat: tensor %d has shape %s, tensor 0 has shape %s", i,
-                                   tshape_str(ts[i]).s, tshape_str(ts[0]).s);
+            return weft__set_error(
+                WEFT_ERR_SHAPE, "concat: tensor %d has shape %s, tensor 0 has shape %s", i,
+                weft__tensor_shape_str(ts[i]).s, weft__tensor_shape_str(ts[0]).s);
         }
         for (int k = 0; k < nd; k++) {
             if (k != d && si[k] != s0[k]) {
                 return weft__set_error(WEFT_ERR_SHAPE,
                                        "concat: tensor %d has shape %s, tensor 0 has shape %s "
                                        "(dim %d differs; only dim %d may)",
-                                       i, tshape_str(ts[i]).s, tshape_str(ts[0]).s, k, d);
+                                       i, weft__tensor_shape_str(ts[i]).s,
+                                       weft__tensor_shape_str(ts[0]).s, k, d);
             }
         }
     }
@@ -654,7 +630,7 @@ weft_status_t weft_op_split(weft_tensor_t *a, int n, const int64_t *sizes, int d
     if (total != weft_tensor_shape(a)[d]) {
         return weft__set_error(
             WEFT_ERR_INVALID_ARG, "split: sizes sum to %lld, but dim %d of shape %s has size %lld",
-            (long long)total, d, tshape_str(a).s, (long long)weft_tensor_shape(a)[d]);
+            (long long)total, d, weft__tensor_shape_str(a).s, (long long)weft_tensor_shape(a)[d]);
     }
     return split_impl("split", "SplitBackward", a, n, sizes, d, outs);
 }
@@ -709,23 +685,6 @@ weft_status_t weft_op_chunk(weft_tensor_t *a, int chunks, int dim, weft_tensor_t
 
 /* ---- index_select ---------------------------------------------------------------------------- */
 
-#define DEFINE_INDEX_ADD(T)                                                                        \
-    static void index_add_##T(T *restrict dst, const T *restrict g, const int64_t *idx,            \
-                              int64_t outer, int64_t size, int64_t k, int64_t inner)               \
-    {                                                                                              \
-        for (int64_t o = 0; o < outer; o++) {                                                      \
-            for (int64_t j = 0; j < k; j++) {                                                      \
-                T *restrict d = dst + (o * size + idx[j]) * inner;                                 \
-                const T *restrict s = g + (o * k + j) * inner;                                     \
-                for (int64_t e = 0; e < inner; e++) {                                              \
-                    d[e] += s[e];                                                                  \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-    }
-DEFINE_INDEX_ADD(float)
-DEFINE_INDEX_ADD(double)
-
 /* iargs: dim. Saved: index. Backward adds each gradient slice into the row it was taken from. */
 static weft_status_t index_select_backward(weft__ag_node_t *n, weft_tensor_t *const *grad_out,
                                            weft_tensor_t **grad_in)
@@ -736,18 +695,19 @@ static weft_status_t index_select_backward(weft__ag_node_t *n, weft_tensor_t *co
     int64_t outer = prod(0, d, s);
     int64_t inner = prod(d + 1, nd, s);
     int64_t k = weft_tensor_numel(n->saved[0]);
+    size_t es = weft_dtype_size(n->in_dtype[0]);
     weft_tensor_t *g = NULL;
 
     if (!weft__ag_needs_grad(n, 0)) {
         return WEFT_OK;
     }
     WEFT_CHECK(weft_tensor_create(n->in_dtype[0], nd, s, &g));
-    if (n->in_dtype[0] == WEFT_F32) {
-        index_add_float(weft_tensor_data(g), weft_tensor_data(grad_out[0]),
-                        weft_tensor_data(n->saved[0]), outer, s[d], k, inner);
-    } else {
-        index_add_double(weft_tensor_data(g), weft_tensor_data(grad_out[0]),
-                         weft_tensor_data(n->saved[0]), outer, s[d], k, inner);
+    /* Each outer slice is a scatter of k rows of inner elements into s[d] rows. */
+    for (int64_t o = 0; o < outer; o++) {
+        weft__op_scatter_add_rows(
+            n->in_dtype[0], (char *)weft_tensor_data(g) + (size_t)(o * s[d] * inner) * es,
+            (const char *)weft_tensor_data(grad_out[0]) + (size_t)(o * k * inner) * es,
+            weft_tensor_data(n->saved[0]), k, inner);
     }
     grad_in[0] = g;
     return WEFT_OK;
@@ -777,7 +737,7 @@ weft_status_t weft_op_index_select(weft_tensor_t *a, int dim, weft_tensor_t *ind
     }
     if (weft_tensor_ndim(index) > 1) {
         return weft__set_error(WEFT_ERR_SHAPE, "index_select: index must be 0-D or 1-D, got %s",
-                               tshape_str(index).s);
+                               weft__tensor_shape_str(index).s);
     }
     nd = weft_tensor_ndim(a);
     if (nd == 0) {

@@ -10,7 +10,9 @@
  *
  * Thread-safety: grad mode is per thread. One graph must not be used by two threads at once;
  * separate graphs may run backward concurrently, also when they share leaves (a leaf's gradient
- * is summed under its lock). Hooks run on the thread that runs backward.
+ * is summed under its lock). Backward runs on the thread that calls it (the engine's thread):
+ * hooks run there, and so do the nodes that wait on futures (distributed autograd) when they
+ * resume, whatever thread completed the future.
  */
 #ifndef WEFT_AUTOGRAD_H
 #define WEFT_AUTOGRAD_H
@@ -21,6 +23,10 @@
 #if defined(WEFT_BUILDING) && !defined(WEFT_SEES_AUTOGRAD)
 #error "weft/autograd.h is above the module being built: dependencies point downward only"
 #endif
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
 
 #include <weft/status.h>
 #include <weft/tensor.h>
@@ -65,7 +71,7 @@ WEFT_API weft_tensor_t *weft_tensor_grad(const weft_tensor_t *t);
  * @return WEFT_ERR_NOT_FOUND when @p t has no sparse gradient.
  */
 WEFT_API weft_status_t weft_tensor_sparse_grad(const weft_tensor_t *t, weft_tensor_t **indices_p,
-                                      weft_tensor_t **rows_p);
+                                               weft_tensor_t **rows_p);
 /** True when leaf @p t has a sparse gradient (records no error text when it has none). */
 WEFT_API int weft_tensor_has_sparse_grad(const weft_tensor_t *t);
 /** Drops the gradient of @p t, dense and sparse (zero_grad with set_to_none). */
@@ -90,14 +96,53 @@ WEFT_API weft_status_t weft_tensor_detach(weft_tensor_t *t, weft_tensor_t **out_
  * them. Unless @p retain_graph, what the graph's nodes saved is freed as backward passes, and a
  * second backward through a node that had saved something fails with WEFT_ERR_INVALID_STATE
  * (as in torch, nodes that saved nothing can be gone through again).
+ * A node that waits on a future (distributed autograd) may wait WEFT_BACKWARD_WAIT_TIMEOUT_MS;
+ * weft_backward_run takes another bound.
  * @return WEFT_ERR_INVALID_ARG (the root does not require gradients, or NULL grad with a
  *         non-scalar root), WEFT_ERR_SHAPE (grad's shape differs), WEFT_ERR_INVALID_STATE (the
- *         graph was freed by an earlier backward), or the status of a failing node or hook.
+ *         graph was freed by an earlier backward), WEFT_ERR_TIMEOUT (a node waited too long), or
+ *         the status of a failing node, hook or future a node waited on.
  */
 WEFT_API weft_status_t weft_backward(weft_tensor_t *root, weft_tensor_t *grad, int retain_graph);
 /** Backward from several roots at once (each with its gradient, NULL for 1). */
-WEFT_API weft_status_t weft_backward_many(int n, weft_tensor_t *const *roots, weft_tensor_t *const *grads,
-                                 int retain_graph);
+WEFT_API weft_status_t weft_backward_many(int n, weft_tensor_t *const *roots,
+                                          weft_tensor_t *const *grads, int retain_graph);
+
+/** The bound on one wait of a node in backward when weft_backward_opts_t gives 0 (5 minutes). */
+#define WEFT_BACKWARD_WAIT_TIMEOUT_MS 300000
+
+/** Options of weft_backward_run. Fill with weft_backward_opts_init, then set fields. */
+typedef struct {
+    bool retain_graph; /**< keep what the nodes saved, for another backward (default false) */
+    /**
+     * How long one node may wait on a future (nodes of distributed autograd that send or await
+     * gradients), from when it begins to wait; past it backward fails with WEFT_ERR_TIMEOUT. The
+     * engine sleeps only while every node it could run is waiting, never past the earliest
+     * deadline. 0: WEFT_BACKWARD_WAIT_TIMEOUT_MS; negative is WEFT_ERR_INVALID_ARG.
+     */
+    int64_t wait_timeout_ms;
+} weft_backward_opts_t;
+
+/** Fills @p opts with the defaults (no retain_graph, the default wait bound). Thread-safe. */
+WEFT_API void weft_backward_opts_init(weft_backward_opts_t *opts);
+
+/**
+ * Backward from @p n roots with options (weft_backward_many is this with the default wait bound).
+ * Runs on the calling thread, which is the engine's thread: when every node it could run waits on
+ * a future, it sleeps on those futures (weft_future_wait_any, so an rpc handler thread that calls
+ * it counts as blocked), and resumes each waiting node on this thread once its future completes.
+ * Gradients reach the leaves in completion order then, so a leaf summed from several waiting
+ * nodes may differ in the last bits between runs; graphs without waiting nodes run as
+ * weft_backward does, in a fixed order.
+ * @param roots, grads borrowed, as for weft_backward_many (@p grads may be NULL: 1 for each).
+ * @param opts borrowed; NULL for the defaults.
+ * @return as weft_backward, and WEFT_ERR_INVALID_ARG (a negative wait_timeout_ms),
+ *         WEFT_ERR_TIMEOUT (a node waited longer than wait_timeout_ms), or the status of a failed
+ *         future a node waited on, with a text naming the node. Thread-safe for separate graphs.
+ */
+WEFT_API weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots,
+                                         weft_tensor_t *const *grads,
+                                         const weft_backward_opts_t *opts);
 
 /**
  * Called when backward has finished accumulating into @p param's gradient, once per backward
@@ -113,8 +158,8 @@ typedef weft_status_t (*weft_grad_hook_cb_t)(weft_tensor_t *param, weft_tensor_t
  * order they were added.
  * @param[out] id_p identifies the hook for weft_tensor_remove_grad_hook (may be NULL).
  */
-WEFT_API weft_status_t weft_tensor_add_grad_hook(weft_tensor_t *param, weft_grad_hook_cb_t cb, void *arg,
-                                        int *id_p);
+WEFT_API weft_status_t weft_tensor_add_grad_hook(weft_tensor_t *param, weft_grad_hook_cb_t cb,
+                                                 void *arg, int *id_p);
 /** Removes a hook. @return WEFT_ERR_NOT_FOUND for an unknown id. */
 WEFT_API weft_status_t weft_tensor_remove_grad_hook(weft_tensor_t *param, int id);
 

@@ -49,13 +49,14 @@ WEFT_API void weft_param_list_free(weft_param_list_t *list);
  * @return WEFT_ERR_INVALID_ARG (NULL), WEFT_ERR_ALREADY_EXISTS (the name is taken),
  *         WEFT_ERR_NO_MEMORY.
  */
-WEFT_API weft_status_t weft_param_list_add(weft_param_list_t *list, const char *name, weft_tensor_t *param);
+WEFT_API weft_status_t weft_param_list_add(weft_param_list_t *list, const char *name,
+                                           weft_tensor_t *param);
 /**
  * Appends every parameter of @p other, named "<prefix>.<its name>" (its own name when @p prefix
  * is NULL or empty). On failure @p list is unchanged.
  */
 WEFT_API weft_status_t weft_param_list_extend(weft_param_list_t *list, const char *prefix,
-                                     const weft_param_list_t *other);
+                                              const weft_param_list_t *other);
 /** Number of parameters. */
 WEFT_API int weft_param_list_size(const weft_param_list_t *list);
 /** Parameter @p i (0 <= i < size), borrowed from the list; NULL when out of range. */
@@ -78,20 +79,22 @@ WEFT_API void weft_param_list_zero_grad(const weft_param_list_t *list);
  */
 WEFT_API weft_status_t weft_param_list_pack(const weft_param_list_t *list, weft_tensor_t *flat);
 /** The inverse of weft_param_list_pack: writes @p flat's slices into the parameters. */
-WEFT_API weft_status_t weft_param_list_unpack(const weft_param_list_t *list, const weft_tensor_t *flat);
+WEFT_API weft_status_t weft_param_list_unpack(const weft_param_list_t *list,
+                                              const weft_tensor_t *flat);
 /**
  * Copies the gradients into @p flat as weft_param_list_pack copies the parameters: a parameter
  * without a gradient gives zeros, and a sparse gradient is written densely (rows of repeated
  * indices summed). For all-reducing gradients as one buffer.
  */
-WEFT_API weft_status_t weft_param_list_pack_grads(const weft_param_list_t *list, weft_tensor_t *flat);
+WEFT_API weft_status_t weft_param_list_pack_grads(const weft_param_list_t *list,
+                                                  weft_tensor_t *flat);
 /**
  * Writes @p flat's slices into the parameters' dense gradients: in place where a parameter has
  * a dense gradient, as a new one (replacing a sparse one) where it does not.
  * @return as weft_param_list_pack, and WEFT_ERR_NO_MEMORY.
  */
 WEFT_API weft_status_t weft_param_list_unpack_grads(const weft_param_list_t *list,
-                                           const weft_tensor_t *flat);
+                                                    const weft_tensor_t *flat);
 
 /* ---- activations ----------------------------------------------------------------------------- */
 
@@ -108,7 +111,8 @@ typedef enum {
  * @param[out] y_p caller releases with weft_tensor_release.
  * @return the op's status; WEFT_ERR_INVALID_ARG for an unknown activation.
  */
-WEFT_API weft_status_t weft_nn_activation(weft_nn_activation_t act, weft_tensor_t *x, weft_tensor_t **y_p);
+WEFT_API weft_status_t weft_nn_activation(weft_nn_activation_t act, weft_tensor_t *x,
+                                          weft_tensor_t **y_p);
 
 /* ---- Linear ---------------------------------------------------------------------------------- */
 
@@ -124,14 +128,16 @@ typedef struct weft_nn_linear weft_nn_linear_t;
  * @return WEFT_ERR_INVALID_ARG (negative size, NULL rng), WEFT_ERR_DTYPE, WEFT_ERR_NO_MEMORY.
  */
 WEFT_API weft_status_t weft_nn_linear_create(int64_t in_features, int64_t out_features, int bias,
-                                    weft_dtype_t dtype, weft_rng_t *rng, weft_nn_linear_t **lin_p);
+                                             weft_dtype_t dtype, weft_rng_t *rng,
+                                             weft_nn_linear_t **lin_p);
 /** Releases the layer's parameters (lists and optimizers keep theirs) and frees it. */
 WEFT_API void weft_nn_linear_free(weft_nn_linear_t *lin);
 /**
  * y = linear(x, W, b) for x [..., in] (weft_op_linear; records the graph when grad mode is on).
  * @param[out] y_p [..., out]; caller releases.
  */
-WEFT_API weft_status_t weft_nn_linear_forward(weft_nn_linear_t *lin, weft_tensor_t *x, weft_tensor_t **y_p);
+WEFT_API weft_status_t weft_nn_linear_forward(weft_nn_linear_t *lin, weft_tensor_t *x,
+                                              weft_tensor_t **y_p);
 /** The weight [out, in], borrowed from the layer. */
 WEFT_API weft_tensor_t *weft_nn_linear_weight(const weft_nn_linear_t *lin);
 /** The bias [out], borrowed; NULL for a layer without bias. */
@@ -167,11 +173,13 @@ typedef struct {
  * @return WEFT_ERR_INVALID_ARG (fewer than 2 sizes, a negative size, a bad activation), and as
  *         weft_nn_linear_create.
  */
-WEFT_API weft_status_t weft_nn_mlp_create(int n_sizes, const int64_t *sizes, const weft_nn_mlp_config_t *cfg,
-                                 weft_rng_t *rng, weft_nn_mlp_t **mlp_p);
+WEFT_API weft_status_t weft_nn_mlp_create(int n_sizes, const int64_t *sizes,
+                                          const weft_nn_mlp_config_t *cfg, weft_rng_t *rng,
+                                          weft_nn_mlp_t **mlp_p);
 WEFT_API void weft_nn_mlp_free(weft_nn_mlp_t *mlp);
 /** y = the layers applied in turn to x [..., sizes[0]]; @param[out] y_p caller releases. */
-WEFT_API weft_status_t weft_nn_mlp_forward(weft_nn_mlp_t *mlp, weft_tensor_t *x, weft_tensor_t **y_p);
+WEFT_API weft_status_t weft_nn_mlp_forward(weft_nn_mlp_t *mlp, weft_tensor_t *x,
+                                           weft_tensor_t **y_p);
 /** Number of Linear layers. */
 WEFT_API int weft_nn_mlp_num_layers(const weft_nn_mlp_t *mlp);
 /** Layer @p i (0-based), borrowed; NULL when out of range. */
@@ -191,12 +199,12 @@ typedef struct weft_nn_embedding weft_nn_embedding_t;
  * @return WEFT_ERR_INVALID_ARG (negative size, NULL rng), WEFT_ERR_DTYPE, WEFT_ERR_NO_MEMORY.
  */
 WEFT_API weft_status_t weft_nn_embedding_create(int64_t num_embeddings, int64_t dim, int sparse,
-                                       weft_dtype_t dtype, weft_rng_t *rng,
-                                       weft_nn_embedding_t **emb_p);
+                                                weft_dtype_t dtype, weft_rng_t *rng,
+                                                weft_nn_embedding_t **emb_p);
 WEFT_API void weft_nn_embedding_free(weft_nn_embedding_t *emb);
 /** Rows at @p indices (i64, any shape S): [S..., dim] (weft_op_embedding). */
 WEFT_API weft_status_t weft_nn_embedding_forward(weft_nn_embedding_t *emb, weft_tensor_t *indices,
-                                        weft_tensor_t **y_p);
+                                                 weft_tensor_t **y_p);
 /** The table, borrowed. */
 WEFT_API weft_tensor_t *weft_nn_embedding_weight(const weft_nn_embedding_t *emb);
 /** Its parameter, "weight"; borrowed. */
@@ -207,15 +215,17 @@ typedef struct weft_nn_embedding_bag weft_nn_embedding_bag_t;
 
 /** As weft_nn_embedding_create, with the bag reduction @p mode. */
 WEFT_API weft_status_t weft_nn_embedding_bag_create(int64_t num_embeddings, int64_t dim,
-                                           weft_bag_mode_t mode, int sparse, weft_dtype_t dtype,
-                                           weft_rng_t *rng, weft_nn_embedding_bag_t **bag_p);
+                                                    weft_bag_mode_t mode, int sparse,
+                                                    weft_dtype_t dtype, weft_rng_t *rng,
+                                                    weft_nn_embedding_bag_t **bag_p);
 WEFT_API void weft_nn_embedding_bag_free(weft_nn_embedding_bag_t *bag);
 /**
  * Bag b reduces the rows at indices [offsets[b], offsets[b + 1]) (weft_op_embedding_bag):
  * output [numel(offsets), dim].
  */
-WEFT_API weft_status_t weft_nn_embedding_bag_forward(weft_nn_embedding_bag_t *bag, weft_tensor_t *indices,
-                                            weft_tensor_t *offsets, weft_tensor_t **y_p);
+WEFT_API weft_status_t weft_nn_embedding_bag_forward(weft_nn_embedding_bag_t *bag,
+                                                     weft_tensor_t *indices, weft_tensor_t *offsets,
+                                                     weft_tensor_t **y_p);
 WEFT_API weft_tensor_t *weft_nn_embedding_bag_weight(const weft_nn_embedding_bag_t *bag);
 WEFT_API const weft_param_list_t *weft_nn_embedding_bag_params(const weft_nn_embedding_bag_t *bag);
 
@@ -237,18 +247,18 @@ typedef struct weft_optimizer weft_optimizer_t;
  *         not f32/f64), WEFT_ERR_NO_MEMORY.
  */
 WEFT_API weft_status_t weft_optimizer_sgd_create(const weft_param_list_t *params,
-                                        const weft_optim_sgd_config_t *cfg,
-                                        weft_optimizer_t **opt_p);
+                                                 const weft_optim_sgd_config_t *cfg,
+                                                 weft_optimizer_t **opt_p);
 WEFT_API weft_status_t weft_optimizer_adagrad_create(const weft_param_list_t *params,
-                                            const weft_optim_adagrad_config_t *cfg,
-                                            weft_optimizer_t **opt_p);
+                                                     const weft_optim_adagrad_config_t *cfg,
+                                                     weft_optimizer_t **opt_p);
 WEFT_API weft_status_t weft_optimizer_adam_create(const weft_param_list_t *params,
-                                         const weft_optim_adam_config_t *cfg,
-                                         weft_optimizer_t **opt_p);
+                                                  const weft_optim_adam_config_t *cfg,
+                                                  weft_optimizer_t **opt_p);
 /** AdamW: Adam's hyperparameters with decoupled weight decay (WEFT_OPTIM_ADAMW_DEFAULTS). */
 WEFT_API weft_status_t weft_optimizer_adamw_create(const weft_param_list_t *params,
-                                          const weft_optim_adam_config_t *cfg,
-                                          weft_optimizer_t **opt_p);
+                                                   const weft_optim_adam_config_t *cfg,
+                                                   weft_optimizer_t **opt_p);
 /** Releases the parameters and frees the state. NULL is a no-op. */
 WEFT_API void weft_optimizer_free(weft_optimizer_t *opt);
 /**

@@ -63,7 +63,7 @@ WEFT_API weft_status_t weft_op_log(weft_tensor_t *a, weft_tensor_t **out_p);
  * @return WEFT_ERR_INVALID_ARG for p outside [0, 1] or a NULL rng while training.
  */
 WEFT_API weft_status_t weft_op_dropout(weft_tensor_t *a, double p, int training, weft_rng_t *rng,
-                              weft_tensor_t **out_p);
+                                       weft_tensor_t **out_p);
 
 /* ---- reductions, softmax and losses (autograd/ops_reduce.c) --------------------------------- */
 
@@ -72,18 +72,19 @@ WEFT_API weft_status_t weft_op_dropout(weft_tensor_t *a, double p, int training,
  * when @p keepdim. A repeated dim is WEFT_ERR_INVALID_ARG.
  */
 WEFT_API weft_status_t weft_op_sum(weft_tensor_t *a, int n_dims, const int *dims, int keepdim,
-                          weft_tensor_t **out_p);
+                                   weft_tensor_t **out_p);
 /** Mean, same arguments as weft_op_sum. */
 WEFT_API weft_status_t weft_op_mean(weft_tensor_t *a, int n_dims, const int *dims, int keepdim,
-                           weft_tensor_t **out_p);
+                                    weft_tensor_t **out_p);
 /**
  * Max over @p dim: values (differentiable; the gradient goes to the first maximal element) and
  * their i64 indices (@p indices_p may be NULL). An empty dim is WEFT_ERR_SHAPE.
  */
 WEFT_API weft_status_t weft_op_max(weft_tensor_t *a, int dim, int keepdim, weft_tensor_t **values_p,
-                          weft_tensor_t **indices_p);
+                                   weft_tensor_t **indices_p);
 /** i64 index of the first maximum over @p dim. */
-WEFT_API weft_status_t weft_op_argmax(weft_tensor_t *a, int dim, int keepdim, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_argmax(weft_tensor_t *a, int dim, int keepdim,
+                                      weft_tensor_t **out_p);
 WEFT_API weft_status_t weft_op_softmax(weft_tensor_t *a, int dim, weft_tensor_t **out_p);
 WEFT_API weft_status_t weft_op_log_softmax(weft_tensor_t *a, int dim, weft_tensor_t **out_p);
 
@@ -98,10 +99,10 @@ typedef enum {
  * WEFT_ERR_INVALID_ARG naming the first bad label): a scalar for MEAN/SUM, [N] for NONE.
  */
 WEFT_API weft_status_t weft_op_cross_entropy(weft_tensor_t *logits, weft_tensor_t *labels,
-                                    weft_reduction_t reduction, weft_tensor_t **out_p);
+                                             weft_reduction_t reduction, weft_tensor_t **out_p);
 /** Mean squared error between @p a and @p b (same shape). */
-WEFT_API weft_status_t weft_op_mse_loss(weft_tensor_t *a, weft_tensor_t *b, weft_reduction_t reduction,
-                               weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_mse_loss(weft_tensor_t *a, weft_tensor_t *b,
+                                        weft_reduction_t reduction, weft_tensor_t **out_p);
 
 /* ---- matrix products (autograd/ops_linalg.c, OpenBLAS) ------------------------------------- */
 
@@ -120,7 +121,7 @@ WEFT_API weft_status_t weft_op_bmm(weft_tensor_t *a, weft_tensor_t *b, weft_tens
  * (torch.nn.functional.linear). A W or b of another shape is WEFT_ERR_SHAPE.
  */
 WEFT_API weft_status_t weft_op_linear(weft_tensor_t *x, weft_tensor_t *w, weft_tensor_t *b,
-                             weft_tensor_t **out_p);
+                                      weft_tensor_t **out_p);
 
 /* ---- shapes and indexing (autograd/ops_shape.c) --------------------------------------------- */
 /* These take tensors of any dtype (gradients flow for f32 and f64). */
@@ -131,35 +132,38 @@ WEFT_API weft_status_t weft_op_linear(weft_tensor_t *x, weft_tensor_t *w, weft_t
  * WEFT_ERR_SHAPE.
  */
 WEFT_API weft_status_t weft_op_reshape(weft_tensor_t *a, int ndim, const int64_t *shape,
-                              weft_tensor_t **out_p);
+                                       weft_tensor_t **out_p);
 /** Swaps two dims (a contiguous copy). */
-WEFT_API weft_status_t weft_op_transpose(weft_tensor_t *a, int dim0, int dim1, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_transpose(weft_tensor_t *a, int dim0, int dim1,
+                                         weft_tensor_t **out_p);
 /** Reorders the dims: output dim i is input dim perm[i] (a contiguous copy). */
 WEFT_API weft_status_t weft_op_permute(weft_tensor_t *a, const int *perm, weft_tensor_t **out_p);
 /**
  * Concatenates @p n >= 1 tensors along @p dim (all other dims equal, else WEFT_ERR_SHAPE naming
  * both shapes; dtypes equal, else WEFT_ERR_DTYPE).
  */
-WEFT_API weft_status_t weft_op_concat(int n, weft_tensor_t *const *ts, int dim, weft_tensor_t **out_p);
+WEFT_API weft_status_t weft_op_concat(int n, weft_tensor_t *const *ts, int dim,
+                                      weft_tensor_t **out_p);
 /**
  * Splits along @p dim into pieces of the given @p sizes (summing to the dim's size, else
  * WEFT_ERR_INVALID_ARG).
  * @param[out] outs n tensors, each released by the caller.
  */
 WEFT_API weft_status_t weft_op_split(weft_tensor_t *a, int n, const int64_t *sizes, int dim,
-                            weft_tensor_t **outs);
+                                     weft_tensor_t **outs);
 /**
  * torch.chunk: splits into at most @p chunks pieces of ceil(size / chunks) along @p dim (a dim of
  * size 0 gives @p chunks empty pieces).
  * @param[out] outs room for @p chunks tensors; @param[out] n_p how many were made.
  */
-WEFT_API weft_status_t weft_op_chunk(weft_tensor_t *a, int chunks, int dim, weft_tensor_t **outs, int *n_p);
+WEFT_API weft_status_t weft_op_chunk(weft_tensor_t *a, int chunks, int dim, weft_tensor_t **outs,
+                                     int *n_p);
 /**
  * Picks entries along @p dim at the i64 @p index [k] (or 0-D: one entry); an index out of range
  * is WEFT_ERR_INVALID_ARG naming it and its position.
  */
 WEFT_API weft_status_t weft_op_index_select(weft_tensor_t *a, int dim, weft_tensor_t *index,
-                                   weft_tensor_t **out_p);
+                                            weft_tensor_t **out_p);
 
 /* ---- embeddings (autograd/ops_embedding.c) -------------------------------------------------- */
 
@@ -170,7 +174,7 @@ WEFT_API weft_status_t weft_op_index_select(weft_tensor_t *a, int dim, weft_tens
  * indices, flattened, and one gradient row per index) instead of a dense [V, D] one.
  */
 WEFT_API weft_status_t weft_op_embedding(weft_tensor_t *weight, weft_tensor_t *indices, int sparse,
-                                weft_tensor_t **out_p);
+                                         weft_tensor_t **out_p);
 
 typedef enum {
     WEFT_BAG_SUM = 0,
@@ -186,8 +190,8 @@ typedef enum {
  * 1 / bag size for the mean).
  */
 WEFT_API weft_status_t weft_op_embedding_bag(weft_tensor_t *weight, weft_tensor_t *indices,
-                                    weft_tensor_t *offsets, weft_bag_mode_t mode, int sparse,
-                                    weft_tensor_t **out_p);
+                                             weft_tensor_t *offsets, weft_bag_mode_t mode,
+                                             int sparse, weft_tensor_t **out_p);
 
 /* ---- threads (autograd/ops_common.c) ------------------------------------------------------ */
 
