@@ -154,6 +154,22 @@ void *weft__tensor_ag(const weft_tensor_t *t);
 /** Replaces the slot (the previous metadata, if any, is not freed). */
 void weft__tensor_set_ag(weft_tensor_t *t, void *ag, void (*ag_free)(void *ag));
 
+/*
+ * A tensor that grows as its bytes arrive (a receiver that must not take memory for bytes that
+ * were only announced). Begin gets a buffer of @p first bytes (or of the whole tensor when the
+ * large-block cache holds a block of its size: memory the process holds already) at *data_p,
+ * *cap_p its size; grow_to enlarges it to @p cap bytes (at most the tensor's), keeping the
+ * @p filled bytes received so far (the buffer may move: *data_p); end makes the tensor (every byte
+ * must have been written), whose block goes back to the cache like any other; abort frees it all.
+ */
+typedef struct weft__tgrow weft__tgrow_t;
+weft_status_t weft__tensor_grow_begin(weft_dtype_t dtype, int ndim, const int64_t *shape,
+                                      size_t first, weft__tgrow_t **g_p, uint8_t **data_p,
+                                      size_t *cap_p);
+weft_status_t weft__tensor_grow_to(weft__tgrow_t *g, size_t cap, size_t filled, uint8_t **data_p);
+weft_status_t weft__tensor_grow_end(weft__tgrow_t *g, weft_tensor_t **t_p);
+void weft__tensor_grow_abort(weft__tgrow_t *g);
+
 /**
  * True when the caller holds the only reference to @p t and to its (owned) storage: nothing else
  * can see a write to it. The autograd engine uses it to sum gradients in place.

@@ -310,6 +310,149 @@ err_free_storage:
     return status;
 }
 
+/* ---- tensors that grow as their bytes arrive ---------------------------------------------- */
+
+struct weft__tgrow {
+    storage_t *s; /* the block: the storage header, then the data at its aligned offset */
+    size_t cap;   /* bytes of data the block holds now */
+    size_t final; /* the block's final size (its large-block cache size class) */
+    size_t off;   /* the data's offset in the block */
+    weft_dtype_t dtype;
+    int ndim;
+    int64_t shape[WEFT_MAX_DIMS];
+    int64_t numel;
+    size_t nbytes;
+};
+
+static size_t grow_header(void)
+{
+    return (sizeof(storage_t) + WEFT__TENSOR_ALIGN - 1) & ~(size_t)(WEFT__TENSOR_ALIGN - 1);
+}
+
+static size_t aligned_off(const void *block)
+{
+    uintptr_t data = ((uintptr_t)block + grow_header() + WEFT__TENSOR_ALIGN - 1) &
+                     ~(uintptr_t)(WEFT__TENSOR_ALIGN - 1);
+    return (size_t)(data - (uintptr_t)block);
+}
+
+weft_status_t weft__tensor_grow_begin(weft_dtype_t dtype, int ndim, const int64_t *shape,
+                                      size_t first, weft__tgrow_t **g_p, uint8_t **data_p,
+                                      size_t *cap_p)
+{
+    int64_t numel;
+    size_t nbytes, total, block;
+
+    WEFT_CHECK(weft__tensor_shape_check((int)dtype, ndim, shape, &numel, &nbytes));
+    if (__builtin_add_overflow(nbytes, grow_header() + WEFT__TENSOR_ALIGN, &total) ||
+        total > SIZE_MAX - CACHE_MIN) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: %zu bytes is too large", nbytes);
+    }
+    block = (total + CACHE_MIN - 1) & ~(CACHE_MIN - 1);
+    weft__tgrow_t *g = weft_calloc(1, sizeof(*g));
+    if (g == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: no memory");
+    }
+    /* A block of the whole size kept in the cache is memory this process holds already: take it
+     * (its pages are warm). Otherwise start with @p first bytes and grow as they arrive. */
+    storage_t *s = block >= CACHE_MIN ? cache_take(block) : NULL;
+    size_t cap = nbytes;
+    if (s == NULL) {
+        cap = first < nbytes ? first : nbytes;
+        s = weft_alloc(grow_header() + WEFT__TENSOR_ALIGN + cap);
+        if (s == NULL) {
+            weft_free(g);
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: out of memory for %zu bytes",
+                                   cap);
+        }
+    }
+    g->s = s;
+    g->cap = cap;
+    g->final = block;
+    g->off = aligned_off(s);
+    g->dtype = dtype;
+    g->ndim = ndim;
+    if (ndim > 0) {
+        memcpy(g->shape, shape, (size_t)ndim * sizeof(shape[0]));
+    }
+    g->numel = numel;
+    g->nbytes = nbytes;
+    *g_p = g;
+    *data_p = (uint8_t *)s + g->off;
+    *cap_p = cap;
+    return WEFT_OK;
+}
+
+weft_status_t weft__tensor_grow_to(weft__tgrow_t *g, size_t cap, size_t filled, uint8_t **data_p)
+{
+    if (cap > g->nbytes) {
+        cap = g->nbytes;
+    }
+    if (cap <= g->cap) {
+        *data_p = (uint8_t *)g->s + g->off;
+        return WEFT_OK;
+    }
+    /* realloc keeps the bytes (and, with glibc, moves a large block's pages without copying). */
+    storage_t *s = weft_realloc(g->s, grow_header() + WEFT__TENSOR_ALIGN + cap);
+    if (s == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: out of memory for %zu bytes", cap);
+    }
+    size_t off = aligned_off(s);
+    if (off != g->off) {
+        /* The new block sits at another alignment: move what came so far into place. */
+        memmove((uint8_t *)s + off, (uint8_t *)s + g->off, filled);
+    }
+    g->s = s;
+    g->off = off;
+    g->cap = cap;
+    *data_p = (uint8_t *)s + off;
+    return WEFT_OK;
+}
+
+weft_status_t weft__tensor_grow_end(weft__tgrow_t *g, weft_tensor_t **t_p)
+{
+    weft_status_t st;
+    storage_t *s = g->s;
+    size_t block = 0;
+
+    if (g->final >= CACHE_MIN && g->cap == g->nbytes) {
+        /* Its final size is the cache's size class, so that it may be kept for reuse. */
+        storage_t *r = weft_realloc(s, g->final);
+        if (r != NULL) {
+            size_t off = aligned_off(r);
+            if (off != g->off) {
+                memmove((uint8_t *)r + off, (uint8_t *)r + g->off, g->nbytes);
+                g->off = off;
+            }
+            s = r;
+            block = g->final;
+        }
+    }
+    atomic_init(&s->refs, 1);
+    s->data = (uint8_t *)s + g->off;
+    s->nbytes = g->nbytes;
+    s->device = WEFT_CPU;
+    s->release = NULL;
+    s->release_arg = NULL;
+    s->owned = 1;
+    s->block = block;
+    g->s = NULL;
+    st = tensor_new(s, g->dtype, g->ndim, g->shape, g->numel, g->nbytes, t_p);
+    if (st != WEFT_OK) {
+        weft_free(s);
+    }
+    weft_free(g);
+    return st;
+}
+
+void weft__tensor_grow_abort(weft__tgrow_t *g)
+{
+    if (g != NULL) {
+        weft_free(g->s);
+        weft_free(g);
+    }
+}
+
 weft_status_t weft_tensor_create(weft_dtype_t dtype, int ndim, const int64_t *shape,
                                  weft_tensor_t **t_p)
 {

@@ -28,7 +28,6 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <stdlib.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -656,54 +655,38 @@ static bool await_bytes(conn_in_t *c)
     }
 }
 
-static void unmap_cb(void *data, void *arg)
-{
-    munmap(data, (size_t)(uintptr_t)arg);
-}
-
-/* A large tensor: received into a mapping that grows as its bytes arrive (mremap moves page
- * tables, not bytes), so that a frame announcing gigabytes holds only what was sent. */
+/* A large tensor: received into a buffer that grows as its bytes arrive (core's growing tensors:
+ * a block the large-block cache holds already is taken whole), so that a frame announcing
+ * gigabytes holds only what was sent. */
 static weft_status_t read_grown(conn_in_t *c, const Weft__V1__TensorMeta *tm, weft_tensor_t **t_p,
                                 bool *broke_p)
 {
     size_t n = (size_t)tm->nbytes;
-    size_t cap = GROW_MIN;
-    uint8_t *map = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                        -1, 0);
-    size_t got = 0;
+    weft__tgrow_t *g;
+    uint8_t *data;
+    size_t cap, got = 0;
 
     *broke_p = false;
-    if (map == MAP_FAILED) {
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for a %zu-byte tensor", n);
-    }
+    WEFT_CHECK(weft__tensor_grow_begin((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape,
+                                       GROW_MIN, &g, &data, &cap));
     while (got < n) {
         if (got == cap) {
-            size_t ncap = cap * 2 < n ? cap * 2 : n;
-            void *m2 = mremap(map, cap, ncap, MREMAP_MAYMOVE);
-            if (m2 == MAP_FAILED) {
-                munmap(map, cap);
-                return weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for a %zu-byte tensor", n);
+            weft_status_t st = weft__tensor_grow_to(g, cap * 2, got, &data);
+            if (st != WEFT_OK) {
+                weft__tensor_grow_abort(g);
+                return st;
             }
-            map = m2;
-            cap = ncap;
+            cap = cap * 2 < n ? cap * 2 : n;
         }
-        size_t k = (cap < n ? cap : n) - got;
-        if (!read_body(c, map + got, k)) {
-            munmap(map, cap);
+        size_t k = cap - got;
+        if (!read_body(c, data + got, k)) {
+            weft__tensor_grow_abort(g);
             *broke_p = true;
             return WEFT_ERR_PEER_LOST;
         }
         got += k;
     }
-    weft_tensor_t *t;
-    weft_status_t st = weft_tensor_wrap((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, map,
-                                        n, WEFT_CPU, unmap_cb, (void *)(uintptr_t)cap, &t);
-    if (st != WEFT_OK) {
-        munmap(map, cap);
-        return st;
-    }
-    *t_p = t;
-    return WEFT_OK;
+    return weft__tensor_grow_end(g, t_p);
 }
 
 /* Reads @p n bytes into a landing; false when the connection broke. */

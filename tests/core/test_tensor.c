@@ -358,3 +358,47 @@ Test(tensor, concurrent_references)
     cr_assert_eq(atomic_load(&released), 1);
     check_balanced();
 }
+
+/* A tensor that grows as its bytes arrive: the bytes written before each growth survive, the
+ * result is a normal tensor whose block goes back to the large-block cache, and the next one of
+ * its size starts from that block, whole. */
+Test(tensor, grows_as_its_bytes_arrive)
+{
+    const int64_t n = (int64_t)5 << 20; /* 5 MiB of u8 */
+    weft__tgrow_t *g = NULL;
+    uint8_t *data = NULL;
+    size_t cap = 0, got = 0;
+
+    weft_tensor_cache_clear();
+    cr_assert_eq(weft__tensor_grow_begin(WEFT_U8, 1, &n, 1 << 20, &g, &data, &cap), WEFT_OK);
+    cr_assert_eq(cap, (size_t)1 << 20, "starts with what was asked, not the whole");
+    while (got < (size_t)n) {
+        if (got == cap) {
+            cr_assert_eq(weft__tensor_grow_to(g, cap * 2, got, &data), WEFT_OK);
+            cap = cap * 2 < (size_t)n ? cap * 2 : (size_t)n;
+        }
+        for (; got < cap; got++) {
+            data[got] = (uint8_t)(got * 7 + got / 4096);
+        }
+    }
+    weft_tensor_t *t = NULL;
+    cr_assert_eq(weft__tensor_grow_end(g, &t), WEFT_OK);
+    cr_assert_eq(weft_tensor_numel(t), n);
+    cr_assert_eq((uintptr_t)weft_tensor_data(t) % WEFT__TENSOR_ALIGN, 0);
+    const uint8_t *p = weft_tensor_data(t);
+    for (size_t i = 0; i < (size_t)n; i++) {
+        if (p[i] != (uint8_t)(i * 7 + i / 4096)) {
+            cr_assert_fail("byte %zu is %u", i, p[i]);
+        }
+    }
+    weft_tensor_release(t); /* its block goes to the cache */
+    cr_assert_eq(weft__tensor_grow_begin(WEFT_U8, 1, &n, 1 << 20, &g, &data, &cap), WEFT_OK);
+    cr_assert_eq(cap, (size_t)n, "a cached block of the whole size is taken whole");
+    weft__tensor_grow_abort(g);
+    /* An abandoned one frees everything. */
+    cr_assert_eq(weft__tensor_grow_begin(WEFT_F32, 1, &n, 4096, &g, &data, &cap), WEFT_OK);
+    cr_assert_eq(weft__tensor_grow_to(g, 8192, 4096, &data), WEFT_OK);
+    weft__tensor_grow_abort(g);
+    weft_tensor_cache_clear();
+    check_balanced();
+}
