@@ -267,6 +267,20 @@ static uint32_t get_u32(const uint8_t *p)
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
+/* Appends @p src's tensors (shared) and references (retained) to @p dst. */
+static weft_status_t share_parts(weft_value_t *dst, const weft_value_t *src)
+{
+    for (size_t i = 0; i < weft_value_num_tensors(src); i++) {
+        WEFT_CHECK(weft_value_add_tensor(dst, weft_value_tensor(src, i)));
+    }
+    for (size_t i = 0; i < weft_value_num_refs(src); i++) {
+        const weft_value_ref_type_t *type;
+        void *obj = weft__value_ref_at(src, i, &type);
+        WEFT_CHECK(weft_value_add_ref(dst, type, obj));
+    }
+    return WEFT_OK;
+}
+
 weft_status_t weft_msg_pack(const ProtobufCMessage *hdr, const weft_value_t *body,
                             weft_value_t **msg_p)
 {
@@ -305,13 +319,8 @@ weft_status_t weft_msg_pack(const ProtobufCMessage *hdr, const weft_value_t *bod
         weft_free(buf);
         goto err_free_value;
     }
-    for (size_t i = 0; body != NULL && i < weft_value_num_tensors(body); i++) {
-        WEFT_CHECK_GOTO(weft_value_add_tensor(v, weft_value_tensor(body, i)), st, err_free_value);
-    }
-    for (size_t i = 0; body != NULL && i < weft_value_num_refs(body); i++) {
-        const weft_value_ref_type_t *type;
-        void *obj = weft__value_ref_at(body, i, &type);
-        WEFT_CHECK_GOTO(weft_value_add_ref(v, type, obj), st, err_free_value);
+    if (body != NULL) {
+        WEFT_CHECK_GOTO(share_parts(v, body), st, err_free_value);
     }
     *msg_p = v;
     return WEFT_OK;
@@ -384,14 +393,7 @@ weft_status_t weft_msg_body(const weft_value_t *msg, weft_value_t **body_p)
     if (len > off) {
         WEFT_CHECK_GOTO(weft_value_set_payload(v, p + off, len - off), st, err_free_value);
     }
-    for (size_t i = 0; i < weft_value_num_tensors(msg); i++) {
-        WEFT_CHECK_GOTO(weft_value_add_tensor(v, weft_value_tensor(msg, i)), st, err_free_value);
-    }
-    for (size_t i = 0; i < weft_value_num_refs(msg); i++) {
-        const weft_value_ref_type_t *type;
-        void *obj = weft__value_ref_at(msg, i, &type);
-        WEFT_CHECK_GOTO(weft_value_add_ref(v, type, obj), st, err_free_value);
-    }
+    WEFT_CHECK_GOTO(share_parts(v, msg), st, err_free_value);
     *body_p = v;
     return WEFT_OK;
 
