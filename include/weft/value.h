@@ -34,7 +34,7 @@ WEFT_API weft_status_t weft_value_take_payload(weft_value_t *v, void *data, size
 /*
  * References: objects of upper modules that travel inside a value (an RRef in the arguments or the
  * result of a call). On the wire each is encoded by the codec its kind is registered with
- * (weft_agent_register_ref_codec); in a value it is the module's object plus how to retain and
+ * (weft_module_desc_t.codec, weft/module.h); in a value it is the module's object plus how to retain and
  * release it.
  */
 typedef struct {
@@ -49,7 +49,7 @@ typedef struct {
 /**
  * Appends a reference to @p obj of @p type (borrowed; must outlive the value). The value takes
  * its own reference to @p obj (type->retain) and drops it when freed. Sending the value sends the
- * reference (see weft_agent_register_ref_codec).
+ * reference (see weft_module_desc_t.codec in weft/module.h).
  * @return WEFT_ERR_INVALID_ARG (NULL value, type, callback or object), WEFT_ERR_NO_MEMORY.
  */
 WEFT_API weft_status_t weft_value_add_ref(weft_value_t *v, const weft_value_ref_type_t *type,
