@@ -175,13 +175,20 @@ static weft_status_t choose_listen_host(weft_agent_t *a, const char *given, char
         WEFT_INFO("this rank's address: %s (WEFT_SOCKET_IFNAME=%s)", buf, ifname);
     } else if (weft__address_loopback(a->master_addr)) {
         snprintf(buf, n, "127.0.0.1");
-    } else if (route_host(a->master_addr, a->master_port, buf, n) && !weft__address_loopback(buf)) {
-        WEFT_INFO("this rank's address: %s (the interface toward the master %s)", buf,
-                  a->master_addr);
+    } else if (route_host(a->master_addr, a->master_port, buf, n)) {
+        if (!weft__address_loopback(buf)) {
+            WEFT_INFO("this rank's address: %s (the interface toward the master %s)", buf,
+                      a->master_addr);
+        } else if (first_interface_host(buf, n)) {
+            /* The master's name is this host's, mapped to 127.0.1.1 (Debian's /etc/hosts). */
+            WEFT_INFO("this rank's address: %s, the first interface that is up (the master %s "
+                      "is this host, reached by loopback)",
+                      buf, a->master_addr);
+        }
     } else if (first_interface_host(buf, n)) {
-        WEFT_WARN("this rank's address: %s, the first interface that is up (the route to the "
-                  "master %s gives no other); set WEFT_LISTEN_HOST or WEFT_SOCKET_IFNAME if the "
-                  "other hosts reach this one at another",
+        WEFT_WARN("this rank's address: %s, the first interface that is up (no route to the "
+                  "master %s: its name does not resolve yet?); set WEFT_LISTEN_HOST or "
+                  "WEFT_SOCKET_IFNAME if the other hosts reach this one at another",
                   buf, a->master_addr);
     } else {
         snprintf(buf, n, "127.0.0.1"); /* no other interface: one host */
