@@ -127,6 +127,20 @@ static char *slurp(const char *dir, const char *name)
     return buf;
 }
 
+/* Removes the script's output folder @p dir and what is left in it. */
+static void remove_outputs(const char *dir)
+{
+    static const char *const names[] = {"node0.out", "node0.err", "node0.status",
+                                        "node1.out", "node1.err", "node1.status"};
+    char path[600];
+
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        snprintf(path, sizeof(path), "%s/%s", dir, names[i]);
+        unlink(path);
+    }
+    rmdir(dir);
+}
+
 /* One try of run_nodes in @p mode: 77 when the namespaces cannot be made that way (why in
  * @p why), else 0 with @p nodes filled. */
 static int try_nodes(const machine_t *m, ns_mode_t mode, char tag, const char *env0,
@@ -137,7 +151,6 @@ static int try_nodes(const machine_t *m, ns_mode_t mode, char tag, const char *e
     const char *argv[16];
     int n = 0;
 
-    cr_assert_not_null(mkdtemp(dir));
     /* Unique across the suite's parallel runs (plain and sanitized): this process's id. */
     snprintf(names, sizeof(names), "%d%c", (int)getpid(), tag);
     snprintf(e_ip, sizeof(e_ip), "IP=%s", m->ip);
@@ -170,13 +183,16 @@ static int try_nodes(const machine_t *m, ns_mode_t mode, char tag, const char *e
     argv[n++] = "10.99.0.1";
     argv[n++] = "10.99.0.2";
     argv[n] = NULL;
+    cr_assert_not_null(mkdtemp(dir)); /* argv holds it */
     run_opts_t o = {.argv = argv, .env = env, .deadline_s = DEADLINE_S};
     run_result_t r;
     run_capture(&o, &r);
+    if (r.code != 0) {
+        remove_outputs(dir);
+    }
     if (r.code == 77) {
         trimmed(r.err, why, why_n);
         run_result_free(&r);
-        rmdir(dir);
         return 77;
     }
     cr_assert_eq(r.code, 0, "multinode.sh exited %d\nstderr:\n%s", r.code, r.err);
@@ -192,7 +208,7 @@ static int try_nodes(const machine_t *m, ns_mode_t mode, char tag, const char *e
         nodes->status[k] = atoi(status);
         free(status);
     }
-    rmdir(dir);
+    remove_outputs(dir);
     return 0;
 }
 
