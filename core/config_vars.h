@@ -31,6 +31,8 @@
     X(NAME, "WEFT_NAME", STR, "", 0, 0, "", "", "rpc", "this worker's name (default worker<rank>)") \
     X(LISTEN_HOST, "WEFT_LISTEN_HOST", STR, "", 0, 0, "", "", "rpc",                               \
       "host or address other ranks reach this one at (default: see docs/weftrun.md)")              \
+    X(SOCKET_IFNAME, "WEFT_SOCKET_IFNAME", STR, "", 0, 0, "", "", "rpc",                           \
+      "network interface whose IPv4 address this rank listens on and advertises")                  \
     X(AUTH_TOKEN, "WEFT_AUTH_TOKEN", SECRET, "", 0, 0, "", "", "rpc",                              \
       "the job's shared secret, checked when a rank joins and connects")                           \
     X(RENDEZVOUS_TIMEOUT_MS, "WEFT_RENDEZVOUS_TIMEOUT_MS", INT, "60000", 1, INT64_MAX, "", "",  \

@@ -1,9 +1,15 @@
 /* The agent: options and environment, the gRPC server and completion queue,
  * transport threads, peer loss, creation, join and teardown. */
 #include <arpa/inet.h>
+#include <errno.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <grpc/grpc_security.h>
@@ -25,10 +31,169 @@ void weft_agent_opts_init(weft_agent_opts_t *opts)
     opts->master_port = -1;
 }
 
-static bool is_loopback(const char *host)
+bool weft__address_loopback(const char *address)
 {
-    return strcmp(host, "localhost") == 0 || strncmp(host, "127.", 4) == 0 ||
-           strcmp(host, "::1") == 0 || strcmp(host, "[::1]") == 0;
+    char host[300];
+    const char *end;
+
+    /* "host:port", "[v6]:port", or a bare host ("::1": colons but no port). */
+    if (address[0] == '[') {
+        address++;
+        end = strchr(address, ']');
+    } else {
+        end = strchr(address, ':');
+        if (end == NULL || strchr(end + 1, ':') != NULL) {
+            end = address + strlen(address);
+        }
+    }
+    if (end == NULL || (size_t)(end - address) >= sizeof(host)) {
+        return false;
+    }
+    memcpy(host, address, (size_t)(end - address));
+    host[end - address] = '\0';
+    struct in_addr v4;
+    struct in6_addr v6;
+    if (inet_pton(AF_INET, host, &v4) == 1) {
+        return (ntohl(v4.s_addr) >> 24) == 127;
+    }
+    if (inet_pton(AF_INET6, host, &v6) == 1) {
+        return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+    }
+    return strcmp(host, "localhost") == 0;
+}
+
+/* The IPv4 address of the interface named @p ifname (WEFT_SOCKET_IFNAME) into @p buf. */
+static weft_status_t ifname_host(const char *ifname, char *buf, size_t n)
+{
+    struct ifaddrs *ifs;
+    char names[256] = "";
+    size_t off = 0;
+    bool found = false;
+
+    if (getifaddrs(&ifs) != 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "agent: cannot list the network interfaces for "
+                               "WEFT_SOCKET_IFNAME=%s (%s)",
+                               ifname, strerror(errno));
+    }
+    for (struct ifaddrs *i = ifs; i != NULL; i = i->ifa_next) {
+        bool v4 = i->ifa_addr != NULL && i->ifa_addr->sa_family == AF_INET;
+        if (strcmp(i->ifa_name, ifname) == 0) {
+            found = true;
+            if (v4) {
+                inet_ntop(AF_INET, &((struct sockaddr_in *)(void *)i->ifa_addr)->sin_addr, buf,
+                          (socklen_t)n);
+                freeifaddrs(ifs);
+                return WEFT_OK;
+            }
+        } else if (v4 && off < sizeof(names)) {
+            off += (size_t)snprintf(names + off, sizeof(names) - off, "%s%s", off > 0 ? ", " : "",
+                                    i->ifa_name);
+        }
+    }
+    freeifaddrs(ifs);
+    return weft__set_error(WEFT_ERR_INVALID_ARG,
+                           "agent: WEFT_SOCKET_IFNAME=%s: %s (interfaces with an IPv4 address: "
+                           "%s)",
+                           ifname,
+                           found ? "the interface has no IPv4 address" : "no such interface",
+                           off > 0 ? names : "none");
+}
+
+/* The address of the first interface that is up, not loopback, with an IPv4 address. */
+static bool first_interface_host(char *buf, size_t n)
+{
+    struct ifaddrs *ifs;
+    bool got = false;
+
+    if (getifaddrs(&ifs) != 0) {
+        return false;
+    }
+    for (struct ifaddrs *i = ifs; i != NULL && !got; i = i->ifa_next) {
+        if (i->ifa_addr != NULL && i->ifa_addr->sa_family == AF_INET &&
+            (i->ifa_flags & IFF_UP) != 0 && (i->ifa_flags & IFF_LOOPBACK) == 0) {
+            got = inet_ntop(AF_INET, &((struct sockaddr_in *)(void *)i->ifa_addr)->sin_addr, buf,
+                            (socklen_t)n) != NULL;
+        }
+    }
+    freeifaddrs(ifs);
+    return got;
+}
+
+/* The IPv4 address of the interface this host reaches @p host:@p port by: the local address of
+ * a UDP socket connected there (the kernel's route lookup; nothing is sent). */
+static bool route_host(const char *host, int port, char *buf, size_t n)
+{
+    char ps[16];
+    struct addrinfo hints = {0}, *res = NULL;
+    bool got = false;
+
+    snprintf(ps, sizeof(ps), "%d", port > 0 ? port : 9);
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_DGRAM;
+    if (getaddrinfo(host, ps, &hints, &res) != 0) {
+        return false;
+    }
+    for (struct addrinfo *ai = res; ai != NULL && !got; ai = ai->ai_next) {
+        struct sockaddr_in sa;
+        socklen_t sl = sizeof(sa);
+        int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) {
+            continue;
+        }
+        got = connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+              getsockname(fd, (struct sockaddr *)&sa, &sl) == 0 && sa.sin_family == AF_INET &&
+              inet_ntop(AF_INET, &sa.sin_addr, buf, (socklen_t)n) != NULL;
+        close(fd);
+    }
+    freeaddrinfo(res);
+    return got;
+}
+
+/*
+ * The host this rank listens on and advertises (docs/weftrun.md, "How a rank chooses its
+ * address"): opts.listen_host or WEFT_LISTEN_HOST as given; else the IPv4 address of
+ * WEFT_SOCKET_IFNAME; else 127.0.0.1 when the master is loopback; else the address of the
+ * interface the route to the master leaves by; when that is loopback too (the master's name is
+ * this host's, mapped to 127.0.1.1) or there is no route yet, the first interface that is up and
+ * not loopback. Rank 0 is reached at the master address; the interface is checked all the same.
+ */
+static weft_status_t choose_listen_host(weft_agent_t *a, const char *given, char *buf, size_t n,
+                                        const char **host_p)
+{
+    const char *ifname = weft__cfg_str(WEFT__CFG_SOCKET_IFNAME);
+
+    if (ifname[0] != '\0') {
+        WEFT_CHECK(ifname_host(ifname, buf, n));
+    }
+    *host_p = buf;
+    if (given[0] != '\0') {
+        *host_p = given;
+    } else if (a->rank == 0) {
+        *host_p = a->master_addr;
+    } else if (ifname[0] != '\0') {
+        WEFT_INFO("this rank's address: %s (WEFT_SOCKET_IFNAME=%s)", buf, ifname);
+    } else if (weft__address_loopback(a->master_addr)) {
+        snprintf(buf, n, "127.0.0.1");
+    } else if (route_host(a->master_addr, a->master_port, buf, n)) {
+        if (!weft__address_loopback(buf)) {
+            WEFT_INFO("this rank's address: %s (the interface toward the master %s)", buf,
+                      a->master_addr);
+        } else if (first_interface_host(buf, n)) {
+            /* The master's name is this host's, mapped to 127.0.1.1 (Debian's /etc/hosts). */
+            WEFT_INFO("this rank's address: %s, the first interface that is up (the master %s "
+                      "is this host, reached by loopback)",
+                      buf, a->master_addr);
+        }
+    } else if (first_interface_host(buf, n)) {
+        WEFT_WARN("this rank's address: %s, the first interface that is up (no route to the "
+                  "master %s: its name does not resolve yet?); set WEFT_LISTEN_HOST or "
+                  "WEFT_SOCKET_IFNAME if the other hosts reach this one at another",
+                  buf, a->master_addr);
+    } else {
+        snprintf(buf, n, "127.0.0.1"); /* no other interface: one host */
+    }
+    return WEFT_OK;
 }
 
 /* Options in code win; else the environment through the configuration table (read once). */
@@ -75,20 +240,13 @@ static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
                                WEFT__MAX_NAME);
     }
     a->name = weft_strdup(name);
-    const char *host =
-        o->listen_host != NULL ? o->listen_host : weft__cfg_str(WEFT__CFG_LISTEN_HOST);
-    if (host[0] == '\0') {
-        if (is_loopback(a->master_addr)) {
-            host = "127.0.0.1";
-        } else {
-            if (gethostname(buf, sizeof(buf) - 1) != 0) {
-                return weft__set_error(WEFT_ERR_INVALID_ARG,
-                                       "agent: no listen host (set WEFT_LISTEN_HOST)");
-            }
-            buf[sizeof(buf) - 1] = '\0';
-            host = buf;
-        }
+    if (a->master_addr == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "agent: no memory");
     }
+    const char *host;
+    WEFT_CHECK(choose_listen_host(
+        a, o->listen_host != NULL ? o->listen_host : weft__cfg_str(WEFT__CFG_LISTEN_HOST), buf,
+        sizeof(buf), &host));
     a->listen_host = weft_strdup(host);
     a->auth_token = weft_strdup(o->auth_token != NULL ? o->auth_token
                                                       : weft__cfg_str(WEFT__CFG_AUTH_TOKEN));
@@ -453,7 +611,7 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
 
     const char *bind_host = a->rank == 0 ? a->master_addr : a->listen_host;
     int want = a->rank == 0 ? a->master_port : 0;
-    if (!is_loopback(bind_host)) {
+    if (!weft__address_loopback(bind_host)) {
         bind_host = "0.0.0.0";
     }
     snprintf(addr, sizeof(addr), "%s:%d", bind_host, want);

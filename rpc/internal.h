@@ -417,6 +417,9 @@ typedef struct weft__early {
 } weft__early_t;
 
 /* agent.c */
+/* Whether @p address ("host:port", "[v6]:port" or a bare host) is a loopback address (127/8, ::1,
+ * "localhost"); a host name is not judged. */
+bool weft__address_loopback(const char *address);
 void weft__agent_request_more(weft_agent_t *a);
 bool weft__agent_closing(const weft_agent_t *a);
 void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const char *why);

@@ -1,5 +1,8 @@
 /* Rendezvous: rank 0 gathers a Hello from every rank over a unary Join call
  * and answers all of them with the world map, or with why there is none. */
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -18,7 +21,8 @@ typedef struct join_call {
     grpc_call *call;
     grpc_byte_buffer *bb;
     int cancelled;
-    int rank; /* -1 until its Hello is accepted */
+    int rank;   /* -1 until its Hello is accepted */
+    char *peer; /* where the call came from, as gRPC says ("ipv4:10.0.0.2:5000"); gpr_free */
     int refs;
     bool answered;
 } join_call_t;
@@ -30,7 +34,16 @@ struct weft__join {
     join_call_t **calls;      /* per rank; rank 0's is NULL */
     int arrived;
     bool decided;
+    weft_status_t failed; /* the world was decided against: every rank's join fails with it */
+    char why[1024];       /* ... and this text */
 };
+
+static void join_call_destroy(join_call_t *j)
+{
+    grpc_call_unref(j->call);
+    gpr_free(j->peer);
+    weft_free(j);
+}
 
 static void join_call_unref(join_call_t *j)
 {
@@ -40,8 +53,7 @@ static void join_call_unref(join_call_t *j)
     int left = --j->refs;
     pthread_mutex_unlock(&jn->mu);
     if (left == 0) {
-        grpc_call_unref(j->call);
-        weft_free(j);
+        join_call_destroy(j);
     }
 }
 
@@ -155,21 +167,179 @@ static void install_world(weft_agent_t *a, Weft__V1__Worker **workers)
     }
 }
 
+/* The host part of gRPC's peer text ("ipv4:10.0.0.2:5000", "ipv6:[::1]:5000", or with the
+ * brackets as %5B and %5D) into @p buf; false for anything else. */
+static bool peer_host(const char *peer, char *buf, size_t n)
+{
+    char tmp[300];
+    size_t k = 0;
+
+    if (peer == NULL || (strncmp(peer, "ipv4:", 5) != 0 && strncmp(peer, "ipv6:", 5) != 0)) {
+        return false;
+    }
+    for (const char *c = peer + 5; *c != '\0' && k < sizeof(tmp) - 1; c++) {
+        if (strncmp(c, "%5B", 3) == 0 || strncmp(c, "%5D", 3) == 0) {
+            tmp[k++] = c[2] == 'B' ? '[' : ']';
+            c += 2;
+        } else {
+            tmp[k++] = *c;
+        }
+    }
+    tmp[k] = '\0';
+    char *colon = strrchr(tmp, ':'), *h = tmp;
+    if (colon == NULL) {
+        return false;
+    }
+    *colon = '\0';
+    size_t len = strlen(h);
+    if (len > 1 && h[0] == '[' && h[len - 1] == ']') {
+        h[len - 1] = '\0';
+        h++;
+    }
+    return (size_t)snprintf(buf, n, "%s", h) < n;
+}
+
+/* Whether a connection from @p host (an address) came from another host: the address is not
+ * loopback and none of this host's interfaces has it. Not an address: false (not judged). */
+static bool other_host(const char *host, const struct ifaddrs *ifs)
+{
+    struct in6_addr v6;
+    struct in_addr v4;
+    bool is4 = inet_pton(AF_INET, host, &v4) == 1;
+
+    if (!is4) {
+        if (inet_pton(AF_INET6, host, &v6) != 1 || IN6_IS_ADDR_LOOPBACK(&v6)) {
+            return false;
+        }
+        if (IN6_IS_ADDR_V4MAPPED(&v6)) {
+            memcpy(&v4, &v6.s6_addr[12], sizeof(v4));
+            is4 = true;
+        }
+    }
+    if (is4 && (ntohl(v4.s_addr) >> 24) == 127) {
+        return false;
+    }
+    for (const struct ifaddrs *i = ifs; i != NULL; i = i->ifa_next) {
+        if (i->ifa_addr == NULL) {
+            continue;
+        }
+        if (is4 && i->ifa_addr->sa_family == AF_INET &&
+            memcmp(&((const struct sockaddr_in *)(const void *)i->ifa_addr)->sin_addr, &v4,
+                   sizeof(v4)) == 0) {
+            return false;
+        }
+        if (!is4 && i->ifa_addr->sa_family == AF_INET6 &&
+            memcmp(&((const struct sockaddr_in6 *)(const void *)i->ifa_addr)->sin6_addr, &v6,
+                   sizeof(v6)) == 0) {
+            return false;
+        }
+    }
+    return true;
+}
+
+/*
+ * A world that would fail at its first connection: ranks run on more than one host (a Join came
+ * from an address of none of this host's interfaces) and a rank advertises a loopback address,
+ * which the other hosts cannot reach. Writes why to @p why and returns true. The first such rank
+ * is named; one on another host than rank 0 comes first. Called with jn->mu held.
+ */
+static bool loopback_across_hosts(weft_agent_t *a, char *why, size_t n)
+{
+    weft__join_t *jn = a->join;
+    struct ifaddrs *ifs;
+    char host[300], from[300] = "", list[128] = "";
+    int remote = -1, bad = -1, nbad = 0;
+    bool bad_remote = false;
+    size_t off = 0;
+
+    if (getifaddrs(&ifs) != 0) {
+        return false; /* cannot tell the hosts apart: the connections will say */
+    }
+    for (int i = 1; i < a->world_size; i++) {
+        bool far = peer_host(jn->calls[i]->peer, host, sizeof(host)) && other_host(host, ifs);
+        if (far && remote < 0) {
+            remote = i;
+            snprintf(from, sizeof(from), "%s", host);
+        }
+        if (weft__address_loopback(jn->hellos[i]->address) && far && !bad_remote) {
+            bad = i;
+            bad_remote = true;
+            snprintf(from, sizeof(from), "%s", host);
+        }
+    }
+    freeifaddrs(ifs);
+    if (remote < 0) {
+        return false; /* one host: loopback addresses reach every rank */
+    }
+    for (int i = 0; i < a->world_size; i++) {
+        if (!weft__address_loopback(jn->hellos[i]->address)) {
+            continue;
+        }
+        if (bad < 0) {
+            bad = i;
+        }
+        if (off < sizeof(list)) {
+            off +=
+                (size_t)snprintf(list + off, sizeof(list) - off, "%s%d", nbad > 0 ? ", " : "", i);
+        }
+        nbad++;
+    }
+    if (bad < 0) {
+        return false;
+    }
+    char more[192] = "";
+    if (nbad > 1) {
+        snprintf(more, sizeof(more), " (%d ranks advertise loopback addresses: %s)", nbad, list);
+    }
+    const Weft__V1__Hello *h = jn->hellos[bad];
+    if (bad_remote) {
+        snprintf(why, n,
+                 "rank %d (%s) advertises %s, a loopback address, but it runs on another host "
+                 "than rank 0 (its join came from %s): set WEFT_LISTEN_HOST or WEFT_SOCKET_IFNAME "
+                 "on its node to an address the other hosts can reach%s",
+                 bad, h->name, h->address, from, more);
+    } else {
+        snprintf(why, n,
+                 "rank %d (%s) advertises %s, a loopback address, but rank %d runs on another "
+                 "host (its join came from %s): set WEFT_LISTEN_HOST or WEFT_SOCKET_IFNAME on "
+                 "rank %d's node to an address the other hosts can reach%s",
+                 bad, h->name, h->address, remote, from, bad, more);
+    }
+    return true;
+}
+
+/* The world is decided against: every joiner's join fails with @p st and jn->why, and so does
+ * rank 0's. Called with jn->mu held. */
+static void refuse_world_locked(weft_agent_t *a, weft_status_t st)
+{
+    weft__join_t *jn = a->join;
+
+    jn->failed = st;
+    WEFT_ERROR("rendezvous: %s", jn->why);
+    for (int i = 1; i < a->world_size; i++) {
+        answer_error_locked(jn->calls[i], st, jn->why);
+    }
+    pthread_cond_broadcast(&jn->cv);
+}
+
 /* All ranks are in: answer everyone with the world. Called with jn->mu held. */
 static void decide_world_locked(weft_agent_t *a)
 {
     weft__join_t *jn = a->join;
     Weft__V1__WorldMap map = WEFT__V1__WORLD_MAP__INIT;
-    Weft__V1__Worker *w = weft_calloc((size_t)a->world_size, sizeof(*w));
-    Weft__V1__Worker **wp = weft_calloc((size_t)a->world_size, sizeof(*wp));
 
     jn->decided = true;
+    if (loopback_across_hosts(a, jn->why, sizeof(jn->why))) {
+        refuse_world_locked(a, WEFT_ERR_RENDEZVOUS);
+        return;
+    }
+    Weft__V1__Worker *w = weft_calloc((size_t)a->world_size, sizeof(*w));
+    Weft__V1__Worker **wp = weft_calloc((size_t)a->world_size, sizeof(*wp));
     if (w == NULL || wp == NULL) {
         weft_free(w);
         weft_free(wp);
-        for (int i = 1; i < a->world_size; i++) {
-            answer_error_locked(jn->calls[i], WEFT_ERR_NO_MEMORY, "master ran out of memory");
-        }
+        snprintf(jn->why, sizeof(jn->why), "master ran out of memory");
+        refuse_world_locked(a, WEFT_ERR_NO_MEMORY);
         return;
     }
     for (int i = 0; i < a->world_size; i++) {
@@ -274,8 +444,7 @@ static void recv_done(weft__op_t *op, int ok)
     int left = j->refs;
     pthread_mutex_unlock(&jn->mu);
     if (left == 0) {
-        grpc_call_unref(j->call);
-        weft_free(j);
+        join_call_destroy(j);
     }
 }
 
@@ -317,6 +486,7 @@ void weft__join_accept(weft_agent_t *a, grpc_call *call)
     }
     j->agent = a;
     j->call = call;
+    j->peer = grpc_call_get_peer(call);
     j->rank = -1;
     j->recv_op.cb = recv_done;
     j->send_op.cb = send_done;
@@ -420,6 +590,9 @@ static weft_status_t rendezvous_master(weft_agent_t *a)
             WEFT_ERROR("%s", why);
             break;
         }
+    }
+    if (st == WEFT_OK && jn->failed != WEFT_OK) {
+        st = weft__set_error(jn->failed, "rendezvous: %s", jn->why);
     }
     pthread_mutex_unlock(&jn->mu);
     return st;

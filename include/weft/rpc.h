@@ -48,7 +48,9 @@ typedef struct {
     const char *master_addr; /**< NULL: WEFT_MASTER_ADDR / MASTER_ADDR, else "127.0.0.1" */
     int master_port; /**< -1: WEFT_MASTER_PORT / MASTER_PORT (rank 0 may use 0: any free port) */
     const char *listen_host; /**< host other ranks reach this one at; NULL: WEFT_LISTEN_HOST, else
-                                master_addr when it is loopback, else this host's name */
+                                WEFT_SOCKET_IFNAME's IPv4 address, else 127.0.0.1 when master_addr
+                                is loopback, else the address of the interface toward the master
+                                (docs/weftrun.md) */
     const char *auth_token;  /**< the job's shared secret; NULL: WEFT_AUTH_TOKEN or none */
     int64_t rendezvous_timeout_ms; /**< 0: WEFT_RENDEZVOUS_TIMEOUT_MS or 60000 */
     int64_t default_timeout_ms;    /**< a call's deadline when it gives 0; 0: WEFT_RPC_TIMEOUT_MS
