@@ -118,7 +118,7 @@ struct weft_tensor {
     int64_t shape[WEFT_MAX_DIMS];
     int64_t numel;
     size_t nbytes;
-    void *ag;                   /* autograd metadata (the autograd module's), owned */
+    void *ag; /* autograd metadata (the autograd module's), owned */
     void (*ag_free)(void *ag);
 };
 
@@ -362,8 +362,7 @@ weft_status_t weft__tensor_grow_begin(weft_dtype_t dtype, int ndim, const int64_
         s = weft_alloc(grow_header() + WEFT__TENSOR_ALIGN + cap);
         if (s == NULL) {
             weft_free(g);
-            return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: out of memory for %zu bytes",
-                                   cap);
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: out of memory for %zu bytes", cap);
         }
     }
     g->s = s;
@@ -599,8 +598,7 @@ void *weft__tensor_ag(const weft_tensor_t *t)
 int weft__tensor_exclusive(const weft_tensor_t *t)
 {
     return atomic_load_explicit(&t->refs, memory_order_acquire) == 1 &&
-           atomic_load_explicit(&t->storage->refs, memory_order_acquire) == 1 &&
-           t->storage->owned;
+           atomic_load_explicit(&t->storage->refs, memory_order_acquire) == 1 && t->storage->owned;
 }
 
 void weft__tensor_set_ag(weft_tensor_t *t, void *ag, void (*ag_free)(void *ag))

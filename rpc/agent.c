@@ -248,18 +248,18 @@ static weft_status_t resolve_opts(weft_agent_t *a, const weft_agent_opts_t *o)
         a, o->listen_host != NULL ? o->listen_host : weft__cfg_str(WEFT__CFG_LISTEN_HOST), buf,
         sizeof(buf), &host));
     a->listen_host = weft_strdup(host);
-    a->auth_token = weft_strdup(o->auth_token != NULL ? o->auth_token
-                                                      : weft__cfg_str(WEFT__CFG_AUTH_TOKEN));
+    a->auth_token =
+        weft_strdup(o->auth_token != NULL ? o->auth_token : weft__cfg_str(WEFT__CFG_AUTH_TOKEN));
     a->rendezvous_timeout_ms = o->rendezvous_timeout_ms > 0
                                    ? o->rendezvous_timeout_ms
                                    : weft__cfg_int(WEFT__CFG_RENDEZVOUS_TIMEOUT_MS);
-    a->default_timeout_ms = o->default_timeout_ms > 0 ? o->default_timeout_ms
-                                                      : weft__cfg_int(WEFT__CFG_RPC_TIMEOUT_MS);
+    a->default_timeout_ms =
+        o->default_timeout_ms > 0 ? o->default_timeout_ms : weft__cfg_int(WEFT__CFG_RPC_TIMEOUT_MS);
     a->peer_timeout_ms =
         o->peer_timeout_ms > 0 ? o->peer_timeout_ms : weft__cfg_int(WEFT__CFG_PEER_TIMEOUT_MS);
     a->handshake_timeout_ms = weft__cfg_int(WEFT__CFG_HANDSHAKE_TIMEOUT_MS);
-    a->handler_threads = o->handler_threads > 0 ? o->handler_threads
-                                                : (int)weft__cfg_int(WEFT__CFG_HANDLER_THREADS);
+    a->handler_threads =
+        o->handler_threads > 0 ? o->handler_threads : (int)weft__cfg_int(WEFT__CFG_HANDLER_THREADS);
     int64_t maxb = o->max_message_bytes > 0 ? o->max_message_bytes
                                             : weft__cfg_int(WEFT__CFG_MAX_MESSAGE_BYTES);
     if (maxb > (int64_t)WEFT__MAX_MESSAGE) {
@@ -540,7 +540,6 @@ void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const ch
     weft__shutdown_peer_lost(a, rank);
     weft__modules_peer_lost(a, rank, why);
 }
-
 
 /* ------------------------------------------------------------ lifecycle */
 

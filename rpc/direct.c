@@ -41,7 +41,7 @@
 #define LAND_MAX_PAYLOAD 65536               /* larger payloads do not ask where to land */
 #define LOWAT_MIN        ((size_t)64 << 10)  /* reads this large wake less often */
 #define LOWAT_MAX        ((size_t)256 << 10)
-#define GROW_MIN         ((size_t)64 << 20)  /* tensors this large grow as their bytes arrive */
+#define GROW_MIN         ((size_t)64 << 20) /* tensors this large grow as their bytes arrive */
 
 typedef struct conn_in {
     struct conn_in *next;
@@ -321,11 +321,12 @@ static int open_out(weft_agent_t *a, int peer)
         if (read_until(fd, text, k, deadline)) {
             text[k] = '\0';
         }
-        WEFT_WARN("direct connection to rank %d at %s refused (%s): %s; large frames take the "
-                  "stream",
-                  peer, addr, weft_strerror(weft_status_valid(status) ? (weft_status_t)status
-                                                                      : WEFT_ERR_PROTOCOL),
-                  text);
+        WEFT_WARN(
+            "direct connection to rank %d at %s refused (%s): %s; large frames take the "
+            "stream",
+            peer, addr,
+            weft_strerror(weft_status_valid(status) ? (weft_status_t)status : WEFT_ERR_PROTOCOL),
+            text);
         weft_free(hello);
         close(fd);
         return -1;
@@ -334,8 +335,8 @@ static int open_out(weft_agent_t *a, int peer)
     return fd;
 
 err_close:
-    WEFT_WARN("direct connection to rank %d at %s failed (%s); large frames take the stream",
-              peer, addr, why);
+    WEFT_WARN("direct connection to rank %d at %s failed (%s); large frames take the stream", peer,
+              addr, why);
     weft_free(hello);
     close(fd);
     return -1;
@@ -363,7 +364,8 @@ static int handshake_in(conn_in_t *c)
 
     put_u32(ch, DIRECT_MAGIC);
     put_u32(ch + 4, DIRECT_VERSION);
-    if (weft__random_bytes(ch + 8, WEFT__CHALLENGE_BYTES) != WEFT_OK || !write_all(c->fd, ch, sizeof(ch))) {
+    if (weft__random_bytes(ch + 8, WEFT__CHALLENGE_BYTES) != WEFT_OK ||
+        !write_all(c->fd, ch, sizeof(ch))) {
         return -1;
     }
     if (!read_until(c->fd, hdr, sizeof(hdr), deadline)) {
@@ -743,8 +745,8 @@ static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__modu
     }
     weft_landing_t l = {0};
     bool deliver = true;
-    if (mod->desc.lander(mod->state, peer, pl, env->payload_bytes, (weft_dtype_t)tm->dtype,
-                         numel, &l)) {
+    if (mod->desc.lander(mod->state, peer, pl, env->payload_bytes, (weft_dtype_t)tm->dtype, numel,
+                         &l)) {
         ok = land_bytes(c, &l, nb);
         l.done(l.arg, ok);
     } else {
@@ -861,8 +863,8 @@ static bool read_frame(conn_in_t *c)
     }
     uint32_t elen = get_u32(lenb);
     if (elen > WEFT__MAX_ENVELOPE) {
-        WEFT_WARN("direct connection from rank %d: an envelope of %u bytes (max %u); closing",
-                  peer, elen, WEFT__MAX_ENVELOPE);
+        WEFT_WARN("direct connection from rank %d: an envelope of %u bytes (max %u); closing", peer,
+                  elen, WEFT__MAX_ENVELOPE);
         return false;
     }
     uint8_t *ebuf = weft_alloc(elen == 0 ? 1 : elen);
