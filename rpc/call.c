@@ -437,23 +437,23 @@ static void pending_deadline(void *arg, uint64_t id)
 }
 
 /* Whether a RESPONSE from @p o may answer @p p: from the rank the request went to, back the way
- * it went (a request on a stream: its answer on that stream, or a large one direct; a request
- * direct: its answer direct, or on the peer's stream when it has no direct connection to us). */
+ * it went (a request on a stream: its answer on that stream, or a large one direct). A request
+ * handed to the direct connection may be answered on any connection of that rank: direct, its
+ * stream to us (it has no direct connection to us), or our stream to it (the request fell back to
+ * it when the direct connection could not be opened). Every one of those is the rank's: proven
+ * by its key, or opened by us to its address. */
 static bool answer_way_ok(const weft__pending_t *p, const weft__origin_t *o)
 {
     if (p->peer != o->peer) {
         return false;
     }
-    if (o->tp == WEFT__TP_DIRECT || p->path.tp == WEFT__TP_COUNT) {
+    if (o->tp == WEFT__TP_DIRECT || p->path.tp == WEFT__TP_COUNT || p->path.tp == WEFT__TP_DIRECT) {
         /* Direct connections carry large answers to every request; and until the route has
          * recorded the way (the microseconds while it is handed over) any connection the peer
          * proved is accepted. */
         return true;
     }
-    if (p->path.tp == WEFT__TP_STREAM) {
-        return o->client && o->stream == p->path.stream;
-    }
-    return !o->client;
+    return o->client && o->stream == p->path.stream;
 }
 
 void weft__call_response(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Envelope *env,
