@@ -488,6 +488,12 @@ void weft__agent_track_stream(weft_agent_t *a, bool add)
 
 weft_status_t weft__agent_wait_joined(weft_agent_t *a)
 {
+    return weft__agent_wait_joined_until(a, weft__now_ns() +
+                                                (a->rendezvous_timeout_ms + 5000) * 1000000);
+}
+
+weft_status_t weft__agent_wait_joined_until(weft_agent_t *a, int64_t deadline_ns)
+{
     if (atomic_load(&a->state) != WEFT__AGENT_CREATED) {
         return WEFT_OK;
     }
@@ -495,7 +501,8 @@ weft_status_t weft__agent_wait_joined(weft_agent_t *a)
         return weft__set_error(WEFT_ERR_INVALID_STATE, "rpc: the agent has not joined yet");
     }
     /* A peer that joined first calls us: wait for our own join to end. */
-    weft_status_t st = weft_future_wait(a->join_done, a->rendezvous_timeout_ms + 5000);
+    int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;
+    weft_status_t st = weft_future_wait(a->join_done, left_ms > 0 ? left_ms : 1);
     if (st != WEFT_OK) {
         return weft__set_error(WEFT_ERR_INVALID_STATE, "rpc: the agent's join failed: %s",
                                weft_future_done(a->join_done) ? weft_future_error(a->join_done)

@@ -57,9 +57,11 @@ typedef struct conn_in {
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int fd;                /* -1 until connected */
-    bool started;          /* sender thread running */
-    _Atomic bool unusable; /* connect failed: this peer's frames take the stream */
+    int fd;                   /* -1 until connected */
+    bool started;             /* sender thread running */
+    _Atomic bool unusable;    /* the last connect failed: this peer's frames take the stream */
+    _Atomic int64_t retry_ns; /* while unusable: when to try connecting again */
+    int fails;                /* connects failed in a row (the wait before the next doubles) */
     weft__outmsg_t *qh, *qt;
     pthread_t thread;
     weft_agent_t *agent;
@@ -369,8 +371,12 @@ static int handshake_in(conn_in_t *c)
         return -1;
     }
     if (!read_until(c->fd, hdr, sizeof(hdr), deadline)) {
-        WEFT_WARN("closed a direct connection: no handshake within %lld ms",
-                  (long long)a->handshake_timeout_ms);
+        if (weft__now_ns() >= deadline) {
+            WEFT_WARN("closed a direct connection: no handshake within %lld ms",
+                      (long long)a->handshake_timeout_ms);
+        } else {
+            WEFT_WARN("a direct connection closed or failed before its handshake");
+        }
         return -1;
     }
     uint32_t hlen = get_u32(hdr + 8);
@@ -388,7 +394,8 @@ static int handshake_in(conn_in_t *c)
     }
     Weft__V1__Hello *h = weft__v1__hello__unpack(&weft__pb_allocator, hlen, buf);
     weft_free(buf);
-    weft_status_t st = weft__hello_check(a, h, WEFT__HELLO_DIRECT, ch + 8, why, sizeof(why));
+    weft_status_t st =
+        weft__hello_check(a, h, WEFT__HELLO_DIRECT, ch + 8, deadline, why, sizeof(why));
     int rank = st == WEFT_OK ? h->rank : -1;
     if (h != NULL) {
         weft__v1__hello__free_unpacked(h, &weft__pb_allocator);
@@ -441,6 +448,12 @@ static void write_out(conn_out_t *c, int fd, weft__outmsg_t *m)
     }
 }
 
+/* Whether a connection may be tried: never tried, or the wait after the last failure is over. */
+static bool retry_due(conn_out_t *c)
+{
+    return !atomic_load(&c->unusable) || weft__now_ns() >= atomic_load(&c->retry_ns);
+}
+
 static void *sender_main(void *arg)
 {
     conn_out_t *c = arg;
@@ -467,7 +480,7 @@ static void *sender_main(void *arg)
             pthread_mutex_lock(&c->mu);
             continue;
         }
-        if (c->fd < 0 && !atomic_load(&c->unusable)) {
+        if (c->fd < 0 && retry_due(c)) {
             pthread_mutex_unlock(&c->mu);
             int fd = open_out(a, c->peer);
             pthread_mutex_lock(&c->mu);
@@ -480,6 +493,15 @@ static void *sender_main(void *arg)
                 continue;
             }
             c->fd = fd;
+            if (fd >= 0) {
+                c->fails = 0;
+            } else {
+                /* Tried again after 1 s, then 2, 4 ... up to a minute: a peer whose direct
+                 * listener was full or unreachable for a while gets its direct path back. */
+                int64_t wait_ms = (int64_t)1000 << (c->fails < 6 ? c->fails : 6);
+                c->fails++;
+                atomic_store(&c->retry_ns, weft__now_ns() + wait_ms * 1000000);
+            }
             atomic_store(&c->unusable, fd < 0);
         }
         int fd = c->fd;
@@ -555,8 +577,7 @@ static bool tp_usable(weft_agent_t *a, int peer)
         return false;
     }
     const char *addr = a->peers[peer].direct_address;
-    return addr != NULL && addr[0] != '\0' && !atomic_load(&d->outs[peer].unusable) &&
-           !d->outs[peer].cut;
+    return addr != NULL && addr[0] != '\0' && retry_due(&d->outs[peer]) && !d->outs[peer].cut;
 }
 
 static void tp_cut(weft_agent_t *a, int peer)
@@ -659,9 +680,10 @@ static bool await_bytes(conn_in_t *c)
 
 /* A large tensor: received into a buffer that grows as its bytes arrive (core's growing tensors:
  * a block the large-block cache holds already is taken whole), so that a frame announcing
- * gigabytes holds only what was sent. */
+ * gigabytes holds only what was sent. *got_p: the bytes of it read from the connection (all of
+ * them on success; on a failure, what the rest of the body must be skipped from). */
 static weft_status_t read_grown(conn_in_t *c, const Weft__V1__TensorMeta *tm, weft_tensor_t **t_p,
-                                bool *broke_p)
+                                uint64_t *got_p, bool *broke_p)
 {
     size_t n = (size_t)tm->nbytes;
     weft__tgrow_t *g;
@@ -669,6 +691,7 @@ static weft_status_t read_grown(conn_in_t *c, const Weft__V1__TensorMeta *tm, we
     size_t cap, got = 0;
 
     *broke_p = false;
+    *got_p = 0;
     WEFT_CHECK(weft__tensor_grow_begin((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape,
                                        GROW_MIN, &g, &data, &cap));
     while (got < n) {
@@ -676,6 +699,7 @@ static weft_status_t read_grown(conn_in_t *c, const Weft__V1__TensorMeta *tm, we
             weft_status_t st = weft__tensor_grow_to(g, cap * 2, got, &data);
             if (st != WEFT_OK) {
                 weft__tensor_grow_abort(g);
+                *got_p = got;
                 return st;
             }
             cap = cap * 2 < n ? cap * 2 : n;
@@ -688,7 +712,46 @@ static weft_status_t read_grown(conn_in_t *c, const Weft__V1__TensorMeta *tm, we
         }
         got += k;
     }
+    *got_p = got;
     return weft__tensor_grow_end(g, t_p);
+}
+
+/* A payload, in a buffer that grows as its bytes arrive (from GROW_MIN, doubling), as large
+ * tensors do. *got_p as for read_grown. */
+static weft_status_t read_payload(conn_in_t *c, uint64_t n, void **pl_p, uint64_t *got_p,
+                                  bool *broke_p)
+{
+    size_t cap = n < GROW_MIN ? (size_t)n : GROW_MIN, got = 0;
+    uint8_t *p = weft_alloc(cap);
+
+    *broke_p = false;
+    *got_p = 0;
+    *pl_p = NULL;
+    while (p != NULL && got < n) {
+        if (got == cap) {
+            size_t next = (uint64_t)cap * 2 < n ? cap * 2 : (size_t)n;
+            uint8_t *q = weft_realloc(p, next);
+            if (q == NULL) {
+                break;
+            }
+            p = q;
+            cap = next;
+        }
+        if (!read_body(c, p + got, cap - got)) {
+            weft_free(p);
+            *broke_p = true;
+            return WEFT_ERR_PEER_LOST;
+        }
+        got = cap;
+    }
+    *got_p = got;
+    if (p == NULL || got < n) {
+        weft_free(p);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for a %llu-byte payload",
+                               (unsigned long long)n);
+    }
+    *pl_p = p;
+    return WEFT_OK;
 }
 
 /* Reads @p n bytes into a landing; false when the connection broke. */
@@ -794,56 +857,65 @@ static bool read_value(conn_in_t *c, const Weft__V1__Envelope *env, uint64_t bod
             weft_value_free(v);
             return false;
         }
-        void *pl = weft_alloc(env->payload_bytes);
-        if (pl == NULL) {
-            *st_p = weft__set_error(WEFT_ERR_NO_MEMORY, "no memory for a %llu-byte payload",
-                                    (unsigned long long)env->payload_bytes);
-            weft_value_free(v);
-            return skip_all(c->fd, body);
-        }
-        if (!read_all(c->fd, pl, env->payload_bytes)) {
-            weft_free(pl);
+        void *pl = NULL;
+        uint64_t got = 0;
+        bool broke = false;
+        weft_status_t st = read_payload(c, env->payload_bytes, &pl, &got, &broke);
+        if (broke) {
             weft_value_free(v);
             return false;
         }
-        done += env->payload_bytes;
-        if (weft_value_take_payload(v, pl, env->payload_bytes) != WEFT_OK) {
-            weft_free(pl);
-        }
-    }
-    for (size_t i = 0; i < env->n_tensors; i++) {
-        const Weft__V1__TensorMeta *tm = env->tensors[i];
-        weft_tensor_t *t = NULL;
-        weft_status_t st;
-        if (tm->nbytes > 0 && !await_bytes(c)) {
-            weft_value_free(v);
-            return false;
-        }
-        if (tm->nbytes >= GROW_MIN) {
-            bool broke = false;
-            st = read_grown(c, tm, &t, &broke);
-            if (broke) {
-                weft_value_free(v);
-                return false;
+        done += got;
+        if (st == WEFT_OK) {
+            st = weft_value_take_payload(v, pl, env->payload_bytes);
+            if (st != WEFT_OK) {
+                weft_free(pl);
             }
-        } else {
-            st = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t);
-            if (st == WEFT_OK && !read_body(c, weft_tensor_data(t), (size_t)tm->nbytes)) {
-                weft_tensor_release(t);
-                weft_value_free(v);
-                return false;
-            }
-        }
-        if (st == WEFT_OK && weft_value_push_tensor(v, t) != WEFT_OK) {
-            weft_tensor_release(t);
-            st = weft__set_error(WEFT_ERR_NO_MEMORY, "no memory");
         }
         if (st != WEFT_OK) {
             *st_p = st;
             weft_value_free(v);
             return skip_all(c->fd, body - done);
         }
-        done += tm->nbytes;
+    }
+    for (size_t i = 0; i < env->n_tensors; i++) {
+        const Weft__V1__TensorMeta *tm = env->tensors[i];
+        weft_tensor_t *t = NULL;
+        weft_status_t st;
+        uint64_t got = 0; /* this tensor's bytes read from the connection */
+        if (tm->nbytes > 0 && !await_bytes(c)) {
+            weft_value_free(v);
+            return false;
+        }
+        if (tm->nbytes >= GROW_MIN) {
+            bool broke = false;
+            st = read_grown(c, tm, &t, &got, &broke);
+            if (broke) {
+                weft_value_free(v);
+                return false;
+            }
+        } else {
+            st = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t);
+            if (st == WEFT_OK) {
+                if (!read_body(c, weft_tensor_data(t), (size_t)tm->nbytes)) {
+                    weft_tensor_release(t);
+                    weft_value_free(v);
+                    return false;
+                }
+                got = tm->nbytes;
+            }
+        }
+        done += got;
+        if (st == WEFT_OK && weft_value_push_tensor(v, t) != WEFT_OK) {
+            weft_tensor_release(t);
+            st = weft__set_error(WEFT_ERR_NO_MEMORY, "no memory");
+        }
+        if (st != WEFT_OK) {
+            /* The rest of the body, from what was read: the connection stays framed. */
+            *st_p = st;
+            weft_value_free(v);
+            return skip_all(c->fd, body - done);
+        }
     }
     *v_p = v;
     return true;

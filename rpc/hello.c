@@ -129,7 +129,7 @@ weft_status_t weft__random_bytes(uint8_t *buf, size_t n)
 }
 
 weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h, weft__hello_kind_t kind,
-                                const uint8_t *challenge, char *why, size_t n)
+                                const uint8_t *challenge, int64_t deadline_ns, char *why, size_t n)
 {
     if (h == NULL) {
         snprintf(why, n, "the first message is not a Hello");
@@ -171,7 +171,7 @@ weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h, weft_
         return WEFT_OK;
     }
     /* A connection: its rank is proven with the key the world map holds for it. */
-    if (weft__agent_wait_joined(a) != WEFT_OK) {
+    if (weft__agent_wait_joined_until(a, deadline_ns) != WEFT_OK) {
         snprintf(why, n, "%s has not joined a world: %s", a->name, weft_last_error());
         return WEFT_ERR_INVALID_STATE;
     }

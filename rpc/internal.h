@@ -265,11 +265,13 @@ typedef enum {
  * THE HELLO CHECK, for a Join, a stream and a direct connection: protocol version, the job's
  * token (compared in constant time), world size, rank range, and (connections) the proof of the
  * claimed rank with its key from the world map. A connection that arrives before this rank's own
- * join finished waits for it. The refusal's text goes to @p why.
- * WEFT_ERR_VERSION, WEFT_ERR_AUTH, WEFT_ERR_MISMATCH, WEFT_ERR_INVALID_ARG, WEFT_ERR_PROTOCOL.
+ * join finished waits for it, until @p deadline_ns (its handshake deadline; unused for a Join).
+ * The refusal's text goes to @p why.
+ * WEFT_ERR_VERSION, WEFT_ERR_AUTH, WEFT_ERR_MISMATCH, WEFT_ERR_INVALID_ARG, WEFT_ERR_PROTOCOL,
+ * WEFT_ERR_INVALID_STATE.
  */
 weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h, weft__hello_kind_t kind,
-                                const uint8_t *challenge, char *why, size_t n);
+                                const uint8_t *challenge, int64_t deadline_ns, char *why, size_t n);
 /* Constant-time comparison of two secrets (length included). */
 bool weft__secret_equal(const void *x, size_t xlen, const void *y, size_t ylen);
 /* Cryptographically random bytes. */
@@ -429,6 +431,8 @@ void weft__agent_channel_args(weft_agent_t *a, bool server, grpc_channel_args *o
 /* Waits (bounded by the rendezvous timeout) for a join under way to end: WEFT_OK when the agent
  * is joined (or past it), else WEFT_ERR_INVALID_STATE with a text. Any thread. */
 weft_status_t weft__agent_wait_joined(weft_agent_t *a);
+/* The same, giving up at @p deadline_ns (a connection's handshake deadline). */
+weft_status_t weft__agent_wait_joined_until(weft_agent_t *a, int64_t deadline_ns);
 /* A user call finished on either side: wakes shutdown's wait for passivity. */
 void weft__agent_passive_check(weft_agent_t *a);
 

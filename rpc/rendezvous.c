@@ -369,7 +369,7 @@ static weft_status_t check_join(weft_agent_t *a, const Weft__V1__Hello *h, char 
 {
     weft__join_t *jn = a->join;
 
-    weft_status_t st = weft__hello_check(a, h, WEFT__HELLO_JOIN, NULL, why, n);
+    weft_status_t st = weft__hello_check(a, h, WEFT__HELLO_JOIN, NULL, 0, why, n);
     if (st != WEFT_OK) {
         return st;
     }

@@ -47,9 +47,12 @@ struct weft__stream {
     grpc_byte_buffer *recv_bb;
     bool hello_ok;   /* server: the Hello was accepted; client: HELLO_ACK came */
     bool challenged; /* client: the challenge came and the Hello is queued */
-    bool registered; /* server: it is its peer's proven stream (peers[].server_stream) */
+    /* The handshake was decided (under mu): its deadline passed, or (server) the Hello came, or
+     * (client) its answer came; whichever is first, the other does nothing. */
+    bool hs_over;
+    int64_t hs_deadline_ns;                   /* the handshake's deadline */
     uint8_t challenge[WEFT__CHALLENGE_BYTES]; /* server */
-    _Atomic uint64_t hello_timer;             /* server: the handshake deadline's task */
+    _Atomic uint64_t hello_timer;             /* the handshake deadline's task */
     uint64_t received; /* messages received (numbering; one receive at a time) */
     uint64_t framed;   /* messages whose frames have been read, in order */
     pthread_cond_t turn_cv;
@@ -422,21 +425,44 @@ static void finish(weft__stream_t *s, grpc_status_code code, const char *text)
 
 /* ------------------------------------------------------------------ opening */
 
-/* Server: the handshake deadline passed (a task on the agent's timer holding a reference). */
+/* Claims the handshake's outcome: true for the first of the deadline and the handshake's end. */
+static bool hs_claim(weft__stream_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    bool first = !s->hs_over;
+    s->hs_over = true;
+    pthread_mutex_unlock(&s->mu);
+    return first;
+}
+
+/* The handshake deadline passed (a task on the agent's timer holding a reference). Server: no
+ * Hello came, the stream is closed. Client: no answer to the Hello came (or no challenge), the
+ * peer cannot be spoken to: it is lost. */
 static void hello_deadline(void *arg, uint64_t data)
 {
     weft__stream_t *s = arg;
+    weft_agent_t *a = s->agent;
     (void)data;
 
-    pthread_mutex_lock(&s->mu);
-    bool ok = s->hello_ok;
-    pthread_mutex_unlock(&s->mu);
-    if (!ok) {
-        char why[160];
-        snprintf(why, sizeof(why), "no Hello within %lld ms of the stream's start",
-                 (long long)s->agent->handshake_timeout_ms);
-        WEFT_WARN("closed a stream: %s", why);
-        grpc_call_cancel_with_status(s->call, GRPC_STATUS_UNAUTHENTICATED, why, NULL);
+    if (hs_claim(s)) {
+        char why[256];
+        if (s->client) {
+            int peer = weft__stream_peer(s);
+            snprintf(why, sizeof(why),
+                     "%s (rank %d) did not complete the stream's handshake within %lld ms",
+                     a->peers[peer].name != NULL ? a->peers[peer].name : "?", peer,
+                     (long long)(2 * a->handshake_timeout_ms));
+            stream_dead(s, WEFT_ERR_PEER_LOST, why);
+            if (!weft__agent_closing(a)) {
+                weft__agent_peer_lost(a, peer, WEFT_ERR_PEER_LOST, why);
+            }
+            grpc_call_cancel_with_status(s->call, GRPC_STATUS_DEADLINE_EXCEEDED, why, NULL);
+        } else {
+            snprintf(why, sizeof(why), "no Hello within %lld ms of the stream's start",
+                     (long long)a->handshake_timeout_ms);
+            WEFT_WARN("closed a stream: %s", why);
+            grpc_call_cancel_with_status(s->call, GRPC_STATUS_UNAUTHENTICATED, why, NULL);
+        }
     }
     weft__stream_unref(s);
 }
@@ -447,7 +473,7 @@ static void hello_deadline_drop(void *arg, uint64_t data)
     weft__stream_unref(arg);
 }
 
-/* Server: takes the handshake deadline back (the Hello came, or the stream ended). */
+/* Takes the handshake deadline back (the handshake ended, or the stream did). */
 static void hello_timer_cancel(weft__stream_t *s)
 {
     uint64_t id = atomic_exchange(&s->hello_timer, 0);
@@ -456,6 +482,8 @@ static void hello_timer_cancel(weft__stream_t *s)
     }
 }
 
+static bool server_unregister(weft__stream_t *s);
+
 /* The Hello that opens a server stream; true if accepted. */
 static bool server_hello(weft__stream_t *s, weft_status_t st, Weft__V1__Envelope *env)
 {
@@ -463,8 +491,13 @@ static bool server_hello(weft__stream_t *s, weft_status_t st, Weft__V1__Envelope
     char why[512];
     Weft__V1__Envelope ack = WEFT__V1__ENVELOPE__INIT;
 
+    if (!hs_claim(s)) {
+        return false; /* the deadline passed first: the stream is being closed */
+    }
+    hello_timer_cancel(s);
     if (st == WEFT_OK && env->kind == WEFT__V1__KIND__KIND_HELLO) {
-        st = weft__hello_check(a, env->hello, WEFT__HELLO_STREAM, s->challenge, why, sizeof(why));
+        st = weft__hello_check(a, env->hello, WEFT__HELLO_STREAM, s->challenge, s->hs_deadline_ns,
+                               why, sizeof(why));
     } else if (st == WEFT_OK) {
         st = WEFT_ERR_PROTOCOL;
         snprintf(why, sizeof(why), "the first message of a stream must be a Hello");
@@ -480,15 +513,26 @@ static bool server_hello(weft__stream_t *s, weft_status_t st, Weft__V1__Envelope
             snprintf(why, sizeof(why), "rank %d has a stream to %s already", env->hello->rank,
                      a->name);
         } else {
+            /* Its rank first: server_unregister finds the stream by it. */
+            atomic_store(&s->peer, env->hello->rank);
             p->server_stream = s;
-            s->registered = true;
         }
         pthread_mutex_unlock(&p->mu);
+        if (st == WEFT_OK) {
+            pthread_mutex_lock(&s->mu);
+            bool dead = s->dead;
+            pthread_mutex_unlock(&s->mu);
+            if (dead) {
+                /* The stream ended while the Hello was checked (server_end ran, or runs, after
+                 * its death was marked): it never speaks for the rank. */
+                (void)server_unregister(s);
+                return false;
+            }
+        }
     }
     ack.kind = WEFT__V1__KIND__KIND_HELLO_ACK;
     ack.src_rank = a->rank;
     ack.status = st;
-    hello_timer_cancel(s);
     if (st != WEFT_OK) {
         WEFT_WARN("refused a connection: %s", why);
         ack.error = why;
@@ -498,7 +542,6 @@ static bool server_hello(weft__stream_t *s, weft_status_t st, Weft__V1__Envelope
                why);
         return false;
     }
-    atomic_store(&s->peer, env->hello->rank);
     pthread_mutex_lock(&s->mu);
     s->hello_ok = true;
     pthread_mutex_unlock(&s->mu);
@@ -579,6 +622,10 @@ static bool client_ack(weft__stream_t *s, const Weft__V1__Envelope *env)
     weft_agent_t *a = s->agent;
     int peer = weft__stream_peer(s);
 
+    if (!hs_claim(s)) {
+        return false; /* too late: the deadline declared the stream dead */
+    }
+    hello_timer_cancel(s);
     if (env->status == 0) {
         s->hello_ok = true;
         return true;
@@ -589,7 +636,9 @@ static bool client_ack(weft__stream_t *s, const Weft__V1__Envelope *env)
     weft_status_t est =
         weft_status_valid(env->status) ? (weft_status_t)env->status : WEFT_ERR_PROTOCOL;
     stream_dead(s, est, why);
-    weft__agent_peer_lost(a, peer, est, why);
+    if (!weft__agent_closing(a)) {
+        weft__agent_peer_lost(a, peer, est, why);
+    }
     return false;
 }
 
@@ -669,7 +718,9 @@ static void read_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq, 
                     snprintf(why, sizeof(why), "could not answer rank %d's challenge: %s", o.peer,
                              weft_last_error());
                     stream_dead(s, st, why);
-                    weft__agent_peer_lost(a, o.peer, st, why);
+                    if (!weft__agent_closing(a)) {
+                        weft__agent_peer_lost(a, o.peer, st, why);
+                    }
                 }
             } else if (ok) {
                 ok = client_ack(s, env);
@@ -678,7 +729,9 @@ static void read_message(weft__stream_t *s, grpc_byte_buffer *bb, uint64_t seq, 
                 snprintf(why, sizeof(why), "rank %d's answer to the Hello is unreadable: %s",
                          o.peer, weft_last_error());
                 stream_dead(s, st, why);
-                weft__agent_peer_lost(a, o.peer, st, why);
+                if (!weft__agent_closing(a)) {
+                    weft__agent_peer_lost(a, o.peer, st, why);
+                }
             }
             weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
             if (!ok) {
@@ -776,13 +829,15 @@ static void bulk_run(void *arg)
     weft_free(t);
 }
 
-/* Server: the stream stops speaking for its peer (it ends); true if it did until now. */
+/* Server: the stream stops speaking for its peer (it ends); true if it did until now. Its rank
+ * is set before it is registered (both under the peer's lock), so a stream without a rank was
+ * never registered. */
 static bool server_unregister(weft__stream_t *s)
 {
-    int peer = weft__stream_peer(s);
+    int peer = s->client ? -1 : weft__stream_peer(s);
     bool was = false;
 
-    if (peer < 0 || !s->registered) {
+    if (peer < 0) {
         return false;
     }
     weft__peer_t *p = &s->agent->peers[peer];
@@ -854,6 +909,7 @@ static void client_end(weft__op_t *op, int ok)
     char *det = grpc_slice_to_c_string(s->details);
 
     (void)ok;
+    hello_timer_cancel(s);
     if (s->status == GRPC_STATUS_OK) {
         snprintf(why, sizeof(why), "connection to %s (rank %d) was closed by the peer",
                  a->peers[peer].name != NULL ? a->peers[peer].name : "?", peer);
@@ -918,25 +974,27 @@ void weft__stream_accept(weft_agent_t *a, grpc_call *call)
         return;
     }
     s->end_op.cb = server_end;
+    /* A stream that does not send its Hello within the handshake timeout is closed. The task is
+     * queued before the end of the call can be seen, so that server_end always finds it. */
+    weft__stream_ref(s); /* the end of the call's */
+    s->hs_deadline_ns = weft__now_ns() + a->handshake_timeout_ms * 1000000;
+    weft__stream_ref(s); /* the handshake deadline's (dropped by the timer if it cannot queue) */
+    atomic_store(&s->hello_timer, weft__timer_add(a->timer, s->hs_deadline_ns, hello_deadline,
+                                                  hello_deadline_drop, s, 0, NULL));
     memset(&op, 0, sizeof(op));
     op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
     op.data.recv_close_on_server.cancelled = &s->cancelled;
-    weft__stream_ref(s);
     if (grpc_call_start_batch(call, &op, 1, &s->end_op, NULL) != GRPC_CALL_OK) {
+        hello_timer_cancel(s);
         weft__stream_unref(s);
         return;
     }
-    /* The challenge first: the client's Hello signs it. A stream that does not answer within the
-     * handshake timeout is closed. */
+    /* The challenge first: the client's Hello signs it. */
     Weft__V1__Envelope ch = WEFT__V1__ENVELOPE__INIT;
     ch.kind = WEFT__V1__KIND__KIND_CHALLENGE;
     ch.src_rank = a->rank;
     ch.challenge.data = s->challenge;
     ch.challenge.len = sizeof(s->challenge);
-    weft__stream_ref(s); /* the handshake deadline's */
-    uint64_t tid = weft__timer_add(a->timer, weft__now_ns() + a->handshake_timeout_ms * 1000000,
-                                   hello_deadline, hello_deadline_drop, s, 0, NULL);
-    atomic_store(&s->hello_timer, tid);
     if (weft__random_bytes(s->challenge, sizeof(s->challenge)) != WEFT_OK ||
         send_envelope(s, &ch, false) != WEFT_OK || !post_recv(s)) {
         grpc_call_cancel(call, NULL);
@@ -974,6 +1032,13 @@ static weft_status_t stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_
     s->held = true;            /* until the challenge is answered */
     s->md_op.cb = client_md;
     s->end_op.cb = client_end;
+    /* The server answers the Hello within its handshake timeout of accepting the stream; the
+     * client waits twice that from opening it (connecting comes first). No answer by then: the
+     * peer cannot be spoken to, and is lost. */
+    s->hs_deadline_ns = weft__now_ns() + 2 * a->handshake_timeout_ms * 1000000;
+    weft__stream_ref(s); /* the handshake deadline's (dropped by the timer if it cannot queue) */
+    atomic_store(&s->hello_timer, weft__timer_add(a->timer, s->hs_deadline_ns, hello_deadline,
+                                                  hello_deadline_drop, s, 0, NULL));
 
     memset(ops, 0, sizeof(ops));
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
@@ -995,6 +1060,8 @@ static weft_status_t stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_
         weft__stream_unref(s);
     }
     if (e1 != GRPC_CALL_OK || e2 != GRPC_CALL_OK || !post_recv(s)) {
+        (void)hs_claim(s);
+        hello_timer_cancel(s);
         grpc_call_cancel(call, NULL);
         weft__stream_unref(s);
         return weft__set_error(WEFT_ERR_TRANSPORT, "rpc: gRPC refused to start a stream to %s",
