@@ -2,6 +2,8 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -390,6 +392,12 @@ int rawpeer_hello(const char *address, uint32_t version, int rank, int world, co
 int rawpeer_join(const char *address, uint32_t version, int rank, int world, const char *token,
                  char *why, size_t why_len)
 {
+    return rawpeer_join_at(address, version, rank, world, token, "127.0.0.1:1", why, why_len);
+}
+
+int rawpeer_join_at(const char *address, uint32_t version, int rank, int world, const char *token,
+                    const char *my_address, char *why, size_t why_len)
+{
     int result = -1;
     uint8_t key[32] = {0};
     grpc_init();
@@ -399,14 +407,14 @@ int rawpeer_join(const char *address, uint32_t version, int rank, int world, con
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
     grpc_call *call = grpc_channel_create_call(
         ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, grpc_slice_from_static_string("/weft.v1.Agent/Join"),
-        NULL, gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_seconds(15, GPR_TIMESPAN)),
+        NULL, gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_seconds(30, GPR_TIMESPAN)),
         NULL);
     Weft__V1__Hello h = WEFT__V1__HELLO__INIT;
     h.protocol_version = version;
     h.name = "rawjoiner";
     h.rank = rank;
     h.world_size = world;
-    h.address = "127.0.0.1:1";
+    h.address = (char *)my_address;
     h.auth_token.data = (uint8_t *)token;
     h.auth_token.len = strlen(token);
     h.identity_key.data = key;
@@ -436,7 +444,7 @@ int rawpeer_join(const char *address, uint32_t version, int rank, int world, con
     ops[5].data.recv_status_on_client.trailing_metadata = &trailing;
     ops[5].data.recv_status_on_client.status = &code;
     ops[5].data.recv_status_on_client.status_details = &details;
-    (void)run_batch_ms(call, cq, ops, 6, 15000);
+    (void)run_batch_ms(call, cq, ops, 6, 30000);
     if (reply != NULL) {
         uint8_t buf[8192];
         size_t len = flatten(reply, buf, sizeof(buf));
@@ -676,4 +684,109 @@ bool rawpeer_closed_within(int fd, int ms)
             return true;
         }
     }
+}
+
+/* ---- a silent server */
+
+struct rawpeer_silent {
+    grpc_server *server;
+    grpc_completion_queue *cq;
+    pthread_t thread;
+    char address[64];
+    grpc_call *pending; /* the call being requested */
+    grpc_call_details details;
+    grpc_metadata_array md;
+    grpc_call *calls[64]; /* taken, never answered */
+    _Atomic int ncalls;
+    int shutdown_tag;
+    bool requested; /* a request for a call is outstanding */
+};
+
+static void silent_request(rawpeer_silent_t *s)
+{
+    grpc_call_details_init(&s->details);
+    grpc_metadata_array_init(&s->md);
+    s->pending = NULL;
+    s->requested = grpc_server_request_call(s->server, &s->pending, &s->details, &s->md, s->cq,
+                                            s->cq, s) == GRPC_CALL_OK;
+}
+
+static void *silent_main(void *arg)
+{
+    rawpeer_silent_t *s = arg;
+    bool stopping = false;
+    /* Until the server has shut down and the last request for a call came back. */
+    while (!stopping || s->requested) {
+        grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN) {
+            break;
+        }
+        if (ev.tag == &s->shutdown_tag) {
+            stopping = true;
+            continue;
+        }
+        if (ev.tag != s) {
+            continue;
+        }
+        s->requested = false;
+        grpc_call_details_destroy(&s->details);
+        grpc_metadata_array_destroy(&s->md);
+        if (!ev.success) {
+            continue; /* the server is shutting down: no more requests */
+        }
+        int n = atomic_load(&s->ncalls);
+        if (n < 64) {
+            s->calls[n] = s->pending;
+            atomic_store(&s->ncalls, n + 1);
+        } else {
+            grpc_call_unref(s->pending);
+        }
+        silent_request(s);
+    }
+    return NULL;
+}
+
+rawpeer_silent_t *rawpeer_silent_start(void)
+{
+    rawpeer_silent_t *s = calloc(1, sizeof(*s));
+    grpc_init();
+    s->cq = grpc_completion_queue_create_for_next(NULL);
+    s->server = grpc_server_create(NULL, NULL);
+    grpc_server_register_completion_queue(s->server, s->cq, NULL);
+    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    int port = grpc_server_add_http2_port(s->server, "127.0.0.1:0", creds);
+    grpc_server_credentials_release(creds);
+    snprintf(s->address, sizeof(s->address), "127.0.0.1:%d", port);
+    grpc_server_start(s->server);
+    silent_request(s);
+    pthread_create(&s->thread, NULL, silent_main, s);
+    return s;
+}
+
+const char *rawpeer_silent_address(const rawpeer_silent_t *s)
+{
+    return s->address;
+}
+
+int rawpeer_silent_calls(rawpeer_silent_t *s)
+{
+    return atomic_load(&s->ncalls);
+}
+
+void rawpeer_silent_stop(rawpeer_silent_t *s)
+{
+    grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+    grpc_server_cancel_all_calls(s->server);
+    pthread_join(s->thread, NULL);
+    for (int i = 0; i < atomic_load(&s->ncalls); i++) {
+        grpc_call_unref(s->calls[i]);
+    }
+    grpc_server_destroy(s->server);
+    grpc_completion_queue_shutdown(s->cq);
+    while (grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(s->cq);
+    grpc_shutdown();
+    free(s);
 }

@@ -66,6 +66,20 @@ int rawpeer_hello(const char *address, uint32_t version, int rank, int world, co
  * gRPC status). */
 int rawpeer_join(const char *address, uint32_t version, int rank, int world, const char *token,
                  char *why, size_t why_len);
+/* The same, announcing @p my_address as the joiner's (gRPC) address; waits up to 30 s for the
+ * world to form. */
+int rawpeer_join_at(const char *address, uint32_t version, int rank, int world, const char *token,
+                    const char *my_address, char *why, size_t why_len);
+
+/* A gRPC server on 127.0.0.1 (port 0) that takes every call and never says anything on it: a
+ * peer that accepted a stream and then went silent. */
+typedef struct rawpeer_silent rawpeer_silent_t;
+rawpeer_silent_t *rawpeer_silent_start(void);
+const char *rawpeer_silent_address(const rawpeer_silent_t *s);
+/* Calls it has taken so far. */
+int rawpeer_silent_calls(rawpeer_silent_t *s);
+/* Cancels its calls and stops it. */
+void rawpeer_silent_stop(rawpeer_silent_t *s);
 /* A reference as a raw peer sends it (Envelope.refs). */
 typedef struct {
     uint32_t kind;

@@ -45,6 +45,25 @@ static void get_count(weft_call_t *call, void *arg)
     weft_call_reply(call, v);
 }
 
+/* "sum" answers, small, the sum of the bytes of its arguments' first tensor (a u64). */
+static void sum_bytes(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    const weft_value_t *args = weft_call_args(call);
+    uint64_t sum = 0;
+    if (weft_value_num_tensors(args) == 1) {
+        const weft_tensor_t *t = weft_value_tensor(args, 0);
+        const uint8_t *p = weft_tensor_data(t);
+        for (size_t i = 0; i < weft_tensor_nbytes(t); i++) {
+            sum += p[i];
+        }
+    }
+    weft_value_t *v;
+    weft_value_create(&v);
+    weft_value_set_payload(v, &sum, sizeof(sum));
+    weft_call_reply(call, v);
+}
+
 /* "slow" answers "real" once `release_slow` completes (from a thread of its own). */
 static weft_future_t *release_slow;
 static weft_future_t *slow_started;
@@ -118,6 +137,7 @@ static void setup(weft_agent_t *a, int rank, void *arg)
     weft_rpc_register(a, "echo", echo, NULL);
     weft_rpc_register(a, "count", count, NULL);
     weft_rpc_register(a, "get_count", get_count, NULL);
+    weft_rpc_register(a, "sum", sum_bytes, NULL);
     weft_rpc_register(a, "slow", slow, NULL);
     weft_rpc_register(a, "done", done_fn, NULL);
     weft_future_create(&release_slow);
@@ -594,6 +614,270 @@ Test(rpc_wire, direct_connections_refuse_at_once_and_skip_refused_frames, .timeo
     o.setup = setup;
     o.auth_token = TOKEN;
     o.max_message_bytes = ((uint64_t)4 << 30) - 1;
+    o.deadline_ms = 80000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* ------------------------------------------------------------ direct connections that fail */
+
+/* Connections to TCP port @p port of 127.0.0.1 that are established, counted from the side that
+ * connected (/proc/net/tcp: its remote port is @p port). */
+static int established_to(int port)
+{
+    FILE *f = fopen("/proc/net/tcp", "r");
+    char line[512];
+    int n = 0;
+    if (f == NULL) {
+        return -1;
+    }
+    while (fgets(line, sizeof(line), f) != NULL) {
+        unsigned rport, st;
+        if (sscanf(line, " %*d: %*x:%*x %*x:%x %x", &rport, &st) == 2 && (int)rport == port &&
+            st == 1 /* ESTABLISHED */) {
+            n++;
+        }
+    }
+    fclose(f);
+    return n;
+}
+
+/* A large request (2 MiB) with a small answer (its sum): 0 when the answer came back right. */
+static int large_sum(weft_agent_t *a, int to, int64_t timeout_ms)
+{
+    int64_t n = 2 << 20;
+    weft_tensor_t *t;
+    weft_value_t *args, *res = NULL;
+    weft_tensor_empty(WEFT_U8, 1, &n, &t);
+    memset(weft_tensor_data(t), 3, (size_t)n);
+    weft_value_create(&args);
+    weft_value_push_tensor(args, t);
+    weft_status_t st = weft_rpc_sync(a, to, "sum", args, timeout_ms, &res);
+    size_t len = 0;
+    const uint64_t *sum = st == WEFT_OK ? weft_value_payload(res, &len) : NULL;
+    int ok = st == WEFT_OK && len == sizeof(uint64_t) && *sum == 3 * (uint64_t)n;
+    if (st != WEFT_OK) {
+        fprintf(stderr, "large sum: %s: %s\n", weft_strerror(st), weft_last_error());
+    }
+    weft_value_free(res);
+    weft_value_free(args);
+    return ok ? 0 : -1;
+}
+
+/* A large call (2 MiB both ways): 0 when its answer came back equal. */
+static int large_echo(weft_agent_t *a, int to, int64_t timeout_ms)
+{
+    int64_t n = 2 << 20;
+    weft_tensor_t *t;
+    weft_value_t *args, *res = NULL;
+    weft_tensor_empty(WEFT_U8, 1, &n, &t);
+    memset(weft_tensor_data(t), 0x5a, (size_t)n);
+    weft_value_create(&args);
+    weft_value_push_tensor(args, t);
+    weft_status_t st = weft_rpc_sync(a, to, "echo", args, timeout_ms, &res);
+    int ok = st == WEFT_OK && weft_value_num_tensors(res) == 1 &&
+             weft_tensor_equal(weft_value_tensor(res, 0), t);
+    if (st != WEFT_OK) {
+        fprintf(stderr, "large echo: %s: %s\n", weft_strerror(st), weft_last_error());
+    }
+    weft_value_free(res);
+    weft_value_free(args);
+    return ok ? 0 : -1;
+}
+
+static int no_direct_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    if (rank == 1) {
+        RANK_CHECK(weft_future_wait(all_done, 60000) == WEFT_OK, "rank 0 never finished");
+        return 0;
+    }
+    /* Rank 1's direct listener is full (4 W + 16 connections that never send their Hello):
+     * rank 0's direct connection to it is accepted and closed at once. */
+    const char *d1 = weft_agent_worker_direct_address(a, 1);
+    const char *colon = strrchr(d1, ':');
+    RANK_CHECK(colon != NULL, "direct address %s", d1);
+    int port = atoi(colon + 1);
+    int idle[4 * 2 + 16];
+    int nidle = 4 * world + 16;
+    for (int i = 0; i < nidle; i++) {
+        uint8_t ch[32];
+        idle[i] = rawpeer_direct_open(d1, ch);
+        RANK_CHECK(idle[i] >= 0, "idle connection %d", i);
+    }
+    RANK_CHECK(established_to(port) == nidle, "%d connections established, %d made",
+               established_to(port), nidle);
+    /* A large request then takes rank 0's stream to rank 1, and its answer (small: on that
+     * stream; large: direct) is accepted from rank 1's connections: it comes back. */
+    RANK_CHECK(large_sum(a, 1, 20000) == 0, "a large call while no direct connection opens");
+    RANK_CHECK(large_echo(a, 1, 20000) == 0, "a large call while no direct connection opens");
+    for (int i = 0; i < nidle; i++) {
+        close(idle[i]);
+    }
+    /* Once the listener has room, the direct connection is tried again: a large call after the
+     * retry's wait opens it. */
+    RANK_WAIT(established_to(port) == 0, 20000, "the idle connections are gone");
+    RANK_WAIT(large_echo(a, 1, 20000) == 0 && established_to(port) == 1, 30000,
+              "no direct connection to rank 1 was opened again");
+    RANK_CHECK(weft_rpc_sync(a, 1, "done", NULL, 10000, NULL) == WEFT_OK, "done");
+    return 0;
+}
+
+Test(rpc_wire, large_calls_are_answered_when_no_direct_connection_opens, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    /* The idle connections are kept open (not closed at a handshake deadline) for the test. */
+    setenv("WEFT_HANDSHAKE_TIMEOUT_MS", "60000", 1);
+    ranks_opts_init(&o, 2, no_direct_body);
+    o.setup = setup;
+    o.auth_token = TOKEN;
+    o.deadline_ms = 110000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* A frame the direct reader cannot allocate part-way through a tensor that grows (the allocator
+ * refuses blocks over 100 MiB; the tensor announces 150 MiB): the rest of its body is skipped
+ * from where the reading stopped, so the frame after it is found and delivered. */
+#define CAP_BYTES ((size_t)100 << 20)
+
+static void *capped_malloc(size_t n, void *ctx)
+{
+    (void)ctx;
+    return n > CAP_BYTES ? NULL : malloc(n);
+}
+
+static void *capped_realloc(void *p, size_t n, void *ctx)
+{
+    (void)ctx;
+    return n > CAP_BYTES ? NULL : realloc(p, n);
+}
+
+static void capped_free(void *p, void *ctx)
+{
+    (void)ctx;
+    free(p);
+}
+
+static const weft_allocator_t capped = {capped_malloc, capped_realloc, capped_free, NULL};
+
+static int no_memory_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    char why[512];
+    if (rank == 0) {
+        RANK_CHECK(weft_future_wait(all_done, 60000) == WEFT_OK, "rank 1 never finished");
+        return 0;
+    }
+    int fd = direct_self(a, rank, world, why, sizeof(why));
+    RANK_CHECK(fd >= 0, "own direct connection: %d (%s)", fd, why);
+    size_t big = (size_t)150 << 20;
+    Weft__V1__Envelope e = WEFT__V1__ENVELOPE__INIT;
+    Weft__V1__TensorMeta tm = WEFT__V1__TENSOR_META__INIT;
+    Weft__V1__TensorMeta *tmp = &tm;
+    int64_t shape[1] = {(int64_t)big};
+    e.kind = WEFT__V1__KIND__KIND_ONEWAY;
+    e.channel = CHANNEL;
+    e.payload_bytes = 3;
+    tm.dtype = WEFT__V1__DTYPE__DTYPE_U8;
+    tm.n_shape = 1;
+    tm.shape = shape;
+    tm.nbytes = big;
+    e.n_tensors = 1;
+    e.tensors = &tmp;
+    static uint8_t msg[4096];
+    size_t n = rawpeer_frame(msg, sizeof(msg), &e, "big", 3);
+    RANK_CHECK(rawpeer_write(fd, msg, n) == 0, "the big frame's envelope");
+    static uint8_t chunk[1 << 20];
+    for (size_t off = 0; off < big; off += sizeof(chunk)) {
+        RANK_CHECK(rawpeer_write(fd, chunk, sizeof(chunk)) == 0, "the big frame's bytes");
+    }
+    Weft__V1__Envelope ow = WEFT__V1__ENVELOPE__INIT;
+    ow.kind = WEFT__V1__KIND__KIND_ONEWAY;
+    ow.channel = CHANNEL;
+    ow.payload_bytes = 4;
+    n = rawpeer_frame(msg, sizeof(msg), &ow, "good", 4);
+    RANK_CHECK(rawpeer_write(fd, msg, n) == 0, "the good frame");
+    RANK_CHECK(weft_future_wait(inbox_got, 30000) == WEFT_OK,
+               "the frame after the one without memory never came");
+    pthread_mutex_lock(&inbox_mu);
+    bool good = ninbox == 1 && strcmp(inbox[0], "good") == 0;
+    pthread_mutex_unlock(&inbox_mu);
+    RANK_CHECK(good, "%d messages came, first '%s'", ninbox, ninbox > 0 ? inbox[0] : "");
+    close(fd);
+    RANK_CHECK(weft_rpc_sync(a, 0, "done", NULL, 10000, NULL) == WEFT_OK, "done");
+    return 0;
+}
+
+Test(rpc_wire, a_frame_without_memory_is_skipped_from_where_reading_stopped, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    weft_set_allocator(&capped); /* before any weft call; the ranks inherit it */
+    ranks_opts_init(&o, 2, no_memory_body);
+    o.setup = setup;
+    o.auth_token = TOKEN;
+    o.max_message_bytes = ((uint64_t)4 << 30) - 1;
+    o.deadline_ms = 110000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* ------------------------------------------------------------ a peer that goes silent */
+
+/* Rank 1 is a raw joiner whose address is a gRPC server that takes the stream and never sends its
+ * challenge: rank 0's call fails as a lost peer at the client's handshake deadline (twice the
+ * handshake timeout), not at the call's own much later deadline. */
+static rawpeer_silent_t *silent;
+static pthread_t joiner;
+static char master_addr[64];
+static int joined_status = -1;
+
+static void *joiner_main(void *arg)
+{
+    char why[256];
+    (void)arg;
+    joined_status = rawpeer_join_at(master_addr, WEFT_PROTOCOL_VERSION, 1, 2, TOKEN,
+                                    rawpeer_silent_address(silent), why, sizeof(why));
+    return NULL;
+}
+
+static void silent_setup(weft_agent_t *a, int rank, void *arg)
+{
+    setup(a, rank, arg);
+    silent = rawpeer_silent_start();
+    snprintf(master_addr, sizeof(master_addr), "127.0.0.1:%d", weft_agent_port(a));
+    pthread_create(&joiner, NULL, joiner_main, NULL);
+}
+
+static int silent_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    (void)world;
+    (void)rank;
+    pthread_join(joiner, NULL);
+    RANK_CHECK(joined_status == 0, "the raw joiner's join: %d", joined_status);
+    int64_t t0 = now_ms();
+    weft_status_t st = weft_rpc_sync(a, 1, "echo", NULL, 60000, NULL);
+    int64_t took = now_ms() - t0;
+    char why[512];
+    snprintf(why, sizeof(why), "%s", weft_last_error());
+    RANK_CHECK(rawpeer_silent_calls(silent) >= 1, "the silent server never got the stream");
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "the call gave %s (%s) after %lld ms", weft_strerror(st),
+               why, (long long)took);
+    RANK_CHECK(strstr(why, "handshake") != NULL, "text: %s", why);
+    rawpeer_silent_stop(silent);
+    return 0;
+}
+
+Test(rpc_wire, a_peer_that_never_answers_the_stream_handshake_is_lost, .timeout = 90)
+{
+    ranks_opts_t o;
+    int codes[2];
+    setenv("WEFT_HANDSHAKE_TIMEOUT_MS", "500", 1);
+    ranks_opts_init(&o, 2, silent_body);
+    o.setup = silent_setup;
+    o.auth_token = TOKEN;
+    o.skip_rank = 1;
+    o.no_shutdown = 1;
     o.deadline_ms = 80000;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
