@@ -101,11 +101,23 @@ static bool write_all(int fd, const void *buf, size_t n)
     return true;
 }
 
-static bool read_all(int fd, void *buf, size_t n)
+/* Sets the socket's receive low-water mark (cached). */
+static void set_lowat(conn_in_t *c, int v)
+{
+    if (c->lowat != v && setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0) {
+        c->lowat = v;
+    }
+}
+
+/* A blocking read of exactly @p n bytes. The low-water mark goes back to 1 first: the kernel wakes
+ * a reader sleeping in recv only when the mark's bytes are queued, and a mark left from a large
+ * body would leave the last bytes of a stream unread. */
+static bool read_all(conn_in_t *c, void *buf, size_t n)
 {
     uint8_t *p = buf;
+    set_lowat(c, 1);
     while (n > 0) {
-        ssize_t k = recv(fd, p, n, MSG_WAITALL);
+        ssize_t k = recv(c->fd, p, n, MSG_WAITALL);
         if (k < 0 && errno == EINTR) {
             continue;
         }
@@ -149,12 +161,12 @@ static bool read_until(int fd, void *buf, size_t n, int64_t deadline_ns)
     return true;
 }
 
-static bool skip_all(int fd, uint64_t n)
+static bool skip_all(conn_in_t *c, uint64_t n)
 {
     uint8_t buf[65536];
     while (n > 0) {
         size_t k = n < sizeof(buf) ? (size_t)n : sizeof(buf);
-        if (!read_all(fd, buf, k)) {
+        if (!read_all(c, buf, k)) {
             return false;
         }
         n -= k;
@@ -622,14 +634,6 @@ static void dispatch_run(void *arg)
     weft_free(t);
 }
 
-/* Sets the socket's receive low-water mark (cached). */
-static void set_lowat(conn_in_t *c, int v)
-{
-    if (c->lowat != v && setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0) {
-        c->lowat = v;
-    }
-}
-
 /* read_all for a frame's body. A reader blocked in recv is woken for every segment
  * that arrives (64 KiB on loopback), and those wake-ups cost more than the copying;
  * so it waits in poll until LOWAT_MAX bytes (or all that is left of the body, which
@@ -640,7 +644,7 @@ static bool read_body(conn_in_t *c, void *buf, size_t n)
 {
     uint8_t *p = buf;
     if (n < LOWAT_MIN) {
-        return read_all(c->fd, buf, n);
+        return read_all(c, buf, n);
     }
     while (n > 0) {
         set_lowat(c, (int)(n < LOWAT_MAX ? n : LOWAT_MAX));
@@ -796,9 +800,9 @@ static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__modu
         weft_free(pl);
         weft_value_free(v);
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        return skip_all(c->fd, body);
+        return skip_all(c, body);
     }
-    if (!read_all(c->fd, pl, env->payload_bytes)) {
+    if (!read_all(c, pl, env->payload_bytes)) {
         ok = false;
         goto out;
     }
@@ -820,7 +824,7 @@ static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__modu
             /* No memory: the message is dropped, the connection stays framed. */
             weft_tensor_release(t);
             WEFT_WARN("direct connection from rank %d: no memory for a message; dropped", peer);
-            ok = skip_all(c->fd, nb);
+            ok = skip_all(c, nb);
             deliver = false;
         } else {
             ok = read_body(c, weft_tensor_data(t), (size_t)nb);
@@ -850,7 +854,7 @@ static bool read_value(conn_in_t *c, const Weft__V1__Envelope *env, uint64_t bod
     *v_p = NULL;
     *st_p = weft_value_create(&v);
     if (*st_p != WEFT_OK) {
-        return skip_all(c->fd, body);
+        return skip_all(c, body);
     }
     if (env->payload_bytes > 0) {
         if (!await_bytes(c)) {
@@ -875,7 +879,7 @@ static bool read_value(conn_in_t *c, const Weft__V1__Envelope *env, uint64_t bod
         if (st != WEFT_OK) {
             *st_p = st;
             weft_value_free(v);
-            return skip_all(c->fd, body - done);
+            return skip_all(c, body - done);
         }
     }
     for (size_t i = 0; i < env->n_tensors; i++) {
@@ -914,7 +918,7 @@ static bool read_value(conn_in_t *c, const Weft__V1__Envelope *env, uint64_t bod
             /* The rest of the body, from what was read: the connection stays framed. */
             *st_p = st;
             weft_value_free(v);
-            return skip_all(c->fd, body - done);
+            return skip_all(c, body - done);
         }
     }
     *v_p = v;
@@ -929,8 +933,7 @@ static bool read_frame(conn_in_t *c)
     weft__origin_t o = {WEFT__TP_DIRECT, peer, NULL, false};
     uint8_t lenb[4];
 
-    set_lowat(c, 1); /* the next frame may be small */
-    if (!read_all(c->fd, lenb, 4)) {
+    if (!read_all(c, lenb, 4)) { /* the next frame may be small */
         return false;
     }
     uint32_t elen = get_u32(lenb);
@@ -940,7 +943,7 @@ static bool read_frame(conn_in_t *c)
         return false;
     }
     uint8_t *ebuf = weft_alloc(elen == 0 ? 1 : elen);
-    if (ebuf == NULL || !read_all(c->fd, ebuf, elen)) {
+    if (ebuf == NULL || !read_all(c, ebuf, elen)) {
         weft_free(ebuf);
         return false;
     }
@@ -960,7 +963,7 @@ static bool read_frame(conn_in_t *c)
         bool over = st == WEFT_ERR_TOO_LARGE;
         char why[WEFT__ERROR_MAX];
         snprintf(why, sizeof(why), "%s", weft_last_error());
-        bool keep = framed && !over && skip_all(c->fd, body);
+        bool keep = framed && !over && skip_all(c, body);
         weft__set_error(st, "%s", why);
         weft__deliver(a, &o, env, NULL, st);
         if (!keep) {

@@ -4,7 +4,10 @@
  * proven at connection (impostors refused, never evicting the real rank, one proven connection
  * per rank, answers only back the way their request went), handshake deadlines on streams and
  * direct connections, and direct frames refused at once or skipped. */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -641,6 +644,28 @@ static int established_to(int port)
     return n;
 }
 
+/* The bytes queued for reading on the accepted end of the connection from local port @p from to
+ * listening port @p port of 127.0.0.1 (/proc/net/tcp's rx_queue); -1 when there is no such socket.
+ */
+static long queued_at(int port, int from)
+{
+    FILE *f = fopen("/proc/net/tcp", "r");
+    char line[512];
+    long q = -1;
+    if (f == NULL) {
+        return -1;
+    }
+    while (fgets(line, sizeof(line), f) != NULL) {
+        unsigned lport, rport, rx;
+        if (sscanf(line, " %*d: %*x:%x %*x:%x %*x %*x:%x", &lport, &rport, &rx) == 3 &&
+            (int)lport == port && (int)rport == from) {
+            q = (long)rx;
+        }
+    }
+    fclose(f);
+    return q;
+}
+
 /* A large request (2 MiB) with a small answer (its sum): 0 when the answer came back right. */
 static int large_sum(weft_agent_t *a, int to, int64_t timeout_ms)
 {
@@ -737,7 +762,9 @@ Test(rpc_wire, large_calls_are_answered_when_no_direct_connection_opens, .timeou
 
 /* A frame the direct reader cannot allocate part-way through a tensor that grows (the allocator
  * refuses blocks over 100 MiB; the tensor announces 150 MiB): the rest of its body is skipped
- * from where the reading stopped, so the frame after it is found and delivered. */
+ * from where the reading stopped, so the frame after it is found and delivered. The skip's last
+ * bytes come only once the reader sleeps for them: it is woken by them, not by a low-water mark
+ * that they never reach. */
 #define CAP_BYTES ((size_t)100 << 20)
 
 static void *capped_malloc(size_t n, void *ctx)
@@ -788,9 +815,22 @@ static int no_memory_body(weft_agent_t *a, int rank, int world, void *arg)
     size_t n = rawpeer_frame(msg, sizeof(msg), &e, "big", 3);
     RANK_CHECK(rawpeer_write(fd, msg, n) == 0, "the big frame's envelope");
     static uint8_t chunk[1 << 20];
-    for (size_t off = 0; off < big; off += sizeof(chunk)) {
-        RANK_CHECK(rawpeer_write(fd, chunk, sizeof(chunk)) == 0, "the big frame's bytes");
+    size_t tail = 1000; /* held back until the reader has taken all before it */
+    for (size_t off = 0; off < big - tail; off += sizeof(chunk)) {
+        size_t k = big - tail - off < sizeof(chunk) ? big - tail - off : sizeof(chunk);
+        RANK_CHECK(rawpeer_write(fd, chunk, k) == 0, "the big frame's bytes");
     }
+    /* The reader now sleeps in recv for the tail: it must be woken by a few bytes, whatever
+     * low-water mark the body's reading left on the socket. */
+    struct sockaddr_in me;
+    socklen_t melen = sizeof(me);
+    RANK_CHECK(getsockname(fd, (struct sockaddr *)&me, &melen) == 0, "getsockname");
+    const char *d1 = weft_agent_worker_direct_address(a, rank);
+    int dport = atoi(strrchr(d1, ':') + 1);
+    RANK_WAIT(queued_at(dport, ntohs(me.sin_port)) == 0, 30000,
+              "rank %d's reader took all but the tail (%ld bytes queued)", rank,
+              queued_at(dport, ntohs(me.sin_port)));
+    RANK_CHECK(rawpeer_write(fd, chunk, tail) == 0, "the big frame's tail");
     Weft__V1__Envelope ow = WEFT__V1__ENVELOPE__INIT;
     ow.kind = WEFT__V1__KIND__KIND_ONEWAY;
     ow.channel = CHANNEL;
