@@ -150,6 +150,15 @@ static void setup(weft_agent_t *a, int rank, void *arg)
     weft_agent_module(a, &test_module, &state);
 }
 
+/* Two ranks with the suite's handlers and token, @p body on each, within @p deadline_ms. */
+static void wire_opts(ranks_opts_t *o, rank_main_cb_t body, int64_t deadline_ms)
+{
+    ranks_opts_init(o, 2, body);
+    o->setup = setup;
+    o->auth_token = TOKEN;
+    o->deadline_ms = deadline_ms;
+}
+
 /* ------------------------------------------------------------ building frames */
 
 /* Appends a REQUEST frame for @p fn with @p payload (no tensors) at @p out + *off. */
@@ -317,11 +326,8 @@ Test(rpc_wire, refused_frames_never_swallow_or_smuggle_frames, .timeout = 90)
 {
     ranks_opts_t o;
     int codes[2];
-    ranks_opts_init(&o, 2, refusals_body);
-    o.setup = setup;
-    o.auth_token = TOKEN;
+    wire_opts(&o, refusals_body, 80000);
     o.no_shutdown = 1; /* the raw peer's requests are counted by no agent */
-    o.deadline_ms = 80000;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -372,10 +378,7 @@ Test(rpc_wire, impostors_are_refused_and_never_evict_the_real_rank, .timeout = 9
 {
     ranks_opts_t o;
     int codes[2];
-    ranks_opts_init(&o, 2, identity_body);
-    o.setup = setup;
-    o.auth_token = TOKEN;
-    o.deadline_ms = 80000;
+    wire_opts(&o, identity_body, 80000);
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -424,10 +427,7 @@ Test(rpc_wire, answers_come_back_only_the_way_their_request_went, .timeout = 90)
 {
     ranks_opts_t o;
     int codes[2];
-    ranks_opts_init(&o, 2, forged_body);
-    o.setup = setup;
-    o.auth_token = TOKEN;
-    o.deadline_ms = 80000;
+    wire_opts(&o, forged_body, 80000);
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -477,10 +477,7 @@ Test(rpc_wire, handshakes_have_one_deadline, .timeout = 90)
     ranks_opts_t o;
     int codes[2];
     setenv("WEFT_HANDSHAKE_TIMEOUT_MS", "500", 1);
-    ranks_opts_init(&o, 2, deadline_body);
-    o.setup = setup;
-    o.auth_token = TOKEN;
-    o.deadline_ms = 80000;
+    wire_opts(&o, deadline_body, 80000);
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -613,11 +610,8 @@ Test(rpc_wire, direct_connections_refuse_at_once_and_skip_refused_frames, .timeo
 {
     ranks_opts_t o;
     int codes[2];
-    ranks_opts_init(&o, 2, direct_body);
-    o.setup = setup;
-    o.auth_token = TOKEN;
+    wire_opts(&o, direct_body, 80000);
     o.max_message_bytes = ((uint64_t)4 << 30) - 1;
-    o.deadline_ms = 80000;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -753,10 +747,7 @@ Test(rpc_wire, large_calls_are_answered_when_no_direct_connection_opens, .timeou
     int codes[2];
     /* The idle connections are kept open (not closed at a handshake deadline) for the test. */
     setenv("WEFT_HANDSHAKE_TIMEOUT_MS", "60000", 1);
-    ranks_opts_init(&o, 2, no_direct_body);
-    o.setup = setup;
-    o.auth_token = TOKEN;
-    o.deadline_ms = 110000;
+    wire_opts(&o, no_direct_body, 110000);
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -853,11 +844,8 @@ Test(rpc_wire, a_frame_without_memory_is_skipped_from_where_reading_stopped, .ti
     ranks_opts_t o;
     int codes[2];
     weft_set_allocator(&capped); /* before any weft call; the ranks inherit it */
-    ranks_opts_init(&o, 2, no_memory_body);
-    o.setup = setup;
-    o.auth_token = TOKEN;
+    wire_opts(&o, no_memory_body, 110000);
     o.max_message_bytes = ((uint64_t)4 << 30) - 1;
-    o.deadline_ms = 110000;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
@@ -913,11 +901,9 @@ Test(rpc_wire, a_peer_that_never_answers_the_stream_handshake_is_lost, .timeout 
     ranks_opts_t o;
     int codes[2];
     setenv("WEFT_HANDSHAKE_TIMEOUT_MS", "500", 1);
-    ranks_opts_init(&o, 2, silent_body);
+    wire_opts(&o, silent_body, 80000);
     o.setup = silent_setup;
-    o.auth_token = TOKEN;
     o.skip_rank = 1;
     o.no_shutdown = 1;
-    o.deadline_ms = 80000;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
