@@ -63,6 +63,15 @@
       "all_reduce algorithm of new groups (set it alike on every rank)")                          \
     X(COLL_CMA, "WEFT_COLL_CMA", BOOL, "1", 0, 0, "", "", "collectives",                           \
       "allow all_reduce by cross-memory reads between ranks of one host (0 on any rank: never)")  \
+    /* ps */                                                                                       \
+    X(PS_SERVERS, "WEFT_PS_SERVERS", STR, "1", 0, 0, "", "", "ps",                                 \
+      "parameter server ranks: a count N (ranks 0..N-1) or a list \"0,3\"")                       \
+    X(PS_WORKERS, "WEFT_PS_WORKERS", STR, "", 0, 0, "", "", "ps",                                  \
+      "parameter server worker ranks as a list (empty: every non-server rank, or all)")           \
+    X(PS_FAULT_DUP, "WEFT_PS_FAULT_DUP", BOOL, "0", 0, 0, "", "", "ps",                            \
+      "tests: send each push twice (the same sequence number)")                                   \
+    X(PS_FAULT_DELAY_US, "WEFT_PS_FAULT_DELAY_US", INT, "0", 0, INT64_MAX, "", "", "ps",           \
+      "tests: delay each push by up to this many microseconds (reorders them)")                   \
     /* examples */                                                                                 \
     X(DATA_DIR, "WEFT_DATA_DIR", STR, "/usr/share/datasets/fashion-mnist", 0, 0, "", "",            \
       "examples", "where the examples read Fashion-MNIST")

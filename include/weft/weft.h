@@ -20,6 +20,7 @@
 #include <weft/config.h>
 #include <weft/collectives.h>
 #include <weft/rref.h>
+#include <weft/ps.h>
 #include <weft/random.h>
 #include <weft/optim.h>
 #include <weft/autograd.h>

@@ -1,0 +1,231 @@
+/* The parameter server's insides: the client (ps/client.c), the server (ps/server.c), the cells
+ * that hold values and optimizer state (ps/store.c), the id maps (ps/map.c) and checkpoints
+ * (ps/checkpoint.c). docs/ps.md describes the protocol. */
+#ifndef WEFT_PS_INTERNAL_H
+#define WEFT_PS_INTERNAL_H
+
+#if !defined(WEFT_IN_PS)
+#error "ps/internal.h is the parameter server's own"
+#endif
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include <weft/module.h>
+#include <weft/ps.h>
+#include <weft/rpc.h>
+
+#include "../core/internal.h"
+#include "ps.pb-c.h"
+#include "weft_pb.h"
+
+#define PS_FN            "__weft.ps"
+#define PS_STRIPES       64 /* lock stripes of a sparse table on a server */
+#define PS_MAX_TABLES    1024
+#define PS_DEDUP_WINDOW  4096 /* pushes of one worker that may overtake each other */
+#define PS_SYNC_AHEAD    64   /* steps a worker's clock may run ahead of a SYNC table */
+#define PS_NAME_MAX      127
+#define PS_DEFAULT_CHUNK ((uint64_t)4 << 20)
+
+/* ------------------------------------------------------------------ maps (ps/map.c) */
+
+/* u64 -> non-NULL pointer, open addressing with linear probing; not thread-safe. */
+typedef struct {
+    uint64_t *keys;
+    void **vals; /* NULL: empty slot */
+    size_t cap;  /* a power of two, or 0 */
+    size_t n;
+} ps_map_t;
+
+void *weft__ps_map_get(const ps_map_t *m, uint64_t key);
+weft_status_t weft__ps_map_put(ps_map_t *m, uint64_t key, void *val);
+void *weft__ps_map_del(ps_map_t *m, uint64_t key);
+void weft__ps_map_free(ps_map_t *m);
+/* The slot index of the i-th occupied slot scan: iterate with weft__ps_map_next from 0. */
+bool weft__ps_map_next(const ps_map_t *m, size_t *pos, uint64_t *key_p, void **val_p);
+
+/* The server a sparse id lives on: Fibonacci hashing, top 32 bits, modulo the servers. */
+static inline uint32_t weft__ps_id_server(uint64_t id, uint32_t n_servers)
+{
+    return (uint32_t)(((id * UINT64_C(11400714819323198549)) >> 32) % n_servers);
+}
+/* The stripe of an id within a server (other bits than the server's). */
+static inline uint32_t weft__ps_id_stripe(uint64_t id)
+{
+    return (uint32_t)((id * UINT64_C(0x9E3779B97F4A7C15)) >> 58) % PS_STRIPES;
+}
+
+/* ------------------------------------------------------------------ specs */
+
+/* A table's spec and what follows from it, identical on every rank. */
+typedef struct {
+    weft_ps_table_spec_t spec; /* name points into name[] */
+    char name[PS_NAME_MAX + 1];
+    uint32_t id;
+    int64_t numel;       /* dense: elements */
+    int64_t chunk_elems; /* dense */
+    uint32_t n_chunks;   /* dense */
+    uint32_t *owner;     /* dense: chunk -> server index */
+    uint32_t n_servers;
+    uint32_t n_workers;
+    uint64_t map_hash;
+    int n_state; /* optimizer state tensors per cell */
+} ps_layout_t;
+
+weft_status_t weft__ps_layout_init(ps_layout_t *l, const weft_ps_table_spec_t *spec, uint32_t id,
+                                   uint32_t n_servers, uint32_t n_workers);
+void weft__ps_layout_free(ps_layout_t *l);
+/* A spec on the wire (fields borrowed from @p l); free with weft__ps_spec_pb_free. */
+weft_status_t weft__ps_spec_to_pb(const ps_layout_t *l, const int *servers, const int *workers,
+                                  Weft__V1__PsTableSpec *pb);
+void weft__ps_spec_pb_free(Weft__V1__PsTableSpec *pb);
+/* The first field in which two wire specs differ (NULL when equal), its values in @p why. */
+const char *weft__ps_spec_diff(const Weft__V1__PsTableSpec *a, const Weft__V1__PsTableSpec *b,
+                               char *why, size_t n);
+/* Elements of dense chunk @p c. */
+static inline int64_t weft__ps_chunk_len(const ps_layout_t *l, uint32_t c)
+{
+    int64_t left = l->numel - (int64_t)c * l->chunk_elems;
+    return left < l->chunk_elems ? left : l->chunk_elems;
+}
+
+/* ------------------------------------------------------------------ cells (ps/store.c) */
+
+/* A dense chunk or a sparse row: its value and optimizer state. */
+typedef struct ps_cell {
+    uint64_t id;              /* sparse id, or chunk index */
+    weft_tensor_t *value;     /* storage dtype, [n] */
+    weft_tensor_t *state[3];  /* f32 [n], as many as the optimizer keeps */
+    int64_t step;             /* optimizer steps applied */
+    float *acc;               /* SYNC: the current step's summed gradient, or NULL */
+    struct ps_cell *next_acc; /* SYNC: cells with acc */
+    uint64_t touch;           /* last use (sparse eviction) */
+} ps_cell_t;
+
+/* Makes a cell of @p n elements with its initial value (id = row or chunk) and zero state. */
+weft_status_t weft__ps_cell_new(const ps_layout_t *l, uint64_t id, int64_t n, ps_cell_t **c_p);
+void weft__ps_cell_free(ps_cell_t *c);
+/* The initial values of row/chunk @p id into @p out (f32 [n]). */
+void weft__ps_init_values(const ps_layout_t *l, uint64_t id, int64_t n, float *out);
+/* Applies gradient @p grad (f32 [n]) scaled by @p scale with the table's optimizer. */
+weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const float *grad,
+                                  float scale);
+/* The cell's value as f32 into @p out. */
+void weft__ps_cell_read(const ps_cell_t *c, float *out);
+/* Bytes of a cell's value + state (stats, checkpoints). */
+size_t weft__ps_cell_bytes(const ps_layout_t *l, int64_t n);
+
+/* ------------------------------------------------------------------ the server (ps/server.c) */
+
+typedef struct ps_park ps_park_t;
+
+typedef struct {
+    pthread_mutex_t mu;
+    ps_map_t rows;  /* id -> ps_cell_t */
+    ps_map_t admit; /* id -> pushes seen before admission (as a pointer-sized count) */
+} ps_stripe_t;
+
+typedef struct ps_stable {
+    struct ps_server *srv;
+    ps_layout_t l;
+    uint32_t me;        /* this server's index */
+    ps_cell_t **chunks; /* dense: by chunk, NULL where another server holds it */
+    ps_stripe_t stripes[PS_STRIPES];
+    _Atomic uint64_t tick;
+
+    /* consistency, under mu */
+    pthread_mutex_t mu;
+    int64_t cur_step;                    /* SYNC: the step being gathered (steps applied) */
+    int64_t *clock;                      /* per worker: steps it ended, as this server knows */
+    uint64_t *ann;                       /* per worker: its pushes here through its latest clock */
+    uint64_t (*ann_ring)[PS_SYNC_AHEAD]; /* SYNC: ann at the end of each step */
+    uint64_t *recv;                      /* per worker: pushes counted */
+    bool *dead;
+    ps_cell_t *acc_list;  /* SYNC: cells with a gradient this step */
+    weft_status_t failed; /* a lost worker stops SYNC/BOUNDED tables */
+    char failed_why[256];
+    ps_park_t *parked;
+
+    /* stats */
+    _Atomic uint64_t bytes_in, bytes_out, pushes, pulls, duplicates, evicted, n_rows;
+    _Atomic uint64_t hist[WEFT_PS_STALENESS_BUCKETS];
+} ps_stable_t;
+
+/* A table being created: the spec of each rank that asked, and their calls. */
+typedef struct {
+    Weft__V1__PsTableSpec **specs; /* per rank (unpacked, owned), NULL: not yet */
+    weft_call_t **calls;           /* per rank */
+    int arrived;
+} ps_pending_create_t;
+
+typedef struct ps_server {
+    weft_ps_t *ps;
+    pthread_mutex_t mu; /* tables, creates, dedup */
+    ps_stable_t *tables[PS_MAX_TABLES];
+    uint32_t n_tables;
+    ps_pending_create_t creates[PS_MAX_TABLES];
+    /* exactly once: per worker, every seq < next was seen; seen[] marks those after it */
+    uint64_t *dedup_next;
+    uint64_t (*dedup_seen)[PS_DEDUP_WINDOW / 64];
+    _Atomic uint64_t park_ids;
+    /* a checkpoint being gathered: each worker's request and call (under mu) */
+    Weft__V1__PsRequest **ckpt_reqs;
+    weft_call_t **ckpt_calls;
+    uint32_t ckpt_arrived;
+    bool ckpt_running;
+    pthread_t ckpt_thread;
+    bool ckpt_joinable;
+} ps_server_t;
+
+weft_status_t weft__ps_server_new(weft_ps_t *ps, ps_server_t **srv_p);
+void weft__ps_server_free(ps_server_t *srv);
+void weft__ps_handle(weft_call_t *call, void *arg);
+void weft__ps_server_peer_lost(ps_server_t *srv, int rank, const char *why);
+
+/* ------------------------------------------------------------------ the client (ps/client.c) */
+
+struct weft_ps_table {
+    weft_ps_t *ps;
+    ps_layout_t l;
+    _Atomic uint64_t *pushes; /* per server: pushes of this table sent there */
+};
+
+struct weft_ps {
+    weft_agent_t *agent;
+    int rank, world;
+    pthread_mutex_t mu;
+    bool roles_set;
+    int *servers;
+    uint32_t n_servers;
+    int *workers;
+    uint32_t n_workers;
+    int server_index; /* -1: not a server */
+    int worker_index; /* -1: not a worker */
+    ps_server_t *srv; /* when this rank serves */
+    weft_ps_table_t *tables[PS_MAX_TABLES];
+    _Atomic uint32_t n_tables;
+    _Atomic uint64_t *seq; /* per server: pushes sent (exactly-once numbering) */
+    _Atomic int64_t clock;
+    _Atomic bool *server_lost; /* per server */
+    bool fault_dup;
+    int64_t fault_delay_us;
+};
+
+/* An RPC to server @p s of request @p hdr with @p tensors; the future fails with the table and the
+ * server named. */
+weft_status_t weft__ps_call(weft_ps_t *ps, uint32_t s, const Weft__V1__PsRequest *hdr,
+                            weft_tensor_t *const *tensors, size_t n_tensors, int64_t timeout_ms,
+                            weft_future_t **f_p);
+/* Unpacks a reply value's header. */
+weft_status_t weft__ps_reply_unpack(const weft_value_t *v, Weft__V1__PsReply **r_p);
+
+/* checkpoints (ps/checkpoint.c): the server's side. SAVE and LOAD wait until every worker has
+ * sent its own; then a thread of the checkpoint's waits for the fence, writes or reads the
+ * shards and answers them all. */
+void weft__ps_server_checkpoint(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest *req);
+void weft__ps_server_checkpoint_free(ps_server_t *srv);
+uint32_t weft__ps_crc32c(uint32_t crc, const void *data, size_t n);
+
+#endif

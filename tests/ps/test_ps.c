@@ -1,0 +1,735 @@
+/* The parameter server: every consistency guarantee with exact values (a slow worker in the way),
+ * exactly-once pushes under duplication and reordering, sparse rows against core's optimizer
+ * kernels bit for bit, bad input (a clear status, nothing applied), tables created differently,
+ * checkpoints restored into 1, 2 and 3 servers, a save killed half-way, lost servers and
+ * workers. Ranks are forked processes on 127.0.0.1. */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <weft/weft.h>
+
+#include "ps.pb-c.h"
+#include "ranks.h"
+
+/* Roles of the world under test: set by each Test before ranks_run (the ranks inherit them). */
+static int g_servers[4], g_ns, g_workers[4], g_nw;
+static weft_ps_t *PS; /* in each rank */
+static char g_dir[256];
+
+static void ps_setup(weft_agent_t *a, int rank, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_ps_opts_t o;
+    weft_ps_opts_init(&o);
+    o.servers = g_servers;
+    o.n_servers = (size_t)g_ns;
+    o.workers = g_workers;
+    o.n_workers = (size_t)g_nw;
+    if (weft_ps_create(a, &o, &PS) != WEFT_OK) {
+        fprintf(stderr, "weft_ps_create: %s\n", weft_last_error());
+        _exit(90);
+    }
+}
+
+static void roles(int ns, int nw)
+{
+    g_ns = ns;
+    g_nw = nw;
+    for (int i = 0; i < ns; i++) {
+        g_servers[i] = i;
+    }
+    for (int i = 0; i < nw; i++) {
+        g_workers[i] = ns + i;
+    }
+}
+
+static void run_world(rank_main_cb_t body, int64_t deadline_ms)
+{
+    ranks_opts_t o;
+    int codes[8];
+    ranks_opts_init(&o, g_ns + g_nw, body);
+    o.setup = ps_setup;
+    o.deadline_ms = deadline_ms;
+    o.handler_threads = 2;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+static weft_tensor_t *zeros(int64_t n)
+{
+    weft_tensor_t *t = NULL;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    return t;
+}
+
+static weft_tensor_t *filled(int64_t n, float v)
+{
+    weft_tensor_t *t = zeros(n);
+    float *p = weft_tensor_data(t);
+    for (int64_t i = 0; i < n; i++) {
+        p[i] = v;
+    }
+    return t;
+}
+
+static void dense_spec(weft_ps_table_spec_t *s, const char *name, int64_t n)
+{
+    weft_ps_table_spec_init(s, name, WEFT_PS_DENSE);
+    s->ndim = 1;
+    s->shape[0] = n;
+    s->chunk_bytes = 1024; /* 256 elements a chunk: several chunks on each server */
+}
+
+/* ------------------------------------------------------------------ SYNC */
+
+#define SYNC_N     1000
+#define SYNC_STEPS 6
+
+/* SGD lr 1 on the mean gradient: worker w pushes (w+1)*(k+1) everywhere at step k, so after k
+ * steps every element is 1 - sum_{j<k} mean_w((w+1)(j+1)) = 1 - 1.5 * k(k+1)/2 (two workers). */
+static int sync_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *t;
+    dense_spec(&s, "w", SYNC_N);
+    s.init = WEFT_PS_CONSTANT;
+    s.init_a = 1.0;
+    s.sgd.lr = 1.0;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &t) == WEFT_OK, "create: %s", weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        return 0;
+    }
+    int w = weft_ps_worker_index(PS);
+    weft_tensor_t *v = zeros(SYNC_N);
+    for (int k = 0; k < SYNC_STEPS; k++) {
+        weft_status_t pst = weft_ps_pull(t, v, 20000);
+        RANK_CHECK(pst == WEFT_OK, "pull: %s: %s", weft_strerror(pst), weft_last_error());
+        float want = 1.0f - 1.5f * (float)(k * (k + 1) / 2);
+        const float *p = weft_tensor_data(v);
+        for (int i = 0; i < SYNC_N; i++) {
+            RANK_CHECK(p[i] == want, "step %d: element %d is %g, not %g", k, i, p[i], want);
+        }
+        if (w == 1) {
+            /* The slow worker: the other one's pull of the next step must wait for it. */
+            struct timespec ts = {0, 20 * 1000000};
+            nanosleep(&ts, NULL);
+        }
+        weft_tensor_t *g = filled(SYNC_N, (float)((w + 1) * (k + 1)));
+        RANK_CHECK(weft_ps_push(t, g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+        weft_tensor_release(g);
+        RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+    }
+    /* The pull at clock SYNC_STEPS waits for every step: then every push is counted. */
+    RANK_CHECK(weft_ps_pull(t, v, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+    weft_ps_load_t loads[4];
+    RANK_CHECK(weft_ps_table_stats(t, loads, 20000) == WEFT_OK, "stats");
+    uint64_t pulls = 0, stale0 = 0, pushes = 0;
+    for (int i = 0; i < g_ns; i++) {
+        pulls += loads[i].pulls;
+        stale0 += loads[i].staleness[0];
+        pushes += loads[i].pushes;
+    }
+    /* Every pull of a SYNC table had staleness 0; every push counted once per server. */
+    RANK_CHECK(pulls == stale0, "%llu pulls, %llu with staleness 0", (unsigned long long)pulls,
+               (unsigned long long)stale0);
+    RANK_CHECK(pushes == (uint64_t)(2 * SYNC_STEPS * g_ns), "%llu pushes counted",
+               (unsigned long long)pushes);
+    weft_tensor_release(v);
+    return 0;
+}
+
+Test(ps, sync_pulls_see_exactly_the_steps_before_theirs, .timeout = 120)
+{
+    roles(2, 2);
+    run_world(sync_body, 100000);
+}
+
+/* ------------------------------------------------------------------ BOUNDED */
+
+#define BND_STEPS 12
+#define BND_S     2
+
+/* SUM table [workers]: worker w adds 1 to element w each step. A pull at clock c must show every
+ * other worker's count >= c - s (no update of clocks <= c-s-1 missing) and exactly c of its own. */
+static int bounded_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *t;
+    dense_spec(&s, "count", 2);
+    s.optimizer = WEFT_PS_SUM;
+    s.consistency = WEFT_PS_BOUNDED;
+    s.staleness = BND_S;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &t) == WEFT_OK, "create: %s", weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        return 0;
+    }
+    int w = weft_ps_worker_index(PS);
+    weft_tensor_t *v = zeros(2), *g = zeros(2);
+    ((float *)weft_tensor_data(g))[w] = 1.0f;
+    for (int c = 0; c < BND_STEPS; c++) {
+        RANK_CHECK(weft_ps_pull(t, v, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+        const float *p = weft_tensor_data(v);
+        RANK_CHECK(p[w] == (float)c, "clock %d: own count %g", c, p[w]);
+        RANK_CHECK(p[1 - w] >= (float)(c - BND_S) && p[1 - w] <= (float)BND_STEPS,
+                   "clock %d: the other worker's count %g misses updates older than %d", c,
+                   p[1 - w], c - BND_S - 1);
+        if (w == 1) {
+            struct timespec ts = {0, 15 * 1000000};
+            nanosleep(&ts, NULL);
+        }
+        RANK_CHECK(weft_ps_push(t, g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+        RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+    }
+    /* At clock BND_STEPS + s every update is in. */
+    for (int k = 0; k < BND_S; k++) {
+        RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+    }
+    RANK_CHECK(weft_ps_pull(t, v, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+    const float *p = weft_tensor_data(v);
+    RANK_CHECK(p[0] == BND_STEPS && p[1] == BND_STEPS, "final counts %g %g", p[0], p[1]);
+    weft_tensor_release(v);
+    weft_tensor_release(g);
+    return 0;
+}
+
+Test(ps, bounded_staleness_never_reads_older_than_the_bound, .timeout = 120)
+{
+    roles(1, 2);
+    run_world(bounded_body, 100000);
+}
+
+/* ------------------------------------------------------------------ exactly once */
+
+#define EO_PUSHES 40
+
+/* Every push sent twice and delayed at random (reordered): each counted once. Dense SUM ASYNC
+ * plus sparse SUM ASYNC with repeated ids in one call (summed on the worker). */
+static int once_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *d, *sp, *gate;
+    dense_spec(&s, "dense", 700);
+    s.optimizer = WEFT_PS_SUM;
+    s.consistency = WEFT_PS_ASYNC;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &d) == WEFT_OK, "create: %s", weft_last_error());
+    weft_ps_table_spec_init(&s, "rows", WEFT_PS_SPARSE);
+    s.dim = 4;
+    s.optimizer = WEFT_PS_SUM;
+    s.consistency = WEFT_PS_ASYNC;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &sp) == WEFT_OK, "create: %s",
+               weft_last_error());
+    /* A BOUNDED(0) table as the barrier: its pull at clock 1 waits for every worker's clock. */
+    dense_spec(&s, "gate", 1);
+    s.consistency = WEFT_PS_BOUNDED;
+    s.staleness = 0;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &gate) == WEFT_OK, "create: %s",
+               weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        return 0;
+    }
+    weft_tensor_t *one = filled(700, 1.0f);
+    weft_future_t *fs[EO_PUSHES * 2];
+    uint64_t ids[6] = {5, 1000000007, 5, 42, 1u << 31, 42};
+    int64_t shape[2] = {6, 4};
+    weft_tensor_t *rows = NULL;
+    weft_tensor_create(WEFT_F32, 2, shape, &rows);
+    float *r = weft_tensor_data(rows);
+    for (int i = 0; i < 24; i++) {
+        r[i] = (float)(i % 4 + 1);
+    }
+    for (int i = 0; i < EO_PUSHES; i++) {
+        RANK_CHECK(weft_ps_push_async(d, one, 20000, &fs[2 * i]) == WEFT_OK, "push: %s",
+                   weft_last_error());
+        RANK_CHECK(weft_ps_push_rows_async(sp, ids, 6, rows, 20000, &fs[2 * i + 1]) == WEFT_OK,
+                   "push rows: %s", weft_last_error());
+    }
+    RANK_CHECK(weft_future_wait_all(fs, EO_PUSHES * 2, 30000) == WEFT_OK, "pushes: %s",
+               weft_future_error(fs[0]));
+    for (int i = 0; i < EO_PUSHES * 2; i++) {
+        weft_future_release(fs[i]);
+    }
+    RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+    weft_tensor_t *g1 = zeros(1);
+    RANK_CHECK(weft_ps_pull(gate, g1, 20000) == WEFT_OK, "gate: %s", weft_last_error());
+    weft_tensor_t *v = zeros(700);
+    RANK_CHECK(weft_ps_pull(d, v, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+    const float *p = weft_tensor_data(v);
+    for (int i = 0; i < 700; i++) {
+        RANK_CHECK(p[i] == 2.0f * EO_PUSHES, "element %d is %g, not %d", i, p[i], 2 * EO_PUSHES);
+    }
+    uint64_t q[4] = {5, 42, 1000000007, 77};
+    int64_t qs[2] = {4, 4};
+    weft_tensor_t *out = NULL;
+    weft_tensor_create(WEFT_F32, 2, qs, &out);
+    RANK_CHECK(weft_ps_pull_rows(sp, q, 4, out, 20000) == WEFT_OK, "pull rows: %s",
+               weft_last_error());
+    const float *o = weft_tensor_data(out);
+    for (int j = 0; j < 4; j++) {
+        float twice = 2.0f * 2 * EO_PUSHES * (float)(j + 1); /* ids 5 and 42 come twice a call */
+        float once = 2.0f * EO_PUSHES * (float)(j + 1);
+        RANK_CHECK(o[j] == twice && o[4 + j] == twice && o[8 + j] == once && o[12 + j] == 0.0f,
+                   "rows: %g %g %g %g", o[j], o[4 + j], o[8 + j], o[12 + j]);
+    }
+    weft_ps_load_t loads[4];
+    RANK_CHECK(weft_ps_table_stats(d, loads, 20000) == WEFT_OK, "stats");
+    uint64_t dups = 0;
+    for (int i = 0; i < g_ns; i++) {
+        dups += loads[i].duplicates;
+    }
+    RANK_CHECK(dups > 0, "no duplicate was seen: the fault injector did not run");
+    weft_tensor_release(one);
+    weft_tensor_release(rows);
+    weft_tensor_release(g1);
+    weft_tensor_release(v);
+    weft_tensor_release(out);
+    return 0;
+}
+
+Test(ps, duplicated_and_reordered_pushes_count_once, .timeout = 120)
+{
+    setenv("WEFT_PS_FAULT_DUP", "1", 1);
+    setenv("WEFT_PS_FAULT_DELAY_US", "3000", 1);
+    roles(2, 2);
+    run_world(once_body, 100000);
+}
+
+/* ------------------------------------------------------------------ sparse optimizers */
+
+#define SP_DIM   8
+#define SP_STEPS 4
+
+static float grad_of(int w, int k, uint64_t id, int j)
+{
+    return (float)((int)(id % 7) - 3) * 0.25f + (float)(w + 1) * 0.5f - (float)k * 0.125f +
+           (float)j * 0.0625f;
+}
+
+/* SYNC Adagrad on rows made by a seeded uniform initializer: each step's rows equal core's
+ * Adagrad applied to the mean of both workers' gradients, bit for bit. */
+static int sparse_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *t;
+    weft_ps_table_spec_init(&s, "emb", WEFT_PS_SPARSE);
+    s.dim = SP_DIM;
+    s.init = WEFT_PS_UNIFORM;
+    s.init_a = -0.5;
+    s.init_b = 0.5;
+    s.seed = 1234;
+    s.optimizer = WEFT_PS_ADAGRAD;
+    s.adagrad.lr = 0.1;
+    s.id_bound = 1000;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &t) == WEFT_OK, "create: %s", weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        return 0;
+    }
+    int w = weft_ps_worker_index(PS);
+    uint64_t ids[5] = {3, 17, 256, 999, 17};
+    int64_t shape[2] = {5, SP_DIM}, one[1] = {SP_DIM};
+    weft_tensor_t *rows = NULL, *g = NULL;
+    weft_tensor_create(WEFT_F32, 2, shape, &rows);
+    weft_tensor_create(WEFT_F32, 2, shape, &g);
+    /* The reference: rows as first pulled, then core's Adagrad on the mean gradient. */
+    weft_tensor_t *ref[4], *sum[4];
+    RANK_CHECK(weft_ps_pull_rows(t, ids, 5, rows, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+    for (int r = 0; r < 4; r++) {
+        weft_tensor_create(WEFT_F32, 1, one, &ref[r]);
+        weft_tensor_create(WEFT_F32, 1, one, &sum[r]);
+        memcpy(weft_tensor_data(ref[r]), (float *)weft_tensor_data(rows) + r * SP_DIM,
+               SP_DIM * sizeof(float));
+    }
+    /* The same id pulled twice in one call came back alike; and it is not all zeros. */
+    RANK_CHECK(memcmp((float *)weft_tensor_data(rows) + 1 * SP_DIM,
+                      (float *)weft_tensor_data(rows) + 4 * SP_DIM, SP_DIM * 4) == 0,
+               "a repeated id's rows differ");
+    RANK_CHECK(((float *)weft_tensor_data(rows))[0] != 0.0f, "the initializer did not run");
+    for (int k = 0; k < SP_STEPS; k++) {
+        float *gp = weft_tensor_data(g);
+        for (int i = 0; i < 5; i++) {
+            for (int j = 0; j < SP_DIM; j++) {
+                gp[i * SP_DIM + j] = grad_of(w, k, ids[i], j);
+            }
+        }
+        RANK_CHECK(weft_ps_push_rows(t, ids, 5, g, 20000) == WEFT_OK, "push: %s",
+                   weft_last_error());
+        RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+        for (int r = 0; r < 4; r++) {
+            int reps = ids[r] == 17 ? 2 : 1;
+            weft_tensor_t *mg = zeros(SP_DIM);
+            float *m = weft_tensor_data(mg);
+            for (int j = 0; j < SP_DIM; j++) {
+                /* Per worker, repeats summed; then the mean of the workers' sums. */
+                float a0 = grad_of(0, k, ids[r], j) * (float)reps;
+                float a1 = grad_of(1, k, ids[r], j) * (float)reps;
+                m[j] = (a0 + a1) * 0.5f;
+            }
+            weft_optim_adagrad_config_t cfg = s.adagrad;
+            RANK_CHECK(weft_optim_adagrad_step(&cfg, ref[r], mg, sum[r], k + 1) == WEFT_OK,
+                       "reference step");
+            weft_tensor_release(mg);
+        }
+        RANK_CHECK(weft_ps_pull_rows(t, ids, 5, rows, 20000) == WEFT_OK, "pull: %s",
+                   weft_last_error());
+        for (int r = 0; r < 4; r++) {
+            RANK_CHECK(
+                memcmp(weft_tensor_data(ref[r]), (float *)weft_tensor_data(rows) + r * SP_DIM,
+                       SP_DIM * sizeof(float)) == 0,
+                "step %d: row %llu differs from core's Adagrad", k, (unsigned long long)ids[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        weft_tensor_release(ref[r]);
+        weft_tensor_release(sum[r]);
+    }
+    weft_tensor_release(rows);
+    weft_tensor_release(g);
+    return 0;
+}
+
+Test(ps, sparse_rows_follow_cores_adagrad_bit_for_bit, .timeout = 120)
+{
+    roles(2, 2);
+    run_world(sparse_body, 100000);
+}
+
+/* ------------------------------------------------------------------ bad input */
+
+/* A request as a raw caller would send it. */
+static weft_status_t raw_call(weft_agent_t *a, int to, Weft__V1__PsRequest *r, weft_tensor_t **ts,
+                              size_t n, char *why, size_t wn)
+{
+    weft_value_t *body = NULL, *msg = NULL;
+    weft_value_create(&body);
+    for (size_t i = 0; i < n; i++) {
+        weft_value_add_tensor(body, ts[i]);
+    }
+    weft_msg_pack(&r->base, body, &msg);
+    weft_status_t st = weft_rpc_sync(a, to, "__weft.ps", msg, 10000, NULL);
+    snprintf(why, wn, "%s", st == WEFT_OK ? "" : weft_last_error());
+    weft_value_free(msg);
+    weft_value_free(body);
+    return st;
+}
+
+static int bad_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank, (void)world, (void)arg;
+    char why[512];
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *d, *sp;
+    dense_spec(&s, "d", 300);
+    s.optimizer = WEFT_PS_SUM;
+    s.consistency = WEFT_PS_ASYNC;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &d) == WEFT_OK, "create: %s", weft_last_error());
+    weft_ps_table_spec_init(&s, "s", WEFT_PS_SPARSE);
+    s.dim = 3;
+    s.id_bound = 100;
+    s.optimizer = WEFT_PS_SUM;
+    s.consistency = WEFT_PS_ASYNC;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &sp) == WEFT_OK, "create: %s",
+               weft_last_error());
+    /* A second table of the same name. */
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &sp) == WEFT_ERR_ALREADY_EXISTS, "twice");
+    if (!weft_ps_is_worker(PS)) {
+        /* A server is not a worker. */
+        weft_tensor_t *v = zeros(300);
+        RANK_CHECK(weft_ps_pull(d, v, 1000) == WEFT_ERR_INVALID_STATE, "a server pulled");
+        weft_tensor_release(v);
+        return 0;
+    }
+    weft_tensor_t *g = filled(300, 1.0f), *v = zeros(300), *wrong = zeros(299);
+    int64_t sh[2] = {2, 3}, sh4[2] = {2, 4};
+    weft_tensor_t *rows = NULL, *rows4 = NULL, *i64 = NULL;
+    weft_tensor_create(WEFT_F32, 2, sh, &rows);
+    weft_tensor_create(WEFT_F32, 2, sh4, &rows4);
+    weft_tensor_create(WEFT_I64, 2, sh, &i64);
+    uint64_t ok_ids[2] = {1, 2}, bad_ids[2] = {1, 100};
+    /* Client-side checks: a clear status, nothing sent. */
+    RANK_CHECK(weft_ps_push(d, wrong, 1000) == WEFT_ERR_SHAPE, "wrong shape");
+    RANK_CHECK(weft_ps_push(d, i64, 1000) == WEFT_ERR_DTYPE, "wrong dtype");
+    RANK_CHECK(weft_ps_push_rows(sp, bad_ids, 2, rows, 1000) == WEFT_ERR_INVALID_ARG &&
+                   strstr(weft_last_error(), "100") != NULL,
+               "id out of range: %s", weft_last_error());
+    RANK_CHECK(weft_ps_push_rows(sp, ok_ids, 2, rows4, 1000) == WEFT_ERR_SHAPE, "wrong dim");
+    RANK_CHECK(weft_ps_push_rows(d, ok_ids, 2, rows, 1000) == WEFT_ERR_INVALID_ARG,
+               "rows to a dense table");
+    RANK_CHECK(weft_ps_push(sp, g, 1000) == WEFT_ERR_INVALID_ARG, "a tensor to a sparse table");
+    /* Server-side checks of raw requests. */
+    Weft__V1__PsRequest r = WEFT__V1__PS_REQUEST__INIT;
+    r.op = WEFT__V1__PS_OP__PS_PUSH;
+    r.table = 0;
+    r.table_name = "nope";
+    r.worker = weft_ps_worker_index(PS);
+    r.seq = 1000;
+    uint32_t chunk = 0;
+    r.n_chunks = 1;
+    r.chunks = &chunk;
+    weft_tensor_t *c256 = filled(256, 5.0f);
+    RANK_CHECK(raw_call(a, 0, &r, &c256, 1, why, sizeof(why)) == WEFT_ERR_NOT_FOUND &&
+                   strstr(why, "nope") != NULL,
+               "unknown table: %s", why);
+    r.table_name = "d";
+    r.worker = 1 - weft_ps_worker_index(PS); /* impersonating the other worker */
+    RANK_CHECK(raw_call(a, 0, &r, &c256, 1, why, sizeof(why)) == WEFT_ERR_INVALID_ARG &&
+                   strstr(why, "is not worker") != NULL,
+               "impersonation: %s", why);
+    r.worker = weft_ps_worker_index(PS);
+    chunk = 1; /* held by server 1, sent to server 0 */
+    RANK_CHECK(raw_call(a, 0, &r, &c256, 1, why, sizeof(why)) == WEFT_ERR_INVALID_ARG &&
+                   strstr(why, "not held") != NULL,
+               "wrong server: %s", why);
+    chunk = 0;
+    weft_tensor_t *c255 = filled(255, 5.0f);
+    RANK_CHECK(raw_call(a, 0, &r, &c255, 1, why, sizeof(why)) == WEFT_ERR_SHAPE, "chunk length: %s",
+               why);
+    r.table = 1;
+    r.table_name = "s";
+    r.n_chunks = 0;
+    weft_tensor_t *idt = NULL;
+    int64_t two = 2;
+    weft_tensor_create(WEFT_I64, 1, &two, &idt);
+    ((int64_t *)weft_tensor_data(idt))[0] = 99;
+    ((int64_t *)weft_tensor_data(idt))[1] = 150;
+    weft_tensor_t *pair[2] = {idt, rows};
+    int s0 = 0;
+    RANK_CHECK(raw_call(a, s0, &r, pair, 2, why, sizeof(why)) == WEFT_ERR_INVALID_ARG,
+               "raw id out of bound: %s", why);
+    /* Garbage in place of a header. */
+    weft_value_t *junk = value_of_string("\x05\x00\x00\x00garbage");
+    RANK_CHECK(weft_rpc_sync(a, 0, "__weft.ps", junk, 10000, NULL) == WEFT_ERR_PROTOCOL,
+               "garbage: %s", weft_last_error());
+    weft_value_free(junk);
+    /* Nothing of the above was applied: the table still holds zeros; a good push lands. */
+    RANK_CHECK(weft_ps_pull(d, v, 10000) == WEFT_OK, "pull: %s", weft_last_error());
+    for (int i = 0; i < 300; i++) {
+        RANK_CHECK(((float *)weft_tensor_data(v))[i] == 0.0f, "element %d changed", i);
+    }
+    weft_tensor_release(g);
+    weft_tensor_release(v);
+    weft_tensor_release(wrong);
+    weft_tensor_release(rows);
+    weft_tensor_release(rows4);
+    weft_tensor_release(i64);
+    weft_tensor_release(c256);
+    weft_tensor_release(c255);
+    weft_tensor_release(idt);
+    return 0;
+}
+
+Test(ps, bad_input_gets_a_clear_status_and_applies_nothing, .timeout = 120)
+{
+    roles(2, 2);
+    run_world(bad_body, 100000);
+}
+
+/* Ranks that create a table differently: every rank gets MISMATCH naming the field. */
+static int mismatch_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *t;
+    dense_spec(&s, "m", rank == 2 ? 101 : 100);
+    weft_status_t st = weft_ps_table_create(PS, &s, 20000, &t);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH && strstr(weft_last_error(), "shape") != NULL,
+               "rank %d: %s: %s", rank, weft_strerror(st), weft_last_error());
+    return 0;
+}
+
+Test(ps, tables_created_differently_are_refused_on_every_rank, .timeout = 120)
+{
+    roles(1, 2);
+    run_world(mismatch_body, 100000);
+}
+
+/* ------------------------------------------------------------------ checkpoints */
+
+#define CK_STEPS 3
+
+static weft_ps_table_t *ck_gate;
+
+static void ck_tables(weft_ps_table_t **d, weft_ps_table_t **sp, weft_ps_table_t **h)
+{
+    weft_ps_table_spec_t s;
+    /* BOUNDED(0): a pull at clock c waits until every worker has reached c (a barrier). */
+    dense_spec(&s, "gate", 1);
+    s.consistency = WEFT_PS_BOUNDED;
+    s.staleness = 0;
+    cr_assert_eq(weft_ps_table_create(PS, &s, 20000, &ck_gate), WEFT_OK, "%s", weft_last_error());
+    dense_spec(&s, "dense", 1500);
+    s.init = WEFT_PS_NORMAL;
+    s.init_b = 0.1;
+    s.seed = 7;
+    s.optimizer = WEFT_PS_ADAM;
+    s.adam.lr = 0.01;
+    cr_assert_eq(weft_ps_table_create(PS, &s, 20000, d), WEFT_OK, "%s", weft_last_error());
+    weft_ps_table_spec_init(&s, "sparse", WEFT_PS_SPARSE);
+    s.dim = 5;
+    s.init = WEFT_PS_UNIFORM;
+    s.init_a = -1;
+    s.init_b = 1;
+    s.optimizer = WEFT_PS_ADAGRAD;
+    s.admit_after = 2;
+    cr_assert_eq(weft_ps_table_create(PS, &s, 20000, sp), WEFT_OK, "%s", weft_last_error());
+    dense_spec(&s, "half", 600);
+    s.dtype = WEFT_BF16;
+    s.init = WEFT_PS_UNIFORM;
+    s.init_a = -1;
+    s.init_b = 1;
+    s.optimizer = WEFT_PS_SGD;
+    s.sgd.momentum = 0.9;
+    s.consistency = WEFT_PS_ASYNC;
+    cr_assert_eq(weft_ps_table_create(PS, &s, 20000, h), WEFT_OK, "%s", weft_last_error());
+}
+
+static uint64_t ck_ids[7] = {1, 2, 3, 50, 51, 52, 1u << 30};
+
+/* Writes the pulled values of every table to @p path (one file per worker). */
+static int ck_snapshot(weft_ps_table_t *d, weft_ps_table_t *sp, weft_ps_table_t *h, float *out)
+{
+    weft_tensor_t *v = zeros(1500), *hv = zeros(600), *rows = NULL;
+    int64_t sh[2] = {7, 5};
+    weft_tensor_create(WEFT_F32, 2, sh, &rows);
+    RANK_CHECK(weft_ps_pull(d, v, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull(h, hv, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull_rows(sp, ck_ids, 7, rows, 20000) == WEFT_OK, "pull: %s",
+               weft_last_error());
+    memcpy(out, weft_tensor_data(v), 1500 * 4);
+    memcpy(out + 1500, weft_tensor_data(hv), 600 * 4);
+    memcpy(out + 2100, weft_tensor_data(rows), 35 * 4);
+    weft_tensor_release(v);
+    weft_tensor_release(hv);
+    weft_tensor_release(rows);
+    return 0;
+}
+
+#define CK_VALUES 2135
+
+static int ck_step(weft_ps_table_t *d, weft_ps_table_t *sp, weft_ps_table_t *h, int w, int k)
+{
+    weft_tensor_t *g = zeros(1500), *hg = zeros(600), *rows = NULL;
+    int64_t sh[2] = {4, 5};
+    weft_tensor_create(WEFT_F32, 2, sh, &rows);
+    float *p = weft_tensor_data(g), *hp = weft_tensor_data(hg), *r = weft_tensor_data(rows);
+    for (int i = 0; i < 1500; i++) {
+        p[i] = sinf((float)(i + 31 * k + 7 * w));
+    }
+    for (int i = 0; i < 600; i++) {
+        hp[i] = 0.01f * (float)((i + k + w) % 13);
+    }
+    for (int i = 0; i < 20; i++) {
+        r[i] = cosf((float)(i + k * 5 + w));
+    }
+    /* Only the first 4 ids are pushed every step: the others are pulled but never admitted. */
+    RANK_CHECK(weft_ps_push(d, g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+    RANK_CHECK(weft_ps_push(h, hg, 20000) == WEFT_OK, "push: %s", weft_last_error());
+    RANK_CHECK(weft_ps_push_rows(sp, ck_ids, 4, rows, 20000) == WEFT_OK, "push: %s",
+               weft_last_error());
+    weft_tensor_release(g);
+    weft_tensor_release(hg);
+    weft_tensor_release(rows);
+    return weft_ps_clock(PS, 20000) == WEFT_OK ? 0 : 1;
+}
+
+/* World A: trains, saves at clock CK_STEPS, records what it pulled, trains on (the checkpoint
+ * must not see that). */
+static int ck_save_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_t *d, *sp, *h;
+    ck_tables(&d, &sp, &h);
+    if (!weft_ps_is_worker(PS)) {
+        return 0;
+    }
+    int w = weft_ps_worker_index(PS);
+    for (int k = 0; k < CK_STEPS; k++) {
+        RANK_CHECK(ck_step(d, sp, h, w, k) == 0, "step %d: %s", k, weft_last_error());
+    }
+    RANK_CHECK(weft_ps_save(PS, g_dir, 30000) == WEFT_OK, "save: %s", weft_last_error());
+    static float vals[CK_VALUES];
+    RANK_CHECK(ck_snapshot(d, sp, h, vals) == 0, "snapshot");
+    char path[512];
+    snprintf(path, sizeof(path), "%s/expected.w%d", g_dir, w);
+    FILE *f = fopen(path, "wb");
+    RANK_CHECK(f != NULL && fwrite(vals, 4, CK_VALUES, f) == CK_VALUES && fclose(f) == 0,
+               "expected values");
+    /* Both workers took their snapshot before either trains on (the ASYNC table would move). */
+    weft_tensor_t *g1 = zeros(1);
+    RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull(ck_gate, g1, 20000) == WEFT_OK, "gate: %s", weft_last_error());
+    weft_tensor_release(g1);
+    for (int k = CK_STEPS; k < CK_STEPS + 2; k++) {
+        RANK_CHECK(ck_step(d, sp, h, w, k) == 0, "step %d", k);
+    }
+    return 0;
+}
+
+/* World B (another number of servers): loads, and pulls exactly what world A pulled. */
+static int ck_load_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_t *d, *sp, *h;
+    ck_tables(&d, &sp, &h);
+    if (!weft_ps_is_worker(PS)) {
+        return 0;
+    }
+    int w = weft_ps_worker_index(PS);
+    RANK_CHECK(weft_ps_load(PS, g_dir, 30000) == WEFT_OK, "load: %s", weft_last_error());
+    RANK_CHECK(weft_ps_worker_clock(PS) == CK_STEPS, "clock %lld after the load",
+               (long long)weft_ps_worker_clock(PS));
+    static float want[CK_VALUES], got[CK_VALUES];
+    char path[512];
+    snprintf(path, sizeof(path), "%s/expected.w%d", g_dir, w);
+    FILE *f = fopen(path, "rb");
+    RANK_CHECK(f != NULL && fread(want, 4, CK_VALUES, f) == CK_VALUES, "expected values");
+    fclose(f);
+    RANK_CHECK(ck_snapshot(d, sp, h, got) == 0, "snapshot");
+    for (int i = 0; i < CK_VALUES; i++) {
+        RANK_CHECK(memcmp(&want[i], &got[i], 4) == 0, "value %d: %.9g restored, %.9g saved", i,
+                   got[i], want[i]);
+    }
+    /* Training goes on from there, once both have looked. */
+    weft_tensor_t *g1 = zeros(1);
+    RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull(ck_gate, g1, 20000) == WEFT_OK, "gate: %s", weft_last_error());
+    weft_tensor_release(g1);
+    RANK_CHECK(ck_step(d, sp, h, w, CK_STEPS) == 0, "a step after the load: %s", weft_last_error());
+    return 0;
+}
+
+static void tmpdir(const char *what)
+{
+    snprintf(g_dir, sizeof(g_dir), "/tmp/weft-ps-%s-%d", what, (int)getpid());
+    char cmd[400];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
+static void rmdir_all(void)
+{
+    char cmd[400];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
+    (void)system(cmd);
+}
+
+Test(ps, checkpoints_restore_bit_exact_into_one_two_and_three_servers, .timeout = 240)
+{
+    tmpdir("ck");
+    roles(2, 2);
+    run_world(ck_save_body, 100000);
+    for (int ns = 1; ns <= 3; ns++) {
+        roles(ns, 2);
+        run_world(ck_load_body, 100000);
+    }
+    rmdir_all();
+}
