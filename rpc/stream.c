@@ -65,6 +65,7 @@ struct weft__stream {
     grpc_status_code status;
     grpc_slice details;
     int cancelled;
+    bool was_proven; /* server: it spoke for its rank until its client's end of it closed */
 };
 
 static void recv_done(weft__op_t *op, int ok);
@@ -864,7 +865,7 @@ static void recv_done(weft__op_t *op, int ok)
         if (!s->client && ok) {
             /* The client half-closed: the stream no longer speaks for it (a new one may come at
              * once), and our side finishes once our sends are out. */
-            (void)server_unregister(s);
+            s->was_proven = server_unregister(s);
             finish(s, GRPC_STATUS_OK, "");
         }
         weft__stream_unref(s);
@@ -953,7 +954,8 @@ static void server_end(weft__op_t *op, int ok)
     stream_dead(s, WEFT_ERR_PEER_LOST, "stream from the peer ended");
     /* Only the peer's proven stream speaks for it: losing any other stream (one that never
      * proved a rank, a refused second one, one its peer closed) never evicts the rank. */
-    bool proven = server_unregister(s);
+    /* (A peer that dies shows as its end of the stream closing, then as the call cancelled.) */
+    bool proven = server_unregister(s) || s->was_proven;
     if (proven && s->cancelled && !weft__agent_closing(a)) {
         char why[256];
         snprintf(why, sizeof(why), "stream from %s (rank %d) was cut off",

@@ -247,6 +247,61 @@ Test(rpc_failure, killed_peer_fails_pending_calls, .timeout = 60)
     cr_assert_eq(codes[2], 0);
 }
 
+/* A rank that only ever called (its callee never called it back) and then dies is lost to its
+ * callee too: the callee learns it from the caller's stream, and its modules hear of it. */
+static weft_future_t *g_lost;
+
+static weft_status_t watch_create(weft_agent_t *a, void **state_p)
+{
+    (void)a;
+    *state_p = &g_lost;
+    return WEFT_OK;
+}
+
+static void watch_peer_lost(void *state, int rank, const char *why)
+{
+    (void)state;
+    weft_future_fail(g_lost, WEFT_ERR_PEER_LOST, "rank %d: %s", rank, why);
+}
+
+static const weft_module_desc_t watch_desc = {
+    .name = "watch", .channel = 100, .create = watch_create, .on_peer_lost = watch_peer_lost};
+
+static void watch_setup(weft_agent_t *a, int rank, void *arg)
+{
+    void *state;
+    setup(a, rank, arg);
+    weft_future_create(&g_lost);
+    weft_agent_module(a, &watch_desc, &state);
+}
+
+static int body_caller_dies(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank == 1) {
+        RANK_CHECK(weft_rpc_sync(a, 0, "echo", NULL, 5000, NULL) == WEFT_OK, "echo");
+        kill(getpid(), SIGKILL);
+    }
+    RANK_CHECK(weft_future_wait(g_lost, 20000) == WEFT_ERR_PEER_LOST,
+               "rank 0 never learnt that its caller died");
+    RANK_CHECK(strstr(weft_future_error(g_lost), "rank 1") != NULL, "%s",
+               weft_future_error(g_lost));
+    return 0;
+}
+
+Test(rpc_failure, a_caller_that_dies_is_lost_to_its_callee, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_caller_dies);
+    o.setup = watch_setup;
+    o.no_shutdown = 1;
+    ranks_run(&o, codes);
+    cr_assert_eq(codes[0], 0);
+    cr_assert_eq(codes[1], 128 + SIGKILL);
+}
+
 static int body_frozen(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)world;
