@@ -162,6 +162,11 @@ static weft_status_t write_shard(ps_stable_t *t, const char *dir, uint64_t versi
             pthread_mutex_unlock(&s->mu);
         }
     }
+    if (weft__cfg_int(WEFT__CFG_PS_FAULT_SAVE_EXIT) == (int64_t)version) {
+        /* A server killed half-way through a save: the file stays a .tmp, the MANIFEST old. */
+        fflush(w.f);
+        _exit(9);
+    }
     put_u64(&w, admits);
     for (int i = 0; i < PS_STRIPES && admits > 0; i++) {
         ps_stripe_t *s = &t->stripes[i];

@@ -419,7 +419,59 @@ static void op_part_done(ps_op_t *op)
     weft_future_release(user);
 }
 
-/* A server answered (or failed) its part. */
+/* Copies a server's part of a pull into the caller's memory (op->mu held); false when the reply
+ * is malformed (op->st and op->why then say so). */
+static bool scatter(ps_op_t *op, uint32_t s, const weft_value_t *body)
+{
+    weft_ps_table_t *t = op->t;
+    if (t->l.spec.kind == WEFT_PS_DENSE) {
+        size_t k = 0;
+        for (uint32_t c = 0; c < t->l.n_chunks; c++) {
+            if (t->l.owner[c] != s) {
+                continue;
+            }
+            weft_tensor_t *x = k < weft_value_num_tensors(body) ? weft_value_tensor(body, k) : NULL;
+            int64_t len = weft__ps_chunk_len(&t->l, c);
+            if (x == NULL || weft_tensor_dtype(x) != WEFT_F32 || weft_tensor_numel(x) != len) {
+                snprintf(op->why, sizeof(op->why),
+                         "ps: table '%s', server %u: chunk %u of the reply is missing or "
+                         "malformed",
+                         t->l.name, s, c);
+                return false;
+            }
+            memcpy(op->dst + (int64_t)c * t->l.chunk_elems, weft_tensor_data(x),
+                   (size_t)len * sizeof(float));
+            k++;
+        }
+        return true;
+    }
+    weft_tensor_t *x = weft_value_num_tensors(body) == 1 ? weft_value_tensor(body, 0) : NULL;
+    size_t want = 0;
+    for (size_t i = 0; i < op->n_ids; i++) {
+        if (op->srv_of[i] == s && op->pos_of[i] + 1 > want) {
+            want = op->pos_of[i] + 1;
+        }
+    }
+    if (x == NULL || weft_tensor_dtype(x) != WEFT_F32 || weft_tensor_ndim(x) != 2 ||
+        weft_tensor_shape(x)[1] != op->dim || (size_t)weft_tensor_shape(x)[0] < want) {
+        snprintf(op->why, sizeof(op->why), "ps: table '%s', server %u: malformed rows", t->l.name,
+                 s);
+        return false;
+    }
+    const float *src = weft_tensor_data(x);
+    size_t row = (size_t)op->dim * sizeof(float);
+    for (size_t i = 0; i < op->n_ids; i++) {
+        if (op->srv_of[i] == s) {
+            memcpy(op->dst + i * (size_t)op->dim, src + op->pos_of[i] * (size_t)op->dim, row);
+        }
+    }
+    return true;
+}
+
+/* A server answered (or failed) its part. A pull fails at its first failed part (the caller's
+ * memory is written only while the pull is good, under op->mu): a part parked on a live server
+ * (a SYNC step that a lost worker will never end) does not hold it to its deadline. A push waits
+ * for every part, whose tensors are the caller's memory in flight. */
 static void sub_done(weft_future_t *f, void *arg)
 {
     ps_sub_t *sub = arg;
@@ -431,56 +483,30 @@ static void sub_done(weft_future_t *f, void *arg)
         op_fail(op, st, "ps: table '%s', server %u (rank %d): %s", t->l.name, sub->s,
                 ps->servers[sub->s], weft_future_error(f));
     } else if (op->kind == OP_PULL || op->kind == OP_PUSH_PULL) {
-        weft_value_t *v = weft_future_value(f);
         weft_value_t *body = NULL;
-        if (weft_msg_body(v, &body) != WEFT_OK) {
-            op_fail(op, WEFT_ERR_PROTOCOL, "ps: table '%s', server %u: a reply without a body",
-                    t->l.name, sub->s);
-        } else if (t->l.spec.kind == WEFT_PS_DENSE) {
-            size_t k = 0;
-            for (uint32_t c = 0; c < t->l.n_chunks; c++) {
-                if (t->l.owner[c] != sub->s) {
-                    continue;
-                }
-                weft_tensor_t *x =
-                    k < weft_value_num_tensors(body) ? weft_value_tensor(body, k) : NULL;
-                int64_t len = weft__ps_chunk_len(&t->l, c);
-                if (x == NULL || weft_tensor_dtype(x) != WEFT_F32 || weft_tensor_numel(x) != len) {
-                    op_fail(op, WEFT_ERR_PROTOCOL,
-                            "ps: table '%s', server %u: chunk %u of the "
-                            "reply is missing or malformed",
-                            t->l.name, sub->s, c);
-                    break;
-                }
-                memcpy(op->dst + (int64_t)c * t->l.chunk_elems, weft_tensor_data(x),
-                       (size_t)len * sizeof(float));
-                k++;
+        bool ok = weft_msg_body(weft_future_value(f), &body) == WEFT_OK;
+        pthread_mutex_lock(&op->mu);
+        if (op->st == WEFT_OK && !(ok && scatter(op, sub->s, body))) {
+            if (!ok) {
+                snprintf(op->why, sizeof(op->why),
+                         "ps: table '%s', server %u: a reply without "
+                         "a body",
+                         t->l.name, sub->s);
             }
-        } else {
-            weft_tensor_t *x =
-                weft_value_num_tensors(body) == 1 ? weft_value_tensor(body, 0) : NULL;
-            size_t want = 0;
-            for (size_t i = 0; i < op->n_ids; i++) {
-                if (op->srv_of[i] == sub->s && op->pos_of[i] + 1 > want) {
-                    want = op->pos_of[i] + 1;
-                }
-            }
-            if (x == NULL || weft_tensor_dtype(x) != WEFT_F32 || weft_tensor_ndim(x) != 2 ||
-                weft_tensor_shape(x)[1] != op->dim || (size_t)weft_tensor_shape(x)[0] < want) {
-                op_fail(op, WEFT_ERR_PROTOCOL, "ps: table '%s', server %u: malformed rows",
-                        t->l.name, sub->s);
-            } else {
-                const float *src = weft_tensor_data(x);
-                size_t row = (size_t)op->dim * sizeof(float);
-                for (size_t i = 0; i < op->n_ids; i++) {
-                    if (op->srv_of[i] == sub->s) {
-                        memcpy(op->dst + i * (size_t)op->dim, src + op->pos_of[i] * (size_t)op->dim,
-                               row);
-                    }
-                }
-            }
+            op->st = WEFT_ERR_PROTOCOL;
         }
+        pthread_mutex_unlock(&op->mu);
         weft_value_free(body);
+    }
+    if (op->kind == OP_PULL) {
+        pthread_mutex_lock(&op->mu);
+        weft_status_t ost = op->st;
+        char why[sizeof(op->why)];
+        memcpy(why, op->why, sizeof(why));
+        pthread_mutex_unlock(&op->mu);
+        if (ost != WEFT_OK) {
+            weft_future_complete(op->user, ost, why, NULL); /* the first completion counts */
+        }
     }
     weft_future_release(f);
     op_part_done(op);
@@ -1246,6 +1272,28 @@ weft_status_t weft_ps_print_stats(weft_ps_t *ps, FILE *out, int64_t timeout_ms)
     }
     if (reps != NULL) {
         free_stats(ps, reps);
+    }
+    return st;
+}
+
+/* ------------------------------------------------------------------ the end */
+
+weft_status_t weft_ps_finish(weft_ps_t *ps, int64_t timeout_ms)
+{
+    weft_status_t st = WEFT_OK;
+    if (ps == NULL || !ps->roles_set) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "ps: no parameter server");
+    }
+    if (ps->worker_index >= 0) {
+        Weft__V1__PsRequest r = WEFT__V1__PS_REQUEST__INIT;
+        r.op = WEFT__V1__PS_OP__PS_FINISH;
+        r.worker = ps->worker_index;
+        r.table_name = "";
+        st = all_servers(ps, &r, NULL, NULL, timeout_ms > 0 ? timeout_ms : 0, NULL, false);
+    }
+    if (ps->srv != NULL) {
+        weft_status_t wst = weft__ps_server_wait_finished(ps->srv, timeout_ms);
+        st = st == WEFT_OK ? wst : st;
     }
     return st;
 }

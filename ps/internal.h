@@ -170,6 +170,10 @@ typedef struct ps_server {
     uint64_t *dedup_next;
     uint64_t (*dedup_seen)[PS_DEDUP_WINDOW / 64];
     _Atomic uint64_t park_ids;
+    /* weft_ps_finish: workers that said they are done, or were lost */
+    pthread_cond_t finish_cv;
+    bool *finished;
+    char lost_why[256];
     /* a checkpoint being gathered: each worker's request and call (under mu) */
     Weft__V1__PsRequest **ckpt_reqs;
     weft_call_t **ckpt_calls;
@@ -183,6 +187,7 @@ weft_status_t weft__ps_server_new(weft_ps_t *ps, ps_server_t **srv_p);
 void weft__ps_server_free(ps_server_t *srv);
 void weft__ps_handle(weft_call_t *call, void *arg);
 void weft__ps_server_peer_lost(ps_server_t *srv, int rank, const char *why);
+weft_status_t weft__ps_server_wait_finished(ps_server_t *srv, int64_t timeout_ms);
 
 /* ------------------------------------------------------------------ the client (ps/client.c) */
 

@@ -1,8 +1,10 @@
 /* The server's side: the function "__weft.ps", tables made when every rank agrees on them, pushes
  * counted exactly once per (worker, sequence), SYNC steps gathered and applied as one, pulls that
  * wait (parked calls) until the table's consistency allows them, lost workers, counters. */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -236,9 +238,11 @@ weft_status_t weft__ps_server_new(weft_ps_t *ps, ps_server_t **srv_p)
     }
     srv->ps = ps;
     pthread_mutex_init(&srv->mu, NULL);
+    pthread_cond_init(&srv->finish_cv, NULL);
+    srv->finished = weft_calloc(ps->n_workers, sizeof(*srv->finished));
     srv->dedup_next = weft_alloc(ps->n_workers * sizeof(*srv->dedup_next));
     srv->dedup_seen = weft_calloc(ps->n_workers, sizeof(*srv->dedup_seen));
-    if (srv->dedup_next == NULL || srv->dedup_seen == NULL) {
+    if (srv->dedup_next == NULL || srv->dedup_seen == NULL || srv->finished == NULL) {
         weft__ps_server_free(srv);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory for a server");
     }
@@ -286,6 +290,8 @@ void weft__ps_server_free(ps_server_t *srv)
     }
     weft_free(srv->dedup_next);
     weft_free(srv->dedup_seen);
+    weft_free(srv->finished);
+    pthread_cond_destroy(&srv->finish_cv);
     pthread_mutex_destroy(&srv->mu);
     weft_free(srv);
 }
@@ -1196,6 +1202,63 @@ static void handle_stats(ps_server_t *srv, weft_call_t *call, Weft__V1__PsReques
     }
 }
 
+/* ------------------------------------------------------------------ the end */
+
+static void handle_finish(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest *req)
+{
+    weft_ps_t *ps = srv->ps;
+    int caller = weft_call_caller_rank(call);
+    int w = req->worker;
+    weft__v1__ps_request__free_unpacked(req, &weft__pb_allocator);
+    if (w < 0 || (uint32_t)w >= ps->n_workers || ps->workers[w] != caller) {
+        weft_call_fail(call, WEFT_ERR_INVALID_ARG, "ps: rank %d is not worker %d", caller, w);
+        return;
+    }
+    pthread_mutex_lock(&srv->mu);
+    srv->finished[w] = true;
+    pthread_cond_broadcast(&srv->finish_cv);
+    pthread_mutex_unlock(&srv->mu);
+    weft_call_reply(call, reply_empty());
+}
+
+weft_status_t weft__ps_server_wait_finished(ps_server_t *srv, int64_t timeout_ms)
+{
+    weft_ps_t *ps = srv->ps;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    if (timeout_ms > 0) {
+        until.tv_sec += timeout_ms / 1000;
+        until.tv_nsec += (timeout_ms % 1000) * 1000000;
+        if (until.tv_nsec >= 1000000000) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000;
+        }
+    }
+    weft_status_t st = WEFT_OK;
+    pthread_mutex_lock(&srv->mu);
+    for (;;) {
+        uint32_t left = 0;
+        for (uint32_t w = 0; w < ps->n_workers; w++) {
+            left += srv->finished[w] ? 0 : 1;
+        }
+        if (left == 0) {
+            break;
+        }
+        int rc = timeout_ms > 0 ? pthread_cond_timedwait(&srv->finish_cv, &srv->mu, &until)
+                                : pthread_cond_wait(&srv->finish_cv, &srv->mu);
+        if (rc == ETIMEDOUT) {
+            st = weft__set_error(WEFT_ERR_TIMEOUT, "ps: %u workers were not done within %lld ms",
+                                 left, (long long)timeout_ms);
+            break;
+        }
+    }
+    if (st == WEFT_OK && srv->lost_why[0] != '\0') {
+        st = weft__set_error(WEFT_ERR_PEER_LOST, "%s", srv->lost_why);
+    }
+    pthread_mutex_unlock(&srv->mu);
+    return st;
+}
+
 /* ------------------------------------------------------------------ the function */
 
 void weft__ps_handle(weft_call_t *call, void *arg)
@@ -1235,6 +1298,9 @@ void weft__ps_handle(weft_call_t *call, void *arg)
     case WEFT__V1__PS_OP__PS_STATS:
         handle_stats(srv, call, req);
         return;
+    case WEFT__V1__PS_OP__PS_FINISH:
+        handle_finish(srv, call, req);
+        return;
     case WEFT__V1__PS_OP__PS_SAVE:
     case WEFT__V1__PS_OP__PS_LOAD:
         weft__ps_server_checkpoint(srv, call, req);
@@ -1260,6 +1326,14 @@ void weft__ps_server_peer_lost(ps_server_t *srv, int rank, const char *why)
     }
     pthread_mutex_lock(&srv->mu);
     uint32_t n = srv->n_tables;
+    if (w >= 0 && !srv->finished[w]) {
+        srv->finished[w] = true;        /* it will never say so */
+        if (srv->lost_why[0] == '\0') { /* the first one lost is named */
+            snprintf(srv->lost_why, sizeof(srv->lost_why), "ps: worker %d (rank %d) was lost: %s",
+                     w, rank, why);
+        }
+        pthread_cond_broadcast(&srv->finish_cv);
+    }
     /* Creations that will never have everyone. */
     for (uint32_t i = 0; i < PS_MAX_TABLES; i++) {
         ps_pending_create_t *pc = &srv->creates[i];

@@ -75,7 +75,8 @@ typedef struct {
     bool no_prefix;
     bool print_env;
     bool standalone;
-    char **prog_argv; /* program and its arguments, NULL-terminated */
+    const char *servers; /* --servers: WEFT_PS_SERVERS for every rank */
+    char **prog_argv;    /* program and its arguments, NULL-terminated */
 } opts_t;
 
 /* What srun/mpirun told this task about itself. */
@@ -174,6 +175,8 @@ static const char *const usage_text =
     "      --print-config      print every WEFT_* variable (type, default, value in\n"
     "                          effect, what it does), and exit\n"
     "      --standalone        ignore srun/mpirun variables in the environment\n"
+    "      --servers N|LIST    parameter server ranks: N means ranks 0..N-1, or a\n"
+    "                          list like 0,3 (sets WEFT_PS_SERVERS; docs/ps.md)\n"
     "  -h, --help              show this help\n"
     "\n"
     "Multi-node: run one weftrun per node with the same --nnodes, --master-addr,\n"
@@ -361,6 +364,7 @@ enum {
     OPT_PRINT_ENV,
     OPT_PRINT_CONFIG,
     OPT_STANDALONE,
+    OPT_SERVERS,
 };
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -391,6 +395,7 @@ static int parse_opts(int argc, char **argv, opts_t *opts)
         {"print-env", no_argument, NULL, OPT_PRINT_ENV},
         {"print-config", no_argument, NULL, OPT_PRINT_CONFIG},
         {"standalone", no_argument, NULL, OPT_STANDALONE},
+        {"servers", required_argument, NULL, OPT_SERVERS},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -458,6 +463,17 @@ static int parse_opts(int argc, char **argv, opts_t *opts)
             return 1;
         case OPT_STANDALONE:
             opts->standalone = true;
+            break;
+        case OPT_SERVERS:
+            /* A count N (ranks 0..N-1) or a list of ranks: the parameter server's servers. */
+            if (optarg[0] == '\0' || strspn(optarg, "0123456789,") != strlen(optarg) ||
+                optarg[0] == ',' || strstr(optarg, ",,") != NULL ||
+                optarg[strlen(optarg) - 1] == ',' || strcmp(optarg, "0") == 0) {
+                return usage_error("--servers needs a count of ranks or a list like 0,3, got "
+                                   "'%s'",
+                                   optarg);
+            }
+            opts->servers = optarg;
             break;
         case ':':
             return usage_error("option '%s' needs an argument", argv[optind - 1]);
@@ -1547,6 +1563,10 @@ int main(int argc, char **argv)
     rc = parse_opts(argc, argv, &opts);
     if (rc != 0) {
         return rc > 0 ? 0 : EXIT_USAGE;
+    }
+    if (opts.servers != NULL && setenv("WEFT_PS_SERVERS", opts.servers, 1) != 0) {
+        errorf("setenv: %s", strerror(errno));
+        return EXIT_USAGE;
     }
     memset(&li, 0, sizeof(li));
     if (!opts.standalone && detect_launcher(&li) != 0) {

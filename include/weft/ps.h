@@ -208,6 +208,16 @@ WEFT_API weft_status_t weft_ps_clock(weft_ps_t *ps, int64_t timeout_ms);
 /** This worker's clock: the number of steps it has ended. Thread-safe. */
 WEFT_API int64_t weft_ps_worker_clock(const weft_ps_t *ps);
 
+/**
+ * The end of a job's use of the parameter server, on every rank: a worker tells every server it is
+ * done; a server returns once every worker has done so (or was lost), so that server ranks can
+ * serve for as long as training lasts and then call weft_agent_shutdown. @p timeout_ms: 0 waits
+ * without limit on a server; a worker's messages have the agent's call timeout. Call it once, not
+ * from a handler.
+ * @return WEFT_ERR_PEER_LOST (a worker or server was lost: named), WEFT_ERR_TIMEOUT.
+ */
+WEFT_API weft_status_t weft_ps_finish(weft_ps_t *ps, int64_t timeout_ms);
+
 /* ------------------------------------------------------------------ stats */
 
 #define WEFT_PS_STALENESS_BUCKETS 17 /* 0..15, then 16 and more */

@@ -733,3 +733,228 @@ Test(ps, checkpoints_restore_bit_exact_into_one_two_and_three_servers, .timeout 
     }
     rmdir_all();
 }
+
+/* ------------------------------------------------------------------ a save killed half-way */
+
+/* World A saves at clock 2, trains on, and a server dies (as if killed) while writing the save of
+ * clock 4: the workers' save fails, and the checkpoint directory still loads clock 2's values. */
+static int kill_save_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_t *d, *sp, *h;
+    ck_tables(&d, &sp, &h);
+    if (!weft_ps_is_worker(PS)) {
+        weft_status_t st = weft_ps_finish(PS, 60000);
+        RANK_CHECK(st == WEFT_OK || st == WEFT_ERR_PEER_LOST, "finish: %s", weft_last_error());
+        return 0;
+    }
+    int w = weft_ps_worker_index(PS);
+    for (int k = 0; k < 2; k++) {
+        RANK_CHECK(ck_step(d, sp, h, w, k) == 0, "step %d: %s", k, weft_last_error());
+    }
+    RANK_CHECK(weft_ps_save(PS, g_dir, 30000) == WEFT_OK, "save: %s", weft_last_error());
+    static float vals[CK_VALUES];
+    RANK_CHECK(ck_snapshot(d, sp, h, vals) == 0, "snapshot");
+    char path[512];
+    snprintf(path, sizeof(path), "%s/expected.w%d", g_dir, w);
+    FILE *f = fopen(path, "wb");
+    RANK_CHECK(f != NULL && fwrite(vals, 4, CK_VALUES, f) == CK_VALUES && fclose(f) == 0,
+               "expected values");
+    weft_tensor_t *g1 = zeros(1);
+    RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull(ck_gate, g1, 20000) == WEFT_OK, "gate: %s", weft_last_error());
+    weft_tensor_release(g1);
+    RANK_CHECK(ck_step(d, sp, h, w, 3) == 0, "step 3: %s", weft_last_error());
+    /* Clock 4: a server exits half-way through its files. */
+    weft_status_t st = weft_ps_save(PS, g_dir, 30000);
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "a save whose server died: %s: %s", weft_strerror(st),
+               weft_last_error());
+    (void)weft_ps_finish(PS, 10000);
+    return 0;
+}
+
+/* World B: clock 2's checkpoint, whole. */
+static int after_kill_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_t *d, *sp, *h;
+    ck_tables(&d, &sp, &h);
+    if (!weft_ps_is_worker(PS)) {
+        return weft_ps_finish(PS, 60000) == WEFT_OK ? 0 : 1;
+    }
+    int w = weft_ps_worker_index(PS);
+    RANK_CHECK(weft_ps_load(PS, g_dir, 30000) == WEFT_OK, "load: %s", weft_last_error());
+    RANK_CHECK(weft_ps_worker_clock(PS) == 2, "clock %lld", (long long)weft_ps_worker_clock(PS));
+    static float want[CK_VALUES], got[CK_VALUES];
+    char path[512];
+    snprintf(path, sizeof(path), "%s/expected.w%d", g_dir, w);
+    FILE *f = fopen(path, "rb");
+    RANK_CHECK(f != NULL && fread(want, 4, CK_VALUES, f) == CK_VALUES, "expected values");
+    fclose(f);
+    RANK_CHECK(ck_snapshot(d, sp, h, got) == 0, "snapshot");
+    RANK_CHECK(memcmp(want, got, sizeof(want)) == 0, "the values are not clock 2's");
+    /* And a new save over the debris works. */
+    RANK_CHECK(weft_ps_save(PS, g_dir, 30000) == WEFT_OK, "save: %s", weft_last_error());
+    RANK_CHECK(weft_ps_finish(PS, 30000) == WEFT_OK, "finish: %s", weft_last_error());
+    return 0;
+}
+
+Test(ps, a_server_killed_during_a_save_leaves_the_previous_checkpoint_loadable, .timeout = 240)
+{
+    tmpdir("kill");
+    roles(2, 2);
+    setenv("WEFT_PS_FAULT_SAVE_EXIT", "4", 1);
+    ranks_opts_t o;
+    int codes[4];
+    ranks_opts_init(&o, 4, kill_save_body);
+    o.setup = ps_setup;
+    o.deadline_ms = 100000;
+    o.handler_threads = 2;
+    o.no_shutdown = 1;
+    ranks_run(&o, codes);
+    cr_assert(codes[0] == 9 && codes[1] == 9, "the servers exit 9 in the save: %d %d", codes[0],
+              codes[1]);
+    cr_assert(codes[2] == 0 && codes[3] == 0, "workers: %d %d", codes[2], codes[3]);
+    unsetenv("WEFT_PS_FAULT_SAVE_EXIT");
+    run_world(after_kill_body, 100000);
+    rmdir_all();
+}
+
+/* ------------------------------------------------------------------ lost peers */
+
+static void die(weft_call_t *call, void *arg)
+{
+    (void)call, (void)arg;
+    _exit(7);
+}
+
+static void die_setup(weft_agent_t *a, int rank, void *arg)
+{
+    weft_rpc_register(a, "die", die, NULL);
+    ps_setup(a, rank, arg);
+}
+
+/* Servers are ranks 1 and 2, workers 0 and 3; rank 2 dies after two steps. Both workers' next
+ * operations fail with PEER_LOST naming the table and the server, long before their deadlines. */
+static int lost_server_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *t;
+    dense_spec(&s, "w", 2000);
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &t) == WEFT_OK, "create: %s", weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        weft_status_t st = weft_ps_finish(PS, 60000);
+        RANK_CHECK(st == WEFT_OK, "finish on rank %d: %s", rank, weft_last_error());
+        return 0;
+    }
+    weft_tensor_t *v = zeros(2000), *g = filled(2000, 1.0f);
+    for (int k = 0; k < 2; k++) {
+        RANK_CHECK(weft_ps_pull(t, v, 60000) == WEFT_OK, "pull: %s", weft_last_error());
+        RANK_CHECK(weft_ps_push(t, g, 60000) == WEFT_OK, "push: %s", weft_last_error());
+        RANK_CHECK(weft_ps_clock(PS, 60000) == WEFT_OK, "clock: %s", weft_last_error());
+    }
+    if (rank == 0) {
+        /* This pull at clock 2 waits for step 1: rank 3 has ended its two steps too. */
+        RANK_CHECK(weft_ps_pull(t, v, 60000) == WEFT_OK, "pull: %s", weft_last_error());
+        weft_future_t *f = NULL;
+        RANK_CHECK(weft_rpc_async(a, 2, "die", NULL, 60000, &f) == WEFT_OK, "die");
+        weft_future_wait(f, 60000);
+        weft_future_release(f);
+    }
+    weft_status_t st = WEFT_OK;
+    bool clocking = false; /* a clock names the server; a push or pull names the table too */
+    for (int k = 2; k < 100 && st == WEFT_OK; k++) {
+        st = weft_ps_pull(t, v, 60000);
+        if (st == WEFT_OK) {
+            st = weft_ps_push(t, g, 60000);
+        }
+        if (st == WEFT_OK) {
+            clocking = true;
+            st = weft_ps_clock(PS, 60000);
+            clocking = st == WEFT_OK ? false : clocking;
+        }
+    }
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST &&
+                   (clocking || strstr(weft_last_error(), "table 'w'") != NULL) &&
+                   strstr(weft_last_error(), "rank 2") != NULL,
+               "rank %d: %s: %s", rank, weft_strerror(st), weft_last_error());
+    /* Every later operation fails at once, the same way. */
+    RANK_CHECK(weft_ps_pull(t, v, 60000) == WEFT_ERR_PEER_LOST, "after: %s", weft_last_error());
+    weft_tensor_release(v);
+    weft_tensor_release(g);
+    RANK_CHECK(weft_ps_finish(PS, 20000) == WEFT_ERR_PEER_LOST, "finish: %s", weft_last_error());
+    return 0;
+}
+
+Test(ps, a_lost_server_fails_every_workers_operations_naming_the_table, .timeout = 120)
+{
+    g_ns = 2, g_nw = 2;
+    g_servers[0] = 1, g_servers[1] = 2;
+    g_workers[0] = 0, g_workers[1] = 3;
+    ranks_opts_t o;
+    int codes[4];
+    ranks_opts_init(&o, 4, lost_server_body);
+    o.setup = die_setup;
+    o.deadline_ms = 100000;
+    o.handler_threads = 2;
+    o.no_shutdown = 1;
+    ranks_run(&o, codes);
+    cr_assert(codes[0] == 0 && codes[1] == 0 && codes[3] == 0 && codes[2] == 7, "codes %d %d %d %d",
+              codes[0], codes[1], codes[2], codes[3]);
+}
+
+/* SYNC with a worker that dies after a step: the other worker's next step fails with PEER_LOST
+ * naming the lost worker (never a hang), and the server's finish reports it. */
+static int lost_worker_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *t;
+    dense_spec(&s, "w", 500);
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &t) == WEFT_OK, "create: %s", weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        weft_status_t st = weft_ps_finish(PS, 60000);
+        RANK_CHECK(st == WEFT_ERR_PEER_LOST && strstr(weft_last_error(), "rank 2") != NULL,
+                   "finish: %s: %s", weft_strerror(st), weft_last_error());
+        return 0;
+    }
+    weft_tensor_t *v = zeros(500), *g = filled(500, 1.0f);
+    RANK_CHECK(weft_ps_pull(t, v, 60000) == WEFT_OK, "pull: %s", weft_last_error());
+    RANK_CHECK(weft_ps_push(t, g, 60000) == WEFT_OK, "push: %s", weft_last_error());
+    RANK_CHECK(weft_ps_clock(PS, 60000) == WEFT_OK, "clock: %s", weft_last_error());
+    if (rank == 2) {
+        _exit(5);
+    }
+    weft_status_t st = WEFT_OK;
+    for (int k = 1; k < 100 && st == WEFT_OK; k++) {
+        st = weft_ps_pull(t, v, 60000);
+        if (st == WEFT_OK) {
+            st = weft_ps_push(t, g, 60000);
+        }
+        if (st == WEFT_OK) {
+            st = weft_ps_clock(PS, 60000);
+        }
+    }
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST && strstr(weft_last_error(), "worker 1 (rank 2)") != NULL,
+               "%s: %s", weft_strerror(st), weft_last_error());
+    RANK_CHECK(weft_ps_finish(PS, 20000) == WEFT_OK, "finish: %s", weft_last_error());
+    weft_tensor_release(v);
+    weft_tensor_release(g);
+    return 0;
+}
+
+Test(ps, a_lost_worker_fails_the_sync_step_for_the_others, .timeout = 120)
+{
+    roles(1, 2);
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, lost_worker_body);
+    o.setup = ps_setup;
+    o.deadline_ms = 100000;
+    o.handler_threads = 2;
+    o.no_shutdown = 1;
+    ranks_run(&o, codes);
+    cr_assert(codes[0] == 0 && codes[1] == 0 && codes[2] == 5, "codes %d %d %d", codes[0], codes[1],
+              codes[2]);
+}
