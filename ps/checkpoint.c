@@ -859,8 +859,8 @@ weft_status_t weft_ps_load(weft_ps_t *ps, const char *dir, int64_t timeout_ms)
         const char *f = weft__ps_spec_diff(&a, &b, why, sizeof(why));
         if (f != NULL) {
             st = weft__set_error(WEFT_ERR_MISMATCH,
-                                 "ps: table '%s' differs from the checkpoint's "
-                                 "in %s (%s)",
+                                 "ps: table '%s' differs from the checkpoint's in %s "
+                                 "(checkpoint vs created: %s)",
                                  saved->name, f, why);
         }
         weft__ps_spec_pb_free(&now);

@@ -1099,8 +1099,8 @@ void weft_ps_table_print_map(const weft_ps_table_t *t, FILE *out)
     const ps_layout_t *l = &t->l;
     weft_ps_t *ps = t->ps;
     out = out != NULL ? out : stdout;
-    fprintf(out, "table '%s' (id %u), shard map %016llx, %u servers\n", l->name, l->id,
-            (unsigned long long)l->map_hash, l->n_servers);
+    fprintf(out, "table '%s' (id %u), shard map %016llx, %u server%s\n", l->name, l->id,
+            (unsigned long long)l->map_hash, l->n_servers, l->n_servers == 1 ? "" : "s");
     if (l->spec.kind == WEFT_PS_SPARSE) {
         fprintf(out,
                 "  sparse rows of %lld: id -> server by fibonacci64 ((id * 11400714819323198549)"

@@ -272,6 +272,39 @@ static const char *diff_array(const char *name, size_t na, const void *pa, size_
     return NULL;
 }
 
+static const char *enum_name(const char *field, int v)
+{
+    static const char *const kinds[] = {"none", "dense", "sparse"};
+    static const char *const cons[] = {"none", "sync", "async", "bounded"};
+    static const char *const opts[] = {"none", "sgd", "adagrad", "adam", "adamw", "sum"};
+    static const char *const inits[] = {"none", "zeros", "uniform", "normal", "constant"};
+    if (strcmp(field, "kind") == 0 && v >= 0 && v < 3) {
+        return kinds[v];
+    }
+    if (strcmp(field, "consistency") == 0 && v >= 0 && v < 4) {
+        return cons[v];
+    }
+    if (strcmp(field, "optimizer") == 0 && v >= 0 && v < 6) {
+        return opts[v];
+    }
+    if (strcmp(field, "init") == 0 && v >= 0 && v < 5) {
+        return inits[v];
+    }
+    if (strcmp(field, "dtype") == 0 && weft_dtype_valid(v)) {
+        return weft_dtype_name((weft_dtype_t)v);
+    }
+    return "?";
+}
+
+#define DIFF_ENUM(field)                                                                           \
+    do {                                                                                           \
+        if ((int)a->field != (int)b->field) {                                                      \
+            snprintf(why, n, "%s vs %s", enum_name(#field, (int)a->field),                         \
+                     enum_name(#field, (int)b->field));                                            \
+            return #field;                                                                         \
+        }                                                                                          \
+    } while (0)
+
 const char *weft__ps_spec_diff(const Weft__V1__PsTableSpec *a, const Weft__V1__PsTableSpec *b,
                                char *why, size_t n)
 {
@@ -280,8 +313,8 @@ const char *weft__ps_spec_diff(const Weft__V1__PsTableSpec *a, const Weft__V1__P
         snprintf(why, n, "'%s' vs '%s'", a->name, b->name);
         return "name";
     }
-    DIFF_NUM(kind, "%d", int);
-    DIFF_NUM(dtype, "%d", int);
+    DIFF_ENUM(kind);
+    DIFF_ENUM(dtype);
     if ((f = diff_array("shape", a->n_shape, a->shape, b->n_shape, b->shape, sizeof(int64_t), why,
                         n)) != NULL) {
         return f;
@@ -290,16 +323,16 @@ const char *weft__ps_spec_diff(const Weft__V1__PsTableSpec *a, const Weft__V1__P
     DIFF_NUM(id_bound, "%llu", unsigned long long);
     DIFF_NUM(admit_after, "%llu", unsigned long long);
     DIFF_NUM(capacity, "%llu", unsigned long long);
-    DIFF_NUM(init, "%d", int);
+    DIFF_ENUM(init);
     DIFF_NUM(init_a, "%g", double);
     DIFF_NUM(init_b, "%g", double);
     DIFF_NUM(seed, "%llu", unsigned long long);
-    DIFF_NUM(optimizer, "%d", int);
+    DIFF_ENUM(optimizer);
     if ((f = diff_array("hyperparameters", a->n_hyper, a->hyper, b->n_hyper, b->hyper,
                         sizeof(double), why, n)) != NULL) {
         return f;
     }
-    DIFF_NUM(consistency, "%d", int);
+    DIFF_ENUM(consistency);
     DIFF_NUM(staleness, "%lld", long long);
     DIFF_NUM(chunk_bytes, "%llu", unsigned long long);
     if ((f = diff_array("servers", a->n_servers, a->servers, b->n_servers, b->servers,
