@@ -153,6 +153,12 @@ weft_status_t weft__tensor_shape_check(int dtype, int ndim, const int64_t *shape
 void *weft__tensor_ag(const weft_tensor_t *t);
 /** Replaces the slot (the previous metadata, if any, is not freed). */
 void weft__tensor_set_ag(weft_tensor_t *t, void *ag, void (*ag_free)(void *ag));
+/**
+ * Whether another reference than the caller's one may read @p t's bytes: another reference to the
+ * tensor, or a view sharing its storage (e.g. a message being sent). A writer that must not be
+ * seen half-way copies first (copy on write).
+ */
+bool weft__tensor_shared(const weft_tensor_t *t);
 
 /*
  * A tensor that grows as its bytes arrive (a receiver that must not take memory for bytes that

@@ -575,6 +575,12 @@ weft_tensor_t *weft_tensor_retain(weft_tensor_t *t)
     return t;
 }
 
+bool weft__tensor_shared(const weft_tensor_t *t)
+{
+    return atomic_load_explicit(&t->refs, memory_order_acquire) > 1 ||
+           atomic_load_explicit(&t->storage->refs, memory_order_acquire) > 1;
+}
+
 void weft_tensor_release(weft_tensor_t *t)
 {
     if (t == NULL) {

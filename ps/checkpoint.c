@@ -380,6 +380,9 @@ static weft_status_t load_file(ps_stable_t *t, const char *dir, const Weft__V1__
                 }
             }
         }
+        if (c != NULL && (st = weft__ps_cell_own(c)) != WEFT_OK) {
+            break;
+        }
         if (c != NULL) {
             get(&r, weft_tensor_data(c->value), (size_t)elems * esz);
             for (uint32_t i = 0; i < nstate; i++) {

@@ -112,6 +112,8 @@ void weft__ps_init_values(const ps_layout_t *l, uint64_t id, int64_t n, float *o
 /* Applies gradient @p grad (f32 [n]) scaled by @p scale with the table's optimizer. */
 weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const float *grad,
                                   float scale);
+/* Makes the cell's value its own before it is written (a pull may be sending the old bytes). */
+weft_status_t weft__ps_cell_own(ps_cell_t *c);
 /* The cell's value as f32 into @p out. */
 void weft__ps_cell_read(const ps_cell_t *c, float *out);
 /* Bytes of a cell's value + state (stats, checkpoints). */

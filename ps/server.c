@@ -779,10 +779,18 @@ static weft_status_t pull_reply(ps_stable_t *t, const Weft__V1__PsRequest *r,
         for (size_t i = 0; i < r->n_chunks && st == WEFT_OK; i++) {
             uint32_t c = r->chunks[i];
             int64_t len = weft__ps_chunk_len(l, c);
+            ps_stripe_t *s = &t->stripes[c % PS_STRIPES];
+            if (l->spec.dtype == WEFT_F32) {
+                /* The value itself, sent without a copy: a push that comes meanwhile writes a
+                 * copy of its own (copy on write, weft__ps_cell_own). */
+                pthread_mutex_lock(&s->mu);
+                st = weft_value_add_tensor(body, t->chunks[c]->value);
+                pthread_mutex_unlock(&s->mu);
+                continue;
+            }
             weft_tensor_t *out = NULL;
             st = weft_tensor_empty(WEFT_F32, 1, &len, &out);
             if (st == WEFT_OK) {
-                ps_stripe_t *s = &t->stripes[c % PS_STRIPES];
                 pthread_mutex_lock(&s->mu);
                 weft__ps_cell_read(t->chunks[c], weft_tensor_data(out));
                 pthread_mutex_unlock(&s->mu);

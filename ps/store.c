@@ -440,6 +440,18 @@ void weft__ps_cell_read(const ps_cell_t *c, float *out)
     weft_reduce_widen(out, weft_tensor_data(v), (size_t)weft_tensor_numel(v), weft_tensor_dtype(v));
 }
 
+weft_status_t weft__ps_cell_own(ps_cell_t *c)
+{
+    if (!weft__tensor_shared(c->value)) {
+        return WEFT_OK;
+    }
+    weft_tensor_t *fresh = NULL;
+    WEFT_CHECK(weft_tensor_clone(c->value, &fresh));
+    weft_tensor_release(c->value); /* the reader keeps the old bytes */
+    c->value = fresh;
+    return WEFT_OK;
+}
+
 weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const float *grad,
                                   float scale)
 {
@@ -451,6 +463,11 @@ weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const floa
     weft_tensor_t *g = NULL, *p = c->value;
     weft_status_t st = WEFT_ERR_NO_MEMORY;
 
+    /* A pull may be sending the value's bytes right now (pull_reply shares f32 values). */
+    if ((st = weft__ps_cell_own(c)) != WEFT_OK) {
+        return st;
+    }
+    p = c->value;
     if (scale != 1.0f) {
         if ((scaled = weft_alloc(bytes)) == NULL) {
             goto out;

@@ -924,6 +924,8 @@ static int lost_worker_body(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(weft_ps_push(t, g, 60000) == WEFT_OK, "push: %s", weft_last_error());
     RANK_CHECK(weft_ps_clock(PS, 60000) == WEFT_OK, "clock: %s", weft_last_error());
     if (rank == 2) {
+        /* Dies once step 0 is applied (both workers ended it): its pull at clock 1 waits. */
+        RANK_CHECK(weft_ps_pull(t, v, 60000) == WEFT_OK, "pull: %s", weft_last_error());
         _exit(5);
     }
     weft_status_t st = WEFT_OK;
@@ -957,4 +959,79 @@ Test(ps, a_lost_worker_fails_the_sync_step_for_the_others, .timeout = 120)
     ranks_run(&o, codes);
     cr_assert(codes[0] == 0 && codes[1] == 0 && codes[2] == 5, "codes %d %d %d", codes[0], codes[1],
               codes[2]);
+}
+
+/* ------------------------------------------------------------------ pulls never torn */
+
+#define TORN_N     (4 * 16384)
+#define TORN_ITERS 60
+
+/* ASYNC SUM: worker 0 adds 1 everywhere again and again while worker 1 pulls: a pull sends the
+ * value's bytes without copying them, so a push that comes meanwhile must write a copy. Every
+ * chunk of every pull is uniform (one value throughout), never half old and half new. */
+static int torn_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *t, *gate;
+    dense_spec(&s, "v", TORN_N);
+    s.chunk_bytes = 65536;
+    s.optimizer = WEFT_PS_SUM;
+    s.consistency = WEFT_PS_ASYNC;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &t) == WEFT_OK, "create: %s", weft_last_error());
+    dense_spec(&s, "gate", 1);
+    s.consistency = WEFT_PS_BOUNDED;
+    s.staleness = 0;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &gate) == WEFT_OK, "create: %s",
+               weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        return weft_ps_finish(PS, 60000) == WEFT_OK ? 0 : 1;
+    }
+    int w = weft_ps_worker_index(PS);
+    weft_tensor_t *g = filled(TORN_N, 1.0f);
+    weft_tensor_t *v[4];
+    for (int i = 0; i < 4; i++) {
+        v[i] = zeros(TORN_N);
+    }
+    for (int it = 0; it < TORN_ITERS; it++) {
+        if (w == 0) {
+            RANK_CHECK(weft_ps_push(t, g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+            continue;
+        }
+        weft_future_t *fs[4];
+        for (int i = 0; i < 4; i++) {
+            RANK_CHECK(weft_ps_pull_async(t, v[i], 20000, &fs[i]) == WEFT_OK, "pull");
+        }
+        RANK_CHECK(weft_future_wait_all(fs, 4, 20000) == WEFT_OK, "pulls: %s",
+                   weft_future_error(fs[0]));
+        for (int i = 0; i < 4; i++) {
+            weft_future_release(fs[i]);
+            const float *p = weft_tensor_data(v[i]);
+            for (int64_t c = 0; c < TORN_N; c += 16384) {
+                for (int64_t j = 1; j < 16384; j++) {
+                    RANK_CHECK(p[c + j] == p[c], "a torn pull: %g then %g in chunk %lld", p[c],
+                               p[c + j], (long long)(c / 16384));
+                }
+            }
+        }
+    }
+    weft_tensor_t *one = zeros(1);
+    RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock");
+    RANK_CHECK(weft_ps_pull(gate, one, 20000) == WEFT_OK, "gate: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull(t, v[0], 20000) == WEFT_OK, "pull");
+    RANK_CHECK(((float *)weft_tensor_data(v[0]))[TORN_N - 1] == (float)TORN_ITERS, "final %g",
+               ((float *)weft_tensor_data(v[0]))[TORN_N - 1]);
+    for (int i = 0; i < 4; i++) {
+        weft_tensor_release(v[i]);
+    }
+    weft_tensor_release(g);
+    weft_tensor_release(one);
+    RANK_CHECK(weft_ps_finish(PS, 20000) == WEFT_OK, "finish: %s", weft_last_error());
+    return 0;
+}
+
+Test(ps, pulls_are_never_torn_by_concurrent_pushes, .timeout = 120)
+{
+    roles(1, 2);
+    run_world(torn_body, 100000);
 }
