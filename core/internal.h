@@ -161,6 +161,21 @@ void weft__tensor_set_ag(weft_tensor_t *t, void *ag, void (*ag_free)(void *ag));
 bool weft__tensor_shared(const weft_tensor_t *t);
 
 /*
+ * The optimizer kernels of <weft/optim.h> on raw f32 arrays of @p n elements, with the same
+ * arithmetic as the tensor entry points but no checks: the caller checked the configuration once
+ * (weft_optim_*_config_check) and owns distinct arrays. For modules that update many small
+ * parameters (a parameter server's rows) without a tensor per update.
+ */
+void weft__optim_sgd_f32(const weft_optim_sgd_config_t *cfg, float *param, const float *grad,
+                         float *momentum_buf, size_t n, int64_t step);
+void weft__optim_adagrad_f32(const weft_optim_adagrad_config_t *cfg, float *param,
+                             const float *grad, float *sum, size_t n, int64_t step);
+/* @p decoupled: AdamW. @p max_exp_avg_sq: with amsgrad only. */
+void weft__optim_adam_f32(const weft_optim_adam_config_t *cfg, int decoupled, float *param,
+                          const float *grad, float *exp_avg, float *exp_avg_sq,
+                          float *max_exp_avg_sq, size_t n, int64_t step);
+
+/*
  * A tensor that grows as its bytes arrive (a receiver that must not take memory for bytes that
  * were only announced). Begin gets a buffer of @p first bytes (or of the whole tensor when the
  * large-block cache holds a block of its size: memory the process holds already) at *data_p,

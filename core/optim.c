@@ -565,6 +565,18 @@ weft_status_t weft_optim_sgd_config_check(const weft_optim_sgd_config_t *cfg)
     return WEFT_OK;
 }
 
+static sgd_coef_t sgd_coef(const weft_optim_sgd_config_t *cfg, int64_t step)
+{
+    sgd_coef_t c;
+    c.neg_lr = -cfg->lr;
+    c.weight_decay = cfg->weight_decay;
+    c.momentum = cfg->momentum;
+    c.damp1 = 1 - cfg->dampening;
+    c.first = step == 1;
+    c.nesterov = cfg->nesterov;
+    return c;
+}
+
 weft_status_t weft_optim_sgd_step(const weft_optim_sgd_config_t *cfg, weft_tensor_t *param,
                                   const weft_tensor_t *grad, weft_tensor_t *momentum_buf,
                                   int64_t step)
@@ -587,12 +599,7 @@ weft_status_t weft_optim_sgd_step(const weft_optim_sgd_config_t *cfg, weft_tenso
     WEFT_CHECK(check_distinct(
         fn, 3, (const weft_tensor_t *[]){param, grad, has_buf ? momentum_buf : NULL}, names));
 
-    c.neg_lr = -cfg->lr;
-    c.weight_decay = cfg->weight_decay;
-    c.momentum = cfg->momentum;
-    c.damp1 = 1 - cfg->dampening;
-    c.first = step == 1;
-    c.nesterov = cfg->nesterov;
+    c = sgd_coef(cfg, step);
     n = (size_t)weft_tensor_numel(param);
     buf = has_buf ? weft_tensor_data(momentum_buf) : NULL;
     if (weft_tensor_dtype(param) == WEFT_F32) {
@@ -757,6 +764,24 @@ weft_status_t weft_optim_adam_config_check(const weft_optim_adam_config_t *cfg)
     return adam_config_check("adam", cfg);
 }
 
+static adam_coef_t adam_coef(const weft_optim_adam_config_t *cfg, int decoupled, int64_t step)
+{
+    adam_coef_t c;
+    /* torch computes these in double from the step count (a float there; exact up to 2^24). */
+    c.decoupled = decoupled;
+    c.amsgrad = cfg->amsgrad;
+    c.weight_decay = cfg->weight_decay;
+    c.param_decay = 1 - cfg->lr * cfg->weight_decay;
+    c.beta1 = cfg->beta1;
+    c.one_minus_beta1 = 1 - cfg->beta1;
+    c.beta2 = cfg->beta2;
+    c.one_minus_beta2 = 1 - cfg->beta2;
+    c.bc2_sqrt = sqrt(1 - pow(cfg->beta2, (double)step));
+    c.eps = cfg->eps;
+    c.neg_step = -(cfg->lr / (1 - pow(cfg->beta1, (double)step)));
+    return c;
+}
+
 static weft_status_t adam_step(const char *fn, int decoupled, const weft_optim_adam_config_t *cfg,
                                weft_tensor_t *param, const weft_tensor_t *grad,
                                weft_tensor_t *exp_avg, weft_tensor_t *exp_avg_sq,
@@ -780,18 +805,7 @@ static weft_status_t adam_step(const char *fn, int decoupled, const weft_optim_a
     WEFT_CHECK(check_distinct(
         fn, 5, (const weft_tensor_t *[]){param, grad, exp_avg, exp_avg_sq, vmax}, names));
 
-    /* torch computes these in double from the step count (a float there; exact up to 2^24). */
-    c.decoupled = decoupled;
-    c.amsgrad = cfg->amsgrad;
-    c.weight_decay = cfg->weight_decay;
-    c.param_decay = 1 - cfg->lr * cfg->weight_decay;
-    c.beta1 = cfg->beta1;
-    c.one_minus_beta1 = 1 - cfg->beta1;
-    c.beta2 = cfg->beta2;
-    c.one_minus_beta2 = 1 - cfg->beta2;
-    c.bc2_sqrt = sqrt(1 - pow(cfg->beta2, (double)step));
-    c.eps = cfg->eps;
-    c.neg_step = -(cfg->lr / (1 - pow(cfg->beta1, (double)step)));
+    c = adam_coef(cfg, decoupled, step);
     n = (size_t)weft_tensor_numel(param);
     if (weft_tensor_dtype(param) == WEFT_F32) {
         adam_f32(&c, weft_tensor_data(param), weft_tensor_data(grad), weft_tensor_data(exp_avg),
@@ -817,4 +831,28 @@ weft_status_t weft_optim_adamw_step(const weft_optim_adam_config_t *cfg, weft_te
                                     int64_t step)
 {
     return adam_step("adamw", 1, cfg, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step);
+}
+
+/* ---- raw f32 kernels (core/internal.h) ------------------------------------------------------- */
+
+void weft__optim_sgd_f32(const weft_optim_sgd_config_t *cfg, float *param, const float *grad,
+                         float *momentum_buf, size_t n, int64_t step)
+{
+    sgd_coef_t c = sgd_coef(cfg, step);
+    sgd_f32(&c, param, grad, cfg->momentum != 0 ? momentum_buf : NULL, n);
+}
+
+void weft__optim_adagrad_f32(const weft_optim_adagrad_config_t *cfg, float *param,
+                             const float *grad, float *sum, size_t n, int64_t step)
+{
+    adagrad_coef_t c = adagrad_coef(cfg, step);
+    adagrad_f32(&c, param, grad, sum, n);
+}
+
+void weft__optim_adam_f32(const weft_optim_adam_config_t *cfg, int decoupled, float *param,
+                          const float *grad, float *exp_avg, float *exp_avg_sq,
+                          float *max_exp_avg_sq, size_t n, int64_t step)
+{
+    adam_coef_t c = adam_coef(cfg, decoupled, step);
+    adam_f32(&c, param, grad, exp_avg, exp_avg_sq, cfg->amsgrad ? max_exp_avg_sq : NULL, n);
 }

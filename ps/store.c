@@ -452,93 +452,87 @@ weft_status_t weft__ps_cell_own(ps_cell_t *c)
     return WEFT_OK;
 }
 
+/* Scratch of @p n floats: @p stack when it is large enough (a row), else the heap. */
+static float *scratch(float *stack, size_t cap, int64_t n)
+{
+    return (size_t)n <= cap ? stack : weft_alloc((size_t)n * sizeof(float));
+}
+
+static void scratch_free(float *p, float *stack)
+{
+    if (p != stack) {
+        weft_free(p);
+    }
+}
+
+static float *state_of(ps_cell_t *c, int i)
+{
+    return c->state[i] != NULL ? weft_tensor_data(c->state[i]) : NULL;
+}
+
 weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const float *grad,
                                   float scale)
 {
     const weft_ps_table_spec_t *s = &l->spec;
-    int64_t n = weft_tensor_numel(c->value);
-    size_t bytes = (size_t)n * sizeof(float);
-    bool wide = s->dtype != WEFT_F32;
+    float gstack[1024], pstack[1024];
     float *scaled = NULL, *p32 = NULL;
-    weft_tensor_t *g = NULL, *p = c->value;
-    weft_status_t st = WEFT_ERR_NO_MEMORY;
+    weft_status_t st;
 
     /* A pull may be sending the value's bytes right now (pull_reply shares f32 values). */
     if ((st = weft__ps_cell_own(c)) != WEFT_OK) {
         return st;
     }
-    p = c->value;
+    int64_t n = weft_tensor_numel(c->value);
+    bool wide = s->dtype != WEFT_F32;
     if (scale != 1.0f) {
-        if ((scaled = weft_alloc(bytes)) == NULL) {
-            goto out;
+        if ((scaled = scratch(gstack, 1024, n)) == NULL) {
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory to apply a gradient");
         }
         for (int64_t i = 0; i < n; i++) {
             scaled[i] = grad[i] * scale;
         }
         grad = scaled;
     }
+    float *p = weft_tensor_data(c->value);
     if (wide) {
-        if ((p32 = weft_alloc(bytes)) == NULL) {
-            goto out;
+        if ((p32 = scratch(pstack, 1024, n)) == NULL) {
+            scratch_free(scaled, gstack);
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory to apply a gradient");
         }
         weft__ps_cell_read(c, p32);
-        st = weft_tensor_wrap(WEFT_F32, 1, &n, p32, bytes, WEFT_CPU, NULL, NULL, &p);
-        if (st != WEFT_OK) {
-            p = NULL;
-            goto out;
-        }
-    }
-    st = weft_tensor_wrap(WEFT_F32, 1, &n, (void *)grad, bytes, WEFT_CPU, NULL, NULL, &g);
-    if (st != WEFT_OK) {
-        g = NULL;
-        goto out;
+        p = p32;
     }
     int64_t step = c->step + 1;
+    /* core's kernels (optim.h), the configuration checked when the table was made */
     switch (s->optimizer) {
     case WEFT_PS_SGD:
-        st = weft_optim_sgd_step(&s->sgd, p, g, c->state[0], step);
+        weft__optim_sgd_f32(&s->sgd, p, grad, state_of(c, 0), (size_t)n, step);
         break;
     case WEFT_PS_ADAGRAD:
-        st = weft_optim_adagrad_step(&s->adagrad, p, g, c->state[0], step);
+        weft__optim_adagrad_f32(&s->adagrad, p, grad, state_of(c, 0), (size_t)n, step);
         break;
     case WEFT_PS_ADAM:
-        st = weft_optim_adam_step(&s->adam, p, g, c->state[0], c->state[1], c->state[2], step);
-        break;
     case WEFT_PS_ADAMW:
-        st = weft_optim_adamw_step(&s->adam, p, g, c->state[0], c->state[1], c->state[2], step);
+        weft__optim_adam_f32(&s->adam, s->optimizer == WEFT_PS_ADAMW, p, grad, state_of(c, 0),
+                             state_of(c, 1), state_of(c, 2), (size_t)n, step);
         break;
-    case WEFT_PS_SUM: {
-        float *d = weft_tensor_data(p);
+    case WEFT_PS_SUM:
         if (s->consistency == WEFT_PS_SYNC) {
-            memcpy(d, grad, bytes); /* the step's sum is the value */
+            memcpy(p, grad, (size_t)n * sizeof(float)); /* the step's sum is the value */
         } else {
             for (int64_t i = 0; i < n; i++) {
-                d[i] += grad[i];
+                p[i] += grad[i];
             }
         }
-        st = WEFT_OK;
         break;
-    }
     default:
-        st = weft__set_error(WEFT_ERR_INVALID_ARG, "ps: optimizer %d", (int)s->optimizer);
         break;
     }
-    if (st == WEFT_OK) {
-        c->step = step;
-        if (wide) {
-            weft_reduce_narrow(weft_tensor_data(c->value), p32, (size_t)n, s->dtype, WEFT_SUM, 1);
-        }
-    }
-
-out:
-    if (st == WEFT_ERR_NO_MEMORY && g == NULL) {
-        weft__set_error(st, "ps: no memory to apply a gradient");
-    }
-    weft_tensor_release(g);
+    c->step = step;
     if (wide) {
-        weft_tensor_release(p);
+        weft_reduce_narrow(weft_tensor_data(c->value), p32, (size_t)n, s->dtype, WEFT_SUM, 1);
     }
-    weft_free(p32);
-    weft_free(scaled);
-    return st;
+    scratch_free(p32, pstack);
+    scratch_free(scaled, gstack);
+    return WEFT_OK;
 }
