@@ -627,6 +627,79 @@ static weft_status_t check_body(ps_stable_t *t, const Weft__V1__PsRequest *r,
     return WEFT_OK;
 }
 
+/* ------------------------------------------------------------------ rows of a request */
+
+typedef weft_status_t (*row_fn_t)(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64_t i,
+                                  void *arg);
+
+/* Runs @p fn on each of @p k ids, grouped by lock stripe (positions sorted stably by stripe): one
+ * lock per stripe and request, not one per row. Stops at the first error. */
+static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row_fn_t fn, void *arg)
+{
+    uint32_t start[PS_STRIPES + 1] = {0}, stack[4096];
+    uint32_t *order = k <= 4096 ? stack : weft_alloc((size_t)k * sizeof(*order));
+    weft_status_t st = WEFT_OK;
+    if (order == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory for %lld ids", (long long)k);
+    }
+    for (int64_t i = 0; i < k; i++) {
+        start[weft__ps_id_stripe(id[i]) + 1]++;
+    }
+    for (int b = 0; b < PS_STRIPES; b++) {
+        start[b + 1] += start[b];
+    }
+    uint32_t fill[PS_STRIPES];
+    memcpy(fill, start, sizeof(fill));
+    for (int64_t i = 0; i < k; i++) {
+        order[fill[weft__ps_id_stripe(id[i])]++] = (uint32_t)i;
+    }
+    for (int b = 0; b < PS_STRIPES && st == WEFT_OK; b++) {
+        if (start[b] == start[b + 1]) {
+            continue;
+        }
+        ps_stripe_t *s = &t->stripes[b];
+        pthread_mutex_lock(&s->mu);
+        for (uint32_t j = start[b]; j < start[b + 1] && st == WEFT_OK; j++) {
+            st = fn(t, s, id[order[j]], order[j], arg);
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    if (order != stack) {
+        weft_free(order);
+    }
+    return st;
+}
+
+static weft_status_t row_apply(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64_t i, void *arg)
+{
+    weft_status_t st;
+    ps_cell_t *c = row_get(t, s, id, true, true, &st);
+    return c == NULL ? st
+                     : weft__ps_cell_apply(&t->l, c, (const float *)arg + i * t->l.spec.dim, 1.0f);
+}
+
+static weft_status_t acc_add(ps_stable_t *t, ps_cell_t *c, const float *g, int64_t n);
+
+static weft_status_t row_gather(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64_t i, void *arg)
+{
+    weft_status_t st;
+    ps_cell_t *c = row_get(t, s, id, true, true, &st);
+    return c == NULL ? st : acc_add(t, c, (const float *)arg + i * t->l.spec.dim, t->l.spec.dim);
+}
+
+static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64_t i, void *arg)
+{
+    weft_status_t st;
+    float *o = (float *)arg + i * t->l.spec.dim;
+    ps_cell_t *c = row_get(t, s, id, true, false, &st);
+    if (c != NULL) {
+        weft__ps_cell_read(c, o);
+    } else if (st == WEFT_OK) {
+        weft__ps_init_values(&t->l, id, t->l.spec.dim, o); /* not admitted: nothing stored */
+    }
+    return st;
+}
+
 /* ------------------------------------------------------------------ applying pushes */
 
 /* ASYNC/BOUNDED: applies a push now, cell by cell under the stripes' locks. */
@@ -649,17 +722,7 @@ static weft_status_t apply_push(ps_stable_t *t, const Weft__V1__PsRequest *r,
     weft_tensor_t *ids = weft_value_tensor(args, 0);
     const uint64_t *id = weft_tensor_data(ids);
     const float *g = weft_tensor_data(weft_value_tensor(args, 1));
-    int64_t k = weft_tensor_numel(ids);
-    for (int64_t i = 0; i < k && st == WEFT_OK; i++) {
-        ps_stripe_t *s = &t->stripes[weft__ps_id_stripe(id[i])];
-        pthread_mutex_lock(&s->mu);
-        ps_cell_t *c = row_get(t, s, id[i], true, true, &st);
-        if (c != NULL) {
-            st = weft__ps_cell_apply(l, c, g + i * l->spec.dim, 1.0f);
-        }
-        pthread_mutex_unlock(&s->mu);
-    }
-    return st;
+    return each_row(t, id, weft_tensor_numel(ids), row_apply, (void *)g);
 }
 
 static weft_status_t acc_add(ps_stable_t *t, ps_cell_t *c, const float *g, int64_t n)
@@ -698,17 +761,7 @@ static weft_status_t gather_push(ps_stable_t *t, const Weft__V1__PsRequest *r,
     weft_tensor_t *ids = weft_value_tensor(args, 0);
     const uint64_t *id = weft_tensor_data(ids);
     const float *g = weft_tensor_data(weft_value_tensor(args, 1));
-    int64_t k = weft_tensor_numel(ids);
-    for (int64_t i = 0; i < k && st == WEFT_OK; i++) {
-        ps_stripe_t *s = &t->stripes[weft__ps_id_stripe(id[i])];
-        pthread_mutex_lock(&s->mu);
-        ps_cell_t *c = row_get(t, s, id[i], true, true, &st);
-        if (c != NULL) {
-            st = acc_add(t, c, g + i * l->spec.dim, l->spec.dim);
-        }
-        pthread_mutex_unlock(&s->mu);
-    }
-    return st;
+    return each_row(t, id, weft_tensor_numel(ids), row_gather, (void *)g);
 }
 
 static uint64_t tensor_bytes(const weft_value_t *v)
@@ -806,17 +859,8 @@ static weft_status_t pull_reply(ps_stable_t *t, const Weft__V1__PsRequest *r,
         int64_t shape[2] = {weft_tensor_numel(ids), l->spec.dim};
         weft_tensor_t *out = NULL;
         st = weft_tensor_empty(WEFT_F32, 2, shape, &out);
-        float *o = st == WEFT_OK ? weft_tensor_data(out) : NULL;
-        for (int64_t i = 0; i < shape[0] && st == WEFT_OK; i++) {
-            ps_stripe_t *s = &t->stripes[weft__ps_id_stripe(id[i])];
-            pthread_mutex_lock(&s->mu);
-            ps_cell_t *c = row_get(t, s, id[i], true, false, &st);
-            if (c != NULL) {
-                weft__ps_cell_read(c, o + i * shape[1]);
-            } else if (st == WEFT_OK) {
-                weft__ps_init_values(l, id[i], shape[1], o + i * shape[1]); /* not admitted */
-            }
-            pthread_mutex_unlock(&s->mu);
+        if (st == WEFT_OK) {
+            st = each_row(t, id, shape[0], row_read, weft_tensor_data(out));
         }
         if (st == WEFT_OK) {
             st = weft_value_push_tensor(body, out);
