@@ -33,9 +33,13 @@
 
 /* u64 -> non-NULL pointer, open addressing with linear probing; not thread-safe. */
 typedef struct {
-    uint64_t *keys;
-    void **vals; /* NULL: empty slot */
-    size_t cap;  /* a power of two, or 0 */
+    uint64_t key;
+    void *val; /* NULL: empty slot */
+} ps_map_slot_t;
+
+typedef struct {
+    ps_map_slot_t *slots; /* key and value side by side: one cache line per probe */
+    size_t cap;           /* a power of two, or 0 */
     size_t n;
 } ps_map_t;
 
@@ -95,9 +99,13 @@ static inline int64_t weft__ps_chunk_len(const ps_layout_t *l, uint32_t c)
 
 /* A dense chunk or a sparse row: its value and optimizer state. */
 typedef struct ps_cell {
-    uint64_t id;              /* sparse id, or chunk index */
-    weft_tensor_t *value;     /* storage dtype, [n] */
-    weft_tensor_t *state[3];  /* f32 [n], as many as the optimizer keeps */
+    uint64_t id;             /* sparse id, or chunk index */
+    weft_tensor_t *value;    /* storage dtype, [n] */
+    weft_tensor_t *state[3]; /* f32 [n], as many as the optimizer keeps */
+    void *vdata;             /* the value's bytes (kept in step with value) */
+    float *sdata[3];         /* the states' */
+    int64_t n;
+    bool dense;               /* a dense chunk: a pull may share its value (copy on write) */
     int64_t step;             /* optimizer steps applied */
     float *acc;               /* SYNC: the current step's summed gradient, or NULL */
     struct ps_cell *next_acc; /* SYNC: cells with acc */

@@ -466,7 +466,7 @@ static void evict_one(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
     size_t seen = 0;
     for (size_t k = 0; k < s->rows.cap && seen < 16; k++) {
         size_t i = (start + k) & (s->rows.cap - 1);
-        ps_cell_t *c = s->rows.vals[i];
+        ps_cell_t *c = s->rows.slots[i].val;
         if (c == NULL || c->id == keep || c->acc != NULL) {
             continue;
         }

@@ -426,6 +426,12 @@ weft_status_t weft__ps_cell_new(const ps_layout_t *l, uint64_t id, int64_t n, ps
     if (l->spec.optimizer == WEFT_PS_ADAGRAD && l->spec.adagrad.initial_accumulator_value != 0) {
         weft_tensor_fill(c->state[0], l->spec.adagrad.initial_accumulator_value);
     }
+    c->vdata = weft_tensor_data(c->value);
+    for (int i = 0; i < l->n_state; i++) {
+        c->sdata[i] = weft_tensor_data(c->state[i]);
+    }
+    c->n = n;
+    c->dense = l->spec.kind == WEFT_PS_DENSE;
     *c_p = c;
     return WEFT_OK;
 
@@ -436,19 +442,25 @@ err_free:
 
 void weft__ps_cell_read(const ps_cell_t *c, float *out)
 {
-    weft_tensor_t *v = c->value;
-    weft_reduce_widen(out, weft_tensor_data(v), (size_t)weft_tensor_numel(v), weft_tensor_dtype(v));
+    weft_dtype_t dt = weft_tensor_dtype(c->value);
+    if (dt == WEFT_F32) {
+        memcpy(out, c->vdata, (size_t)c->n * sizeof(float));
+    } else {
+        weft_reduce_widen(out, c->vdata, (size_t)c->n, dt);
+    }
 }
 
 weft_status_t weft__ps_cell_own(ps_cell_t *c)
 {
-    if (!weft__tensor_shared(c->value)) {
+    /* Only a dense chunk's value is ever lent to a pull (rows are copied into the reply). */
+    if (!c->dense || !weft__tensor_shared(c->value)) {
         return WEFT_OK;
     }
     weft_tensor_t *fresh = NULL;
     WEFT_CHECK(weft_tensor_clone(c->value, &fresh));
     weft_tensor_release(c->value); /* the reader keeps the old bytes */
     c->value = fresh;
+    c->vdata = weft_tensor_data(fresh);
     return WEFT_OK;
 }
 
@@ -467,7 +479,7 @@ static void scratch_free(float *p, float *stack)
 
 static float *state_of(ps_cell_t *c, int i)
 {
-    return c->state[i] != NULL ? weft_tensor_data(c->state[i]) : NULL;
+    return c->sdata[i];
 }
 
 weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const float *grad,
@@ -482,7 +494,7 @@ weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const floa
     if ((st = weft__ps_cell_own(c)) != WEFT_OK) {
         return st;
     }
-    int64_t n = weft_tensor_numel(c->value);
+    int64_t n = c->n;
     bool wide = s->dtype != WEFT_F32;
     if (scale != 1.0f) {
         if ((scaled = scratch(gstack, 1024, n)) == NULL) {
@@ -493,7 +505,7 @@ weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const floa
         }
         grad = scaled;
     }
-    float *p = weft_tensor_data(c->value);
+    float *p = c->vdata;
     if (wide) {
         if ((p32 = scratch(pstack, 1024, n)) == NULL) {
             scratch_free(scaled, gstack);
@@ -530,7 +542,7 @@ weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const floa
     }
     c->step = step;
     if (wide) {
-        weft_reduce_narrow(weft_tensor_data(c->value), p32, (size_t)n, s->dtype, WEFT_SUM, 1);
+        weft_reduce_narrow(c->vdata, p32, (size_t)n, s->dtype, WEFT_SUM, 1);
     }
     scratch_free(p32, pstack);
     scratch_free(scaled, gstack);
