@@ -199,9 +199,12 @@ WEFT_API weft_status_t weft_ps_pull_rows(weft_ps_table_t *t, const uint64_t *ids
                                          weft_tensor_t *rows, int64_t timeout_ms);
 
 /**
- * Ends this worker's step on every server and table: its clock advances by one. Wait for the
- * step's pushes first (their futures); a SYNC table applies the step when every worker has ended
- * it. Blocking; not thread-safe with this PS's other clock calls.
+ * Ends this worker's step on every server and table: its clock advances by one. Issue the step's
+ * pushes first: the clock tells each server how many this worker sent it, and the server counts
+ * the step ended once all of them arrived, so their futures need not have completed (a SYNC
+ * push_pull of this step completes only after its clock: issue it, clock, then wait). A SYNC
+ * table applies the step when every worker has ended it. Blocking; not thread-safe with this
+ * PS's other clock calls.
  * @return as weft_ps_push_async.
  */
 WEFT_API weft_status_t weft_ps_clock(weft_ps_t *ps, int64_t timeout_ms);
