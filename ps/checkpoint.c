@@ -288,25 +288,6 @@ static weft_status_t read_manifest(const char *dir, Weft__V1__PsManifest **m_p, 
     return WEFT_OK;
 }
 
-/* Drops every row and resets every chunk of @p t (before a load). */
-static void table_clear(ps_stable_t *t)
-{
-    for (int i = 0; i < PS_STRIPES; i++) {
-        ps_stripe_t *s = &t->stripes[i];
-        size_t pos = 0;
-        uint64_t key;
-        void *val;
-        while (weft__ps_map_next(&s->rows, &pos, &key, &val)) {
-            weft__ps_cell_free(val);
-        }
-        weft__ps_map_free(&s->rows);
-        weft__ps_map_free(&s->admit);
-    }
-    if (t->l.spec.kind == WEFT_PS_SPARSE) {
-        atomic_store(&t->n_rows, 0);
-    }
-}
-
 /* Reads one shard file of @p t and keeps what this server holds now. */
 static weft_status_t load_file(ps_stable_t *t, const char *dir, const Weft__V1__PsShardFile *sf,
                                char *why, size_t n)
@@ -507,7 +488,7 @@ static weft_status_t do_load(ps_server_t *srv, Weft__V1__PsRequest **reqs, uint3
             continue; /* a table the checkpoint does not have keeps its initial values */
         }
         pthread_mutex_lock(&t->mu);
-        table_clear(t);
+        weft__ps_stable_drop_rows(t);
         for (size_t k = 0; k < m->n_files && st == WEFT_OK; k++) {
             if (m->files[k]->table == (uint32_t)mid) {
                 st = load_file(t, reqs[0]->dir, m->files[k], why, n);
@@ -669,46 +650,31 @@ void weft__ps_server_checkpoint_free(ps_server_t *srv)
 static weft_status_t ckpt_all(weft_ps_t *ps, Weft__V1__PsOp op, const char *dir, int64_t timeout_ms,
                               Weft__V1__PsReply **reps)
 {
-    uint32_t ns = ps->n_servers, n_tables = atomic_load(&ps->n_tables);
-    weft_future_t **fs = weft_calloc(ns, sizeof(*fs));
-    uint64_t *counts = weft_calloc(n_tables + 1, sizeof(*counts));
+    uint32_t ns = ps->n_servers;
+    Weft__V1__PsRequest r = WEFT__V1__PS_REQUEST__INIT;
+    uint64_t *counts = weft_calloc(PS_MAX_TABLES, sizeof(*counts));
+    weft_value_t **vals = weft_calloc(ns, sizeof(*vals));
     weft_status_t st = WEFT_OK;
-    if (fs == NULL || counts == NULL) {
-        weft_free(fs);
+    if (counts == NULL || vals == NULL) {
         weft_free(counts);
+        weft_free(vals);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory");
     }
-    for (uint32_t s = 0; s < ns && st == WEFT_OK; s++) {
-        Weft__V1__PsRequest r = WEFT__V1__PS_REQUEST__INIT;
-        r.op = op;
-        r.worker = ps->worker_index;
-        r.clock = atomic_load(&ps->clock);
-        r.version = (uint64_t)r.clock;
-        r.dir = (char *)dir;
-        r.table_name = "";
-        for (uint32_t i = 0; i < n_tables; i++) {
-            counts[i] = atomic_load(&ps->tables[i]->pushes[s]);
-        }
-        r.step_pushes = counts;
-        r.n_step_pushes = n_tables;
-        st = weft__ps_call(ps, s, &r, NULL, 0, timeout_ms, &fs[s]);
-    }
+    r.op = op;
+    r.worker = ps->worker_index;
+    r.clock = atomic_load(&ps->clock);
+    r.version = (uint64_t)r.clock;
+    r.dir = (char *)dir;
+    r.table_name = "";
+    r.step_pushes = counts;
+    st = weft__ps_all_servers(ps, &r, weft__ps_counts_request, timeout_ms, vals, false);
     for (uint32_t s = 0; s < ns; s++) {
-        if (fs[s] == NULL) {
-            continue;
+        if (st == WEFT_OK && reps != NULL) {
+            st = weft__ps_reply_unpack(vals[s], &reps[s]);
         }
-        weft_future_wait(fs[s], 0);
-        weft_status_t fst = weft_future_status(fs[s]);
-        if (fst != WEFT_OK && st == WEFT_OK) {
-            st = weft__set_error(fst, "ps: server %u (rank %d): %s", s, ps->servers[s],
-                                 weft_future_error(fs[s]));
-        }
-        if (fst == WEFT_OK && reps != NULL) {
-            st = st == WEFT_OK ? weft__ps_reply_unpack(weft_future_value(fs[s]), &reps[s]) : st;
-        }
-        weft_future_release(fs[s]);
+        weft_value_free(vals[s]);
     }
-    weft_free(fs);
+    weft_free(vals);
     weft_free(counts);
     return st;
 }

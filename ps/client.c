@@ -945,11 +945,10 @@ weft_status_t weft_ps_pull_rows(weft_ps_table_t *t, const uint64_t *ids, size_t 
 
 /* ------------------------------------------------------------------ to every server at once */
 
-/* Sends @p r to every server and waits for all; the replies go to @p replies (may be NULL). */
-static weft_status_t all_servers(weft_ps_t *ps, Weft__V1__PsRequest *r,
-                                 Weft__V1__PsRequest *(*per_server)(weft_ps_t *, uint32_t, void *),
-                                 void *arg, int64_t timeout_ms, weft_value_t **replies,
-                                 bool retry_unready)
+weft_status_t weft__ps_all_servers(weft_ps_t *ps, Weft__V1__PsRequest *r,
+                                   Weft__V1__PsRequest *(*per_server)(weft_ps_t *, uint32_t,
+                                                                      void *),
+                                   int64_t timeout_ms, weft_value_t **replies, bool retry_unready)
 {
     uint32_t ns = ps->n_servers;
     weft_future_t **fs = weft_calloc(ns, sizeof(*fs));
@@ -962,7 +961,7 @@ static weft_status_t all_servers(weft_ps_t *ps, Weft__V1__PsRequest *r,
         return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory");
     }
     for (uint32_t s = 0; s < ns && st == WEFT_OK; s++) {
-        Weft__V1__PsRequest *rs = per_server != NULL ? per_server(ps, s, arg) : r;
+        Weft__V1__PsRequest *rs = per_server != NULL ? per_server(ps, s, r) : r;
         for (int64_t backoff_ms = 5;; backoff_ms = backoff_ms < 200 ? backoff_ms * 2 : 200) {
             int64_t left = (deadline - weft__now_ns()) / 1000000;
             if (left <= 0) {
@@ -1063,7 +1062,7 @@ weft_status_t weft_ps_table_create(weft_ps_t *ps, const weft_ps_table_spec_t *sp
         r.table_name = t->l.name;
         r.worker = ps->worker_index;
         r.spec = &pb;
-        st = all_servers(ps, &r, NULL, NULL, timeout_ms, NULL, true);
+        st = weft__ps_all_servers(ps, &r, NULL, timeout_ms, NULL, true);
         weft__ps_spec_pb_free(&pb);
     }
     if (st != WEFT_OK) {
@@ -1130,7 +1129,7 @@ void weft_ps_table_print_map(const weft_ps_table_t *t, FILE *out)
 
 /* ------------------------------------------------------------------ clocks */
 
-static Weft__V1__PsRequest *clock_request(weft_ps_t *ps, uint32_t s, void *arg)
+Weft__V1__PsRequest *weft__ps_counts_request(weft_ps_t *ps, uint32_t s, void *arg)
 {
     Weft__V1__PsRequest *r = arg;
     uint32_t n = atomic_load(&ps->n_tables);
@@ -1159,7 +1158,8 @@ weft_status_t weft_ps_clock(weft_ps_t *ps, int64_t timeout_ms)
     r.clock = atomic_load(&ps->clock) + 1;
     r.step_pushes = counts;
     r.table_name = "";
-    weft_status_t st = all_servers(ps, &r, clock_request, &r, timeout_ms, NULL, false);
+    weft_status_t st =
+        weft__ps_all_servers(ps, &r, weft__ps_counts_request, timeout_ms, NULL, false);
     weft_free(counts);
     if (st == WEFT_OK) {
         atomic_fetch_add(&ps->clock, 1);
@@ -1182,7 +1182,7 @@ static weft_status_t fetch_stats(weft_ps_t *ps, int64_t timeout_ms, Weft__V1__Ps
         weft_free(reps);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory");
     }
-    weft_status_t st = all_servers(ps, &r, NULL, NULL, timeout_ms, vals, false);
+    weft_status_t st = weft__ps_all_servers(ps, &r, NULL, timeout_ms, vals, false);
     for (uint32_t s = 0; s < ps->n_servers; s++) {
         if (st == WEFT_OK) {
             st = weft__ps_reply_unpack(vals[s], &reps[s]);
@@ -1289,7 +1289,7 @@ weft_status_t weft_ps_finish(weft_ps_t *ps, int64_t timeout_ms)
         r.op = WEFT__V1__PS_OP__PS_FINISH;
         r.worker = ps->worker_index;
         r.table_name = "";
-        st = all_servers(ps, &r, NULL, NULL, timeout_ms > 0 ? timeout_ms : 0, NULL, false);
+        st = weft__ps_all_servers(ps, &r, NULL, timeout_ms > 0 ? timeout_ms : 0, NULL, false);
     }
     if (ps->srv != NULL) {
         weft_status_t wst = weft__ps_server_wait_finished(ps->srv, timeout_ms);

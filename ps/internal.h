@@ -198,6 +198,8 @@ void weft__ps_server_free(ps_server_t *srv);
 void weft__ps_handle(weft_call_t *call, void *arg);
 void weft__ps_server_peer_lost(ps_server_t *srv, int rank, const char *why);
 weft_status_t weft__ps_server_wait_finished(ps_server_t *srv, int64_t timeout_ms);
+/* Frees every sparse row and admission counter of @p t (t->mu held or no one else using it). */
+void weft__ps_stable_drop_rows(ps_stable_t *t);
 
 /* ------------------------------------------------------------------ the client (ps/client.c) */
 
@@ -233,6 +235,16 @@ struct weft_ps {
 weft_status_t weft__ps_call(weft_ps_t *ps, uint32_t s, const Weft__V1__PsRequest *hdr,
                             weft_tensor_t *const *tensors, size_t n_tensors, int64_t timeout_ms,
                             weft_future_t **f_p);
+/* Sends @p r (or, per server, what @p per_server makes of it) to every server and waits for all;
+ * the replies go to @p replies (may be NULL). @p retry_unready: retry a server that has no
+ * parameter server yet (a table creation racing a rank's start) until the deadline. */
+weft_status_t weft__ps_all_servers(weft_ps_t *ps, Weft__V1__PsRequest *r,
+                                   Weft__V1__PsRequest *(*per_server)(weft_ps_t *, uint32_t,
+                                                                      void *),
+                                   int64_t timeout_ms, weft_value_t **replies, bool retry_unready);
+/* per_server for weft__ps_all_servers: @p arg (a request) with step_pushes = this worker's pushes
+ * so far to server @p s, per table. */
+Weft__V1__PsRequest *weft__ps_counts_request(weft_ps_t *ps, uint32_t s, void *arg);
 /* Unpacks a reply value's header. */
 weft_status_t weft__ps_reply_unpack(const weft_value_t *v, Weft__V1__PsReply **r_p);
 

@@ -85,6 +85,24 @@ static weft_value_t *reply_empty(void)
 
 /* ------------------------------------------------------------------ tables */
 
+void weft__ps_stable_drop_rows(ps_stable_t *t)
+{
+    for (int i = 0; i < PS_STRIPES; i++) {
+        ps_stripe_t *s = &t->stripes[i];
+        size_t pos = 0;
+        uint64_t key;
+        void *val;
+        while (weft__ps_map_next(&s->rows, &pos, &key, &val)) {
+            weft__ps_cell_free(val);
+        }
+        weft__ps_map_free(&s->rows);
+        weft__ps_map_free(&s->admit);
+    }
+    if (t->l.spec.kind == WEFT_PS_SPARSE) {
+        atomic_store(&t->n_rows, 0);
+    }
+}
+
 static void stable_free(ps_stable_t *t)
 {
     if (t == NULL) {
@@ -96,17 +114,9 @@ static void stable_free(ps_stable_t *t)
         }
         weft_free(t->chunks);
     }
+    weft__ps_stable_drop_rows(t);
     for (int i = 0; i < PS_STRIPES; i++) {
-        ps_stripe_t *s = &t->stripes[i];
-        size_t pos = 0;
-        uint64_t key;
-        void *val;
-        while (weft__ps_map_next(&s->rows, &pos, &key, &val)) {
-            weft__ps_cell_free(val);
-        }
-        weft__ps_map_free(&s->rows);
-        weft__ps_map_free(&s->admit);
-        pthread_mutex_destroy(&s->mu);
+        pthread_mutex_destroy(&t->stripes[i].mu);
     }
     while (t->parked != NULL) {
         ps_park_t *p = t->parked;
@@ -702,29 +712,6 @@ static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64
 
 /* ------------------------------------------------------------------ applying pushes */
 
-/* ASYNC/BOUNDED: applies a push now, cell by cell under the stripes' locks. */
-static weft_status_t apply_push(ps_stable_t *t, const Weft__V1__PsRequest *r,
-                                const weft_value_t *args)
-{
-    const ps_layout_t *l = &t->l;
-    weft_status_t st = WEFT_OK;
-    if (l->spec.kind == WEFT_PS_DENSE) {
-        for (size_t i = 0; i < r->n_chunks && st == WEFT_OK; i++) {
-            uint32_t c = r->chunks[i];
-            ps_stripe_t *s = &t->stripes[c % PS_STRIPES];
-            pthread_mutex_lock(&s->mu);
-            st = weft__ps_cell_apply(l, t->chunks[c], weft_tensor_data(weft_value_tensor(args, i)),
-                                     1.0f);
-            pthread_mutex_unlock(&s->mu);
-        }
-        return st;
-    }
-    weft_tensor_t *ids = weft_value_tensor(args, 0);
-    const uint64_t *id = weft_tensor_data(ids);
-    const float *g = weft_tensor_data(weft_value_tensor(args, 1));
-    return each_row(t, id, weft_tensor_numel(ids), row_apply, (void *)g);
-}
-
 static weft_status_t acc_add(ps_stable_t *t, ps_cell_t *c, const float *g, int64_t n)
 {
     if (c->acc == NULL) {
@@ -741,27 +728,29 @@ static weft_status_t acc_add(ps_stable_t *t, ps_cell_t *c, const float *g, int64
     return WEFT_OK;
 }
 
-/* SYNC: adds a push to the step's sums (t->mu held). */
-static weft_status_t gather_push(ps_stable_t *t, const Weft__V1__PsRequest *r,
-                                 const weft_value_t *args)
+/* Takes a push, cell by cell under the stripes' locks: ASYNC/BOUNDED apply it now; SYNC
+ * (@p gather, t->mu held) adds it to the step's sums. */
+static weft_status_t take_push(ps_stable_t *t, const Weft__V1__PsRequest *r,
+                               const weft_value_t *args, bool gather)
 {
     const ps_layout_t *l = &t->l;
     weft_status_t st = WEFT_OK;
     if (l->spec.kind == WEFT_PS_DENSE) {
         for (size_t i = 0; i < r->n_chunks && st == WEFT_OK; i++) {
             uint32_t c = r->chunks[i];
+            const float *g = weft_tensor_data(weft_value_tensor(args, i));
             ps_stripe_t *s = &t->stripes[c % PS_STRIPES];
             pthread_mutex_lock(&s->mu);
-            st = acc_add(t, t->chunks[c], weft_tensor_data(weft_value_tensor(args, i)),
-                         weft__ps_chunk_len(l, c));
+            st = gather ? acc_add(t, t->chunks[c], g, weft__ps_chunk_len(l, c))
+                        : weft__ps_cell_apply(l, t->chunks[c], g, 1.0f);
             pthread_mutex_unlock(&s->mu);
         }
         return st;
     }
     weft_tensor_t *ids = weft_value_tensor(args, 0);
-    const uint64_t *id = weft_tensor_data(ids);
     const float *g = weft_tensor_data(weft_value_tensor(args, 1));
-    return each_row(t, id, weft_tensor_numel(ids), row_gather, (void *)g);
+    return each_row(t, weft_tensor_data(ids), weft_tensor_numel(ids),
+                    gather ? row_gather : row_apply, (void *)g);
 }
 
 static uint64_t tensor_bytes(const weft_value_t *v)
@@ -969,7 +958,7 @@ static void sync_advance(ps_stable_t *t, done_t **done)
                 continue;
             }
             *pp = p->next;
-            st = gather_push(t, p->req, p->args);
+            st = take_push(t, p->req, p->args, true);
             if (st == WEFT_OK) {
                 t->recv[p->req->worker]++;
             }
@@ -1072,7 +1061,7 @@ static void handle_data(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest
         atomic_fetch_add(&t->pushes, 1);
     }
     if (push && t->l.spec.consistency != WEFT_PS_SYNC) {
-        st = apply_push(t, req, args);
+        st = take_push(t, req, args, false);
         if (st != WEFT_OK) {
             snprintf(why, sizeof(why), "%s", weft_last_error());
             goto fail;
@@ -1100,7 +1089,7 @@ static void handle_data(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest
                      t->l.name, (long long)req->clock, (long long)t->cur_step);
             goto fail;
         }
-        st = gather_push(t, req, args);
+        st = take_push(t, req, args, true);
         if (st != WEFT_OK) {
             pthread_mutex_unlock(&t->mu);
             snprintf(why, sizeof(why), "%s", weft_last_error());
