@@ -641,6 +641,52 @@ static int ck_step(weft_ps_table_t *d, weft_ps_table_t *sp, weft_ps_table_t *h, 
     return weft_ps_clock(PS, 20000) == WEFT_OK ? 0 : 1;
 }
 
+/* BOUNDED(0) gate: every worker ends a step, then waits here until all have. */
+static int ck_barrier(void)
+{
+    weft_tensor_t *g1 = zeros(1);
+    RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull(ck_gate, g1, 20000) == WEFT_OK, "gate: %s", weft_last_error());
+    weft_tensor_release(g1);
+    return 0;
+}
+
+/* Saves, records what worker @p w pulls right after (in g_dir/expected.w<w>), then waits until
+ * every worker has (the ASYNC table would move under a slower worker's snapshot). */
+static int ck_save_and_record(weft_ps_table_t *d, weft_ps_table_t *sp, weft_ps_table_t *h, int w)
+{
+    static float vals[CK_VALUES];
+    char path[512];
+    RANK_CHECK(weft_ps_save(PS, g_dir, 30000) == WEFT_OK, "save: %s", weft_last_error());
+    RANK_CHECK(ck_snapshot(d, sp, h, vals) == 0, "snapshot");
+    snprintf(path, sizeof(path), "%s/expected.w%d", g_dir, w);
+    FILE *f = fopen(path, "wb");
+    RANK_CHECK(f != NULL && fwrite(vals, 4, CK_VALUES, f) == CK_VALUES && fclose(f) == 0,
+               "expected values");
+    return ck_barrier();
+}
+
+/* Loads, checks the clock, and that worker @p w pulls bit for bit what was recorded. */
+static int ck_load_and_compare(weft_ps_table_t *d, weft_ps_table_t *sp, weft_ps_table_t *h, int w,
+                               int64_t clock)
+{
+    static float want[CK_VALUES], got[CK_VALUES];
+    char path[512];
+    RANK_CHECK(weft_ps_load(PS, g_dir, 30000) == WEFT_OK, "load: %s", weft_last_error());
+    RANK_CHECK(weft_ps_worker_clock(PS) == clock, "clock %lld after the load, not %lld",
+               (long long)weft_ps_worker_clock(PS), (long long)clock);
+    snprintf(path, sizeof(path), "%s/expected.w%d", g_dir, w);
+    FILE *f = fopen(path, "rb");
+    RANK_CHECK(f != NULL && fread(want, 4, CK_VALUES, f) == CK_VALUES, "expected values");
+    fclose(f);
+    RANK_CHECK(ck_snapshot(d, sp, h, got) == 0, "snapshot");
+    for (int i = 0; i < CK_VALUES; i++) {
+        RANK_CHECK(memcmp(&want[i], &got[i], 4) == 0, "value %d: %.9g restored, %.9g saved", i,
+                   got[i], want[i]);
+    }
+    return 0;
+}
+
 /* World A: trains, saves at clock CK_STEPS, records what it pulled, trains on (the checkpoint
  * must not see that). */
 static int ck_save_body(weft_agent_t *a, int rank, int world, void *arg)
@@ -655,19 +701,7 @@ static int ck_save_body(weft_agent_t *a, int rank, int world, void *arg)
     for (int k = 0; k < CK_STEPS; k++) {
         RANK_CHECK(ck_step(d, sp, h, w, k) == 0, "step %d: %s", k, weft_last_error());
     }
-    RANK_CHECK(weft_ps_save(PS, g_dir, 30000) == WEFT_OK, "save: %s", weft_last_error());
-    static float vals[CK_VALUES];
-    RANK_CHECK(ck_snapshot(d, sp, h, vals) == 0, "snapshot");
-    char path[512];
-    snprintf(path, sizeof(path), "%s/expected.w%d", g_dir, w);
-    FILE *f = fopen(path, "wb");
-    RANK_CHECK(f != NULL && fwrite(vals, 4, CK_VALUES, f) == CK_VALUES && fclose(f) == 0,
-               "expected values");
-    /* Both workers took their snapshot before either trains on (the ASYNC table would move). */
-    weft_tensor_t *g1 = zeros(1);
-    RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
-    RANK_CHECK(weft_ps_pull(ck_gate, g1, 20000) == WEFT_OK, "gate: %s", weft_last_error());
-    weft_tensor_release(g1);
+    RANK_CHECK(ck_save_and_record(d, sp, h, w) == 0, "save");
     for (int k = CK_STEPS; k < CK_STEPS + 2; k++) {
         RANK_CHECK(ck_step(d, sp, h, w, k) == 0, "step %d", k);
     }
@@ -684,25 +718,9 @@ static int ck_load_body(weft_agent_t *a, int rank, int world, void *arg)
         return 0;
     }
     int w = weft_ps_worker_index(PS);
-    RANK_CHECK(weft_ps_load(PS, g_dir, 30000) == WEFT_OK, "load: %s", weft_last_error());
-    RANK_CHECK(weft_ps_worker_clock(PS) == CK_STEPS, "clock %lld after the load",
-               (long long)weft_ps_worker_clock(PS));
-    static float want[CK_VALUES], got[CK_VALUES];
-    char path[512];
-    snprintf(path, sizeof(path), "%s/expected.w%d", g_dir, w);
-    FILE *f = fopen(path, "rb");
-    RANK_CHECK(f != NULL && fread(want, 4, CK_VALUES, f) == CK_VALUES, "expected values");
-    fclose(f);
-    RANK_CHECK(ck_snapshot(d, sp, h, got) == 0, "snapshot");
-    for (int i = 0; i < CK_VALUES; i++) {
-        RANK_CHECK(memcmp(&want[i], &got[i], 4) == 0, "value %d: %.9g restored, %.9g saved", i,
-                   got[i], want[i]);
-    }
+    RANK_CHECK(ck_load_and_compare(d, sp, h, w, CK_STEPS) == 0, "load");
     /* Training goes on from there, once both have looked. */
-    weft_tensor_t *g1 = zeros(1);
-    RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
-    RANK_CHECK(weft_ps_pull(ck_gate, g1, 20000) == WEFT_OK, "gate: %s", weft_last_error());
-    weft_tensor_release(g1);
+    RANK_CHECK(ck_barrier() == 0, "barrier");
     RANK_CHECK(ck_step(d, sp, h, w, CK_STEPS) == 0, "a step after the load: %s", weft_last_error());
     return 0;
 }
@@ -752,18 +770,7 @@ static int kill_save_body(weft_agent_t *a, int rank, int world, void *arg)
     for (int k = 0; k < 2; k++) {
         RANK_CHECK(ck_step(d, sp, h, w, k) == 0, "step %d: %s", k, weft_last_error());
     }
-    RANK_CHECK(weft_ps_save(PS, g_dir, 30000) == WEFT_OK, "save: %s", weft_last_error());
-    static float vals[CK_VALUES];
-    RANK_CHECK(ck_snapshot(d, sp, h, vals) == 0, "snapshot");
-    char path[512];
-    snprintf(path, sizeof(path), "%s/expected.w%d", g_dir, w);
-    FILE *f = fopen(path, "wb");
-    RANK_CHECK(f != NULL && fwrite(vals, 4, CK_VALUES, f) == CK_VALUES && fclose(f) == 0,
-               "expected values");
-    weft_tensor_t *g1 = zeros(1);
-    RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
-    RANK_CHECK(weft_ps_pull(ck_gate, g1, 20000) == WEFT_OK, "gate: %s", weft_last_error());
-    weft_tensor_release(g1);
+    RANK_CHECK(ck_save_and_record(d, sp, h, w) == 0, "save");
     RANK_CHECK(ck_step(d, sp, h, w, 3) == 0, "step 3: %s", weft_last_error());
     /* Clock 4: a server exits half-way through its files. */
     weft_status_t st = weft_ps_save(PS, g_dir, 30000);
@@ -783,16 +790,7 @@ static int after_kill_body(weft_agent_t *a, int rank, int world, void *arg)
         return weft_ps_finish(PS, 60000) == WEFT_OK ? 0 : 1;
     }
     int w = weft_ps_worker_index(PS);
-    RANK_CHECK(weft_ps_load(PS, g_dir, 30000) == WEFT_OK, "load: %s", weft_last_error());
-    RANK_CHECK(weft_ps_worker_clock(PS) == 2, "clock %lld", (long long)weft_ps_worker_clock(PS));
-    static float want[CK_VALUES], got[CK_VALUES];
-    char path[512];
-    snprintf(path, sizeof(path), "%s/expected.w%d", g_dir, w);
-    FILE *f = fopen(path, "rb");
-    RANK_CHECK(f != NULL && fread(want, 4, CK_VALUES, f) == CK_VALUES, "expected values");
-    fclose(f);
-    RANK_CHECK(ck_snapshot(d, sp, h, got) == 0, "snapshot");
-    RANK_CHECK(memcmp(want, got, sizeof(want)) == 0, "the values are not clock 2's");
+    RANK_CHECK(ck_load_and_compare(d, sp, h, w, 2) == 0, "the values are not clock 2's");
     /* And a new save over the debris works. */
     RANK_CHECK(weft_ps_save(PS, g_dir, 30000) == WEFT_OK, "save: %s", weft_last_error());
     RANK_CHECK(weft_ps_finish(PS, 30000) == WEFT_OK, "finish: %s", weft_last_error());
