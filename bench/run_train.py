@@ -34,6 +34,41 @@ peak_rss_mb_max, peak_rss_mb_sum (MiB, ru_maxrss of the ranks), final_acc. Every
 weft/torch: < 1 is better for time and memory, > 1 for samples_per_s. A markdown table of
 the same follows on stdout. The raw lines and the summary lines are appended to
 bench/results-train-DATE.jsonl (--out FILE instead; --no-save or --quick: not saved).
+
+Parameter-server rows (--only ps runs them alone, --only dp the rows above alone): the same
+model, data, batch per worker, lr, momentum, epochs and seeds trained through a parameter server,
+PS_SERVERS server ranks holding the parameters (SGD with momentum on the servers, applied to the
+mean of the workers' gradients once per step: sync) and PS_WORKERS workers, each step pull ->
+forward/backward -> push:
+
+  weft      BUILDDIR/tools/weftrun -n S+W --servers S /usr/bin/time -f .. BUILDDIR/examples/ps_train
+            --json --mode sync ...
+  torch_ps  bench/torch_ps_train.py --servers S --workers W ... (torch.distributed.rpc, the
+            batch-updating parameter server of pytorch/examples; --ps-fetch picks its calls)
+
+ps_train evaluates after every epoch only and runs all --epochs (no --eval-every, no
+--stop-at-target); torch_ps_train.py does the same. ps_train's JSON line has no time to target
+and no memory, so the runner takes them from its output: the training seconds at the end of
+epoch E are the samples trained so far (E x workers x ceil(N / workers), N from its first line)
+over the cumulative samples/s of its "epoch E: ..." line, time_to_target_s those of the first
+epoch whose test accuracy is >= --target; peak_rss_mb_* is the ru_maxrss of each rank
+(/usr/bin/time's %M around every rank; without /usr/bin/time they are null). torch_ps_train.py
+reports both itself (getrusage of every rank, servers included). One JSON object per metric:
+
+  {"bench":"train_ps","world":4,"servers":2,"workers":2,"mode":"sync","metric":"time_to_target_s",
+   "value":2.1,"unit":"s","vs":{"torch_ps":1.9},"ratio":"peer/weft","better":"lower",
+   "peers":{"torch_ps":4.0},"runs":{..},"reached":{..},"target":{"torch_ps":1.0},
+   "meets_target":true,"settings":{..},"machine":{..},"date":".."}
+
+Unlike the rows above, every "vs" of these rows is defined so that > 1 means weft is better
+(peer/weft for time and memory, weft/peer for samples_per_s and final_acc), as in run_ps.py;
+target is the issue's goal for it (time to target and the summed peak memory: weft's <= torch's,
+i.e. vs >= 1) and meets_target whether the medians meet it. The metrics are those above plus
+steps_to_target (steps per worker up to the evaluation that reached the target). Evaluating at
+epoch ends only, time_to_target_s is the training time of 1, 2 or 3 whole epochs: a run whose
+first epoch ends just under the target (about 0.85 after one epoch with these settings) needs a
+second one, so the metric moves in whole epochs with the seed and the trajectory; read it with
+steps_to_target and samples_per_s.
 Python 3 standard library only.
 """
 import argparse
@@ -59,6 +94,14 @@ METRICS = [  # (key, unit, better)
     ("final_acc", "", "higher"),
 ]
 PREFIX = re.compile(r"^\[rank (\d+)\] ")
+PS_SYSTEMS = ["weft", "torch_ps"]
+PS_METRICS = METRICS + [("steps_to_target", "steps", "lower")]  # the epoch the target fell in, per worker
+PS_TARGETS = {"time_to_target_s": 1.0, "peak_rss_mb_sum": 1.0}  # vs >= 1: weft's <= torch's
+TIME_BIN = "/usr/bin/time"
+RSS_TAG = "weft_peak_rss_kb"
+PS_HEAD = re.compile(r" on (\d+) Fashion-MNIST images, (\d+) servers, (\d+) workers")
+PS_EPOCH = re.compile(r"^epoch (\d+): train loss \S+, test accuracy ([0-9.]+)%, [0-9.]+ s, ([0-9.]+) samples/s")
+PS_RSS = re.compile(r"^%s (\d+)$" % RSS_TAG)
 
 
 def parse_args():
@@ -80,10 +123,15 @@ def parse_args():
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist", help="directory of the IDX files")
     p.add_argument("--out", help="append the JSON lines to this file (default bench/results-train-DATE.jsonl)")
     p.add_argument("--no-save", action="store_true", help="do not append to a results file")
-    p.add_argument("--skip-torch", action="store_true", help="do not run torch DDP")
+    p.add_argument("--skip-torch", action="store_true", help="do not run torch (DDP, PS)")
     p.add_argument("--torch-python", help="python with torch (default: this one, else /usr/bin/python3)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     p.add_argument("--verbose", action="store_true", help="pass the programs' stderr through")
+    p.add_argument("--only", choices=["dp", "ps"], help="run only the data-parallel (dp) or parameter-server (ps) rows")
+    p.add_argument("--ps-servers", type=int, default=2, help="parameter-server rows: server ranks (default 2)")
+    p.add_argument("--ps-workers", type=int, default=2, help="parameter-server rows: worker ranks (default 2)")
+    p.add_argument("--ps-fetch", choices=["fused", "separate"], default="fused",
+                   help="torch_ps_train.py --fetch: fused (default, the tutorial's update_and_fetch) or separate")
     a = p.parse_args()
     if a.repeat is None:
         a.repeat = 1 if a.quick else 3
@@ -178,6 +226,105 @@ def commands(a, torch_python):
     return cmds
 
 
+def ps_commands(a, torch_python):
+    """The parameter-server rows: system -> function(seed) -> argv."""
+    S, W = a.ps_servers, a.ps_workers
+    weftrun = os.path.join(a.builddir, "tools", "weftrun")
+    prog = os.path.join(a.builddir, "examples", "ps_train")
+    opts = lambda s: ["--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", "%g" % a.lr,  # noqa: E731
+                      "--momentum", "%g" % a.momentum, "--hidden", str(a.hidden), "--seed", str(s),
+                      "--target", "%g" % a.target, "--data", a.data]
+    # /usr/bin/time around every rank: its ru_maxrss (%M, KiB), printed on the rank's stderr.
+    timer = [TIME_BIN, "-f", RSS_TAG + " %M"] if os.access(TIME_BIN, os.X_OK) else []
+    cmds = {"weft": lambda s: ([weftrun, "-n", str(S + W), "--servers", str(S)] + timer
+                               + [prog, "--json", "--mode", "sync"] + opts(s))}
+    if torch_python:
+        cmds["torch_ps"] = lambda s: ([torch_python, os.path.join(HERE, "torch_ps_train.py"), "--servers", str(S),
+                                       "--workers", str(W), "--fetch", a.ps_fetch, "--json",
+                                       "--timeout", "%g" % max(10.0, a.timeout - 10.0)] + opts(s))
+    return cmds
+
+
+def run_raw(cmd, timeout, env):
+    """Like run_cmd, both streams kept: (stdout, stderr, error text or None, wall seconds)."""
+    t0 = time.monotonic()
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, env=env)
+    except OSError as e:
+        return "", "", str(e), 0.0
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return out, err, "timed out after %.0f s" % timeout, time.monotonic() - t0
+    wall = time.monotonic() - t0
+    if p.returncode != 0:
+        tail = (err or "").strip().splitlines()[-5:]
+        return out, err, "exit %d after %.1f s: %s" % (p.returncode, wall, " | ".join(tail)), wall
+    return out, err, None, wall
+
+
+def parse_weft_ps(out, err, target):
+    """ps_train's JSON line (from whichever rank printed it) completed with what its other lines
+    tell: time to target and the epochs' accuracies and training seconds (the lead worker's
+    header and epoch lines) and the ranks' peak RSS (/usr/bin/time's lines). None if no line."""
+    res = None
+    head = None
+    epochs = []  # (epoch, accuracy, cumulative samples/s)
+    rss = {}  # rank -> KiB
+    for text in (out, err):
+        for ln in (text or "").splitlines():
+            m = PREFIX.match(ln)
+            rank = int(m.group(1)) if m else None
+            body = (ln[m.end():] if m else ln).strip()
+            if body.startswith("{") and res is None:
+                try:
+                    d = json.loads(body)
+                except ValueError:
+                    d = None
+                if isinstance(d, dict) and "system" in d:
+                    res = d
+                continue
+            mh = PS_HEAD.search(body)
+            if mh and head is None:
+                head = (int(mh.group(1)), int(mh.group(3)))
+                continue
+            me = PS_EPOCH.match(body)
+            if me:
+                epochs.append((int(me.group(1)), round(float(me.group(2)) / 100.0, 4), float(me.group(3))))
+                continue
+            mr = PS_RSS.match(body)
+            if mr and rank is not None:
+                rss[rank] = int(mr.group(1))
+    if res is None:
+        return None
+    res["target"] = target
+    res["time_to_target_s"] = None
+    res["steps_to_target"] = None
+    if head and epochs:
+        used, nw = head
+        per_epoch = nw * ((used + nw - 1) // nw)  # samples of all workers, padding included
+        steps_per_epoch = res["steps"] // max(1, len(epochs))
+        res["epoch_acc"] = [acc for _, acc, _ in epochs]
+        res["epoch_train_s"] = [round(e * per_epoch / rate, 4) if rate > 0 else None for e, _, rate in epochs]
+        for (e, acc, _), t in zip(epochs, res["epoch_train_s"]):
+            if acc >= target and t is not None:
+                res["time_to_target_s"] = t
+                res["steps_to_target"] = e * steps_per_epoch
+                break
+    n = res.get("servers", 0) + res.get("workers", 0)
+    if rss and len(rss) == n:
+        mb = [v / 1024.0 for v in rss.values()]
+        res["peak_rss_mb_max"] = round(max(mb), 1)
+        res["peak_rss_mb_sum"] = round(sum(mb), 1)
+    else:
+        res["peak_rss_mb_max"] = res["peak_rss_mb_sum"] = None
+    res["peak_rss_ranks"] = len(rss)
+    return res
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -185,33 +332,51 @@ def median(xs):
 
 def main():
     a = parse_args()
+    run_dp = a.only != "ps"
+    run_ps = a.only != "dp"
     torch_python = None
     if not a.skip_torch:
         torch_python = find_torch_python(a)
         if torch_python is None:
-            print("run_train: no python with torch found; torch_ddp skipped", file=sys.stderr)
+            print("run_train: no python with torch found; torch_ddp and torch_ps skipped", file=sys.stderr)
     cmds = commands(a, torch_python)
     needed = [os.path.join(a.builddir, "tools", "weftrun"), os.path.join(a.builddir, "examples", "dp_train")]
-    if not all(os.access(x, os.X_OK) for x in needed):
+    if run_dp and not all(os.access(x, os.X_OK) for x in needed):
         print("run_train: %s missing; build it (ninja -C %s); weft skipped"
               % (" or ".join(needed), a.builddir), file=sys.stderr)
         del cmds["weft"]
-    systems = [s for s in SYSTEMS if s in cmds]
+    systems = [s for s in SYSTEMS if s in cmds] if run_dp else []
+    ps_cmds = ps_commands(a, torch_python)
+    ps_needed = [os.path.join(a.builddir, "tools", "weftrun"), os.path.join(a.builddir, "examples", "ps_train")]
+    if run_ps and not all(os.access(x, os.X_OK) for x in ps_needed):
+        print("run_train: %s missing; build it (ninja -C %s); weft's parameter-server rows skipped"
+              % (" or ".join(ps_needed), a.builddir), file=sys.stderr)
+        del ps_cmds["weft"]
+    if run_ps and not os.access(TIME_BIN, os.X_OK):
+        print("run_train: no %s: weft's parameter-server peak RSS not measured" % TIME_BIN, file=sys.stderr)
+    ps_systems = [s for s in PS_SYSTEMS if s in ps_cmds] if run_ps else []
+    ps_world = a.ps_servers + a.ps_workers
     machine = machine_info(torch_python)
     settings = {"epochs": a.epochs, "batch": a.batch, "lr": a.lr, "momentum": a.momentum, "hidden": a.hidden,
                 "seeds": [a.seed + r for r in range(a.repeat)], "eval_every": a.eval_every, "target": a.target,
                 "stop_at_target": a.stop_at_target, "threads_per_rank": 1}
-    print("run_train: %s; %s" % (json.dumps(machine), json.dumps(settings)), file=sys.stderr)
+    ps_settings = {"epochs": a.epochs, "batch": a.batch, "lr": a.lr, "momentum": a.momentum, "hidden": a.hidden,
+                   "seeds": [a.seed + r for r in range(a.repeat)], "servers": a.ps_servers,
+                   "workers": a.ps_workers, "mode": "sync", "eval": "epoch ends", "target": a.target,
+                   "stop_at_target": False, "torch_fetch": a.ps_fetch, "threads_per_rank": 1}
+    print("run_train: %s; %s" % (json.dumps(machine), json.dumps(settings if run_dp else ps_settings)),
+          file=sys.stderr)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
     raw = []
     values = {}  # world -> system -> [result lines]
+    ps_values = {}  # system -> [result lines]
     failures = []
     t_start = time.monotonic()
     k = 0
     for rnd in range(a.repeat):
         seed = a.seed + rnd
-        for world in a.worlds:
+        for world in (a.worlds if run_dp else []):
             r = k % len(systems) if systems else 0
             k += 1
             for system in systems[r:] + systems[:r]:
@@ -230,11 +395,37 @@ def main():
                     if not err:
                         values.setdefault(world, {}).setdefault(system, []).append(ln)
                 print("run_train: %s world %d seed %d: %.1f s" % (system, world, seed, wall), file=sys.stderr)
+        # The parameter-server rows, weft and torch in turn, the order alternating between rounds.
+        r = rnd % len(ps_systems) if ps_systems else 0
+        for system in ps_systems[r:] + ps_systems[:r]:
+            out, errtext, err, wall = run_raw(ps_cmds[system](seed), a.timeout, env)
+            if a.verbose and errtext:
+                sys.stderr.write(errtext)
+            if system == "weft":
+                ln = parse_weft_ps(out, errtext, a.target)
+                lines = [ln] if ln else []
+            else:
+                lines = parse_output(out)
+            if not err and not lines:
+                err = "no result line"
+            if err:
+                failures.append((system, ps_world, seed, err))
+                print("run_train: ps %s seed %d failed: %s" % (system, seed, err), file=sys.stderr)
+            for ln in lines[-1:]:
+                ln["round"] = rnd
+                ln["seed"] = seed
+                ln["wall_s"] = round(wall, 3)
+                text = json.dumps(ln, separators=(",", ":"))
+                print(text, file=sys.stderr, flush=True)
+                raw.append(text)
+                if not err:
+                    ps_values.setdefault(system, []).append(ln)
+            print("run_train: ps %s seed %d: %.1f s" % (system, seed, wall), file=sys.stderr)
 
     date = datetime.date.today().isoformat()
     summary = []
     table = []
-    for world in a.worlds:
+    for world in (a.worlds if run_dp else []):
         runs = values.get(world, {})
         for key, unit, better in METRICS:
             med = {s: median([ln.get(key) for ln in runs.get(s, [])]) for s in systems}
@@ -249,21 +440,59 @@ def main():
             res.update({"settings": settings, "machine": machine, "date": date})
             summary.append(json.dumps(res, separators=(",", ":")))
             table.append((world, key, unit, better, w, p, ratio, res.get("reached")))
+    ps_table = []
+    if run_ps:
+        for key, unit, better in PS_METRICS:
+            med = {s: median([ln.get(key) for ln in ps_values.get(s, [])]) for s in ps_systems}
+            w = med.get("weft")
+            p = med.get("torch_ps")
+            lower = better == "lower"
+            ratio = round(p / w if lower else w / p, 3) if w and p else None
+            res = {"bench": "train_ps", "world": ps_world, "servers": a.ps_servers, "workers": a.ps_workers,
+                   "mode": "sync", "metric": key, "value": fmt(w), "unit": unit, "vs": {"torch_ps": ratio},
+                   "ratio": "peer/weft" if lower else "weft/peer", "better": better,
+                   "peers": {"torch_ps": fmt(p)}, "runs": {s: len(ps_values.get(s, [])) for s in ps_systems}}
+            if key == "time_to_target_s":
+                res["reached"] = {s: sum(1 for ln in ps_values.get(s, []) if ln.get(key) is not None)
+                                  for s in ps_systems}
+            if key in PS_TARGETS:
+                res["target"] = {"torch_ps": PS_TARGETS[key]}
+                res["meets_target"] = None if ratio is None else ratio >= PS_TARGETS[key]
+            res.update({"settings": ps_settings, "machine": machine, "date": date})
+            summary.append(json.dumps(res, separators=(",", ":")))
+            ps_table.append((key, better, w, p, ratio, res.get("reached"), res.get("meets_target")))
     for text in summary:
         print(text, flush=True)
 
-    print()
-    print("machine: %d x %s, torch %s; %s" % (machine["nproc"] or 0, machine["cpu"], machine.get("torch"),
-                                             ", ".join("%s=%s" % kv for kv in settings.items())))
-    print()
-    print("| world | metric | weft | torch DDP (gloo) | weft/torch | better |")
-    print("|---|---|---|---|---|---|")
-    for world, key, unit, better, w, p, ratio, reached in table:
-        note = ""
-        if reached:
-            note = " (reached %s)" % ", ".join("%s %d/%d" % (s, reached[s], len(values.get(world, {}).get(s, [])))
-                                               for s in systems)
-        print("| %d | %s%s | %s | %s | %s | %s |" % (world, key, note, fmt(w), fmt(p), ratio, better))
+    if run_dp:
+        print()
+        print("machine: %d x %s, torch %s; %s" % (machine["nproc"] or 0, machine["cpu"], machine.get("torch"),
+                                                 ", ".join("%s=%s" % kv for kv in settings.items())))
+        print()
+        print("| world | metric | weft | torch DDP (gloo) | weft/torch | better |")
+        print("|---|---|---|---|---|---|")
+        for world, key, unit, better, w, p, ratio, reached in table:
+            note = ""
+            if reached:
+                note = " (reached %s)" % ", ".join("%s %d/%d" % (s, reached[s], len(values.get(world, {}).get(s, [])))
+                                                   for s in systems)
+            print("| %d | %s%s | %s | %s | %s | %s |" % (world, key, note, fmt(w), fmt(p), ratio, better))
+    if run_ps:
+        print()
+        print("parameter server (%d servers + %d workers, sync): machine: %d x %s, torch %s; %s"
+              % (a.ps_servers, a.ps_workers, machine["nproc"] or 0, machine["cpu"], machine.get("torch"),
+                 ", ".join("%s=%s" % kv for kv in ps_settings.items())))
+        print()
+        print("| metric | weft ps_train | torch rpc PS | weft advantage (> 1: weft better) | target | better |")
+        print("|---|---|---|---|---|---|")
+        for key, better, w, p, ratio, reached, meets in ps_table:
+            note = ""
+            if reached:
+                note = " (reached %s)" % ", ".join("%s %d/%d" % (s, reached[s], len(ps_values.get(s, [])))
+                                                   for s in ps_systems)
+            tgt = "" if key not in PS_TARGETS else (">= %g: %s" % (PS_TARGETS[key], {True: "met", False: "not met",
+                                                                                      None: "n/a"}[meets]))
+            print("| %s%s | %s | %s | %s | %s | %s |" % (key, note, fmt(w), fmt(p), ratio, tgt, better))
 
     if not a.no_save and (raw or summary):
         path = a.out or os.path.join(HERE, "results-train-%s.jsonl" % date)
@@ -274,7 +503,8 @@ def main():
     print("run_train: %d round(s) in %.0f s%s" % (a.repeat, time.monotonic() - t_start,
                                                  ", %d failed runs" % len(failures) if failures else ""),
           file=sys.stderr)
-    weft_missing = "weft" not in systems or any("weft" not in values.get(w, {}) for w in a.worlds)
+    weft_missing = run_dp and ("weft" not in systems or any("weft" not in values.get(w, {}) for w in a.worlds))
+    weft_missing = weft_missing or (run_ps and "weft" not in ps_values)
     return 1 if weft_missing or not raw else 0
 
 
