@@ -327,12 +327,18 @@ typedef enum { OP_PUSH, OP_PULL, OP_PUSH_PULL, OP_OTHER } op_kind_t;
 
 typedef struct ps_op ps_op_t;
 
+/* One request of an operation: to server s, for a dense table the chunks it names. */
 typedef struct {
     ps_op_t *op;
     uint32_t s;
+    const uint32_t *chunks; /* dense: the request's chunks, in order (into op->chunk_ids) */
+    size_t n_chunks;
     weft_value_t *delayed; /* fault injection: the message sent later */
     int64_t timeout_ms;
 } ps_sub_t;
+
+/* A dense operation's bytes per request: a server applies one request while the next arrives. */
+#define PS_REQUEST_BYTES ((size_t)4 << 20)
 
 struct ps_op {
     _Atomic int left;
@@ -349,8 +355,9 @@ struct ps_op {
     uint32_t *pos_of;
     size_t n_ids;
     int64_t dim;
-    weft_value_t *keep; /* tensors kept alive until the end (ids, summed rows) */
-    ps_sub_t *subs;
+    weft_value_t *keep;  /* tensors kept alive until the end (ids, summed rows) */
+    ps_sub_t *subs;      /* per server (sparse), or per request (dense) */
+    uint32_t *chunk_ids; /* dense: every chunk, grouped by server */
 };
 
 static void op_free(ps_op_t *op)
@@ -360,6 +367,7 @@ static void op_free(ps_op_t *op)
     weft_free(op->srv_of);
     weft_free(op->pos_of);
     weft_free(op->subs);
+    weft_free(op->chunk_ids);
     pthread_mutex_destroy(&op->mu);
     weft_free(op);
 }
@@ -374,7 +382,8 @@ static weft_status_t op_new(weft_ps_table_t *t, op_kind_t kind, ps_op_t **op_p)
     pthread_mutex_init(&op->mu, NULL);
     op->kind = kind;
     op->t = t;
-    op->subs = weft_calloc(ps->n_servers, sizeof(*op->subs));
+    size_t nsub = ps->n_servers + (t->l.spec.kind == WEFT_PS_DENSE ? t->l.n_chunks : 0);
+    op->subs = weft_calloc(nsub, sizeof(*op->subs));
     if (op->subs == NULL || weft_future_create(&op->user) != WEFT_OK ||
         weft_value_create(&op->keep) != WEFT_OK) {
         op_free(op);
@@ -421,15 +430,14 @@ static void op_part_done(ps_op_t *op)
 
 /* Copies a server's part of a pull into the caller's memory (op->mu held); false when the reply
  * is malformed (op->st and op->why then say so). */
-static bool scatter(ps_op_t *op, uint32_t s, const weft_value_t *body)
+static bool scatter(ps_op_t *op, const ps_sub_t *sub, const weft_value_t *body)
 {
     weft_ps_table_t *t = op->t;
+    uint32_t s = sub->s;
     if (t->l.spec.kind == WEFT_PS_DENSE) {
         size_t k = 0;
-        for (uint32_t c = 0; c < t->l.n_chunks; c++) {
-            if (t->l.owner[c] != s) {
-                continue;
-            }
+        for (size_t j = 0; j < sub->n_chunks; j++) {
+            uint32_t c = sub->chunks[j];
             weft_tensor_t *x = k < weft_value_num_tensors(body) ? weft_value_tensor(body, k) : NULL;
             int64_t len = weft__ps_chunk_len(&t->l, c);
             if (x == NULL || weft_tensor_dtype(x) != WEFT_F32 || weft_tensor_numel(x) != len) {
@@ -486,7 +494,7 @@ static void sub_done(weft_future_t *f, void *arg)
         weft_value_t *body = NULL;
         bool ok = weft_msg_body(weft_future_value(f), &body) == WEFT_OK;
         pthread_mutex_lock(&op->mu);
-        if (op->st == WEFT_OK && !(ok && scatter(op, sub->s, body))) {
+        if (op->st == WEFT_OK && !(ok && scatter(op, sub, body))) {
             if (!ok) {
                 snprintf(op->why, sizeof(op->why),
                          "ps: table '%s', server %u: a reply without "
@@ -549,9 +557,10 @@ static void delayed_drop(void *arg, uint64_t data)
 }
 
 /* Sends one server's part of @p op. */
-static weft_status_t op_send(ps_op_t *op, uint32_t s, const Weft__V1__PsRequest *hdr,
+static weft_status_t op_send(ps_op_t *op, ps_sub_t *sub, const Weft__V1__PsRequest *hdr,
                              weft_tensor_t *const *tensors, size_t n, int64_t timeout_ms)
 {
+    uint32_t s = sub->s;
     weft_ps_t *ps = op->t->ps;
     weft_value_t *body = NULL, *msg = NULL;
     weft_status_t st = WEFT_OK;
@@ -569,7 +578,6 @@ static weft_status_t op_send(ps_op_t *op, uint32_t s, const Weft__V1__PsRequest 
     if (st != WEFT_OK) {
         return st;
     }
-    ps_sub_t *sub = &op->subs[s];
     sub->timeout_ms = timeout_ms;
     atomic_fetch_add(&op->left, 1);
     if (push && ps->fault_dup) {
@@ -673,51 +681,67 @@ static weft_status_t dense_op(weft_ps_table_t *t, op_kind_t kind, const weft_ten
     }
     WEFT_CHECK(op_new(t, kind, &op));
     op->dst = dst != NULL ? weft_tensor_data(dst) : NULL;
-    uint32_t *chunks = weft_alloc(l->n_chunks * sizeof(*chunks));
+    op->chunk_ids = weft_alloc(l->n_chunks * sizeof(*op->chunk_ids));
     weft_tensor_t **views = weft_calloc(l->n_chunks, sizeof(*views));
-    st = chunks == NULL || views == NULL ? weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory")
-                                         : WEFT_OK;
+    st = op->chunk_ids == NULL || views == NULL
+             ? weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory")
+             : WEFT_OK;
     Weft__V1__PsOp wop = kind == OP_PUSH   ? WEFT__V1__PS_OP__PS_PUSH
                          : kind == OP_PULL ? WEFT__V1__PS_OP__PS_PULL
                                            : WEFT__V1__PS_OP__PS_PUSH_PULL;
+    size_t esz = weft_dtype_size(l->spec.dtype), nsub = 0, at = 0;
     for (uint32_t s = 0; s < ps->n_servers && st == WEFT_OK; s++) {
-        size_t n = 0;
-        for (uint32_t c = 0; c < l->n_chunks && st == WEFT_OK; c++) {
-            if (l->owner[c] != s) {
-                continue;
+        /* The server's chunks, cut into requests of at most PS_REQUEST_BYTES (one chunk at
+         * least): the server applies one while the next is on its way. */
+        size_t first = at;
+        for (uint32_t c = 0; c < l->n_chunks; c++) {
+            if (l->owner[c] == s) {
+                op->chunk_ids[at++] = c;
             }
-            chunks[n] = c;
-            if (grad != NULL) {
+        }
+        for (size_t g = first; g < at && st == WEFT_OK;) {
+            size_t n = 0, bytes = 0;
+            while (g + n < at &&
+                   (n == 0 || bytes + (size_t)weft__ps_chunk_len(l, op->chunk_ids[g + n]) * esz <=
+                                  PS_REQUEST_BYTES)) {
+                bytes += (size_t)weft__ps_chunk_len(l, op->chunk_ids[g + n]) * esz;
+                n++;
+            }
+            for (size_t i = 0; i < n && grad != NULL && st == WEFT_OK; i++) {
+                uint32_t c = op->chunk_ids[g + i];
                 int64_t len = weft__ps_chunk_len(l, c);
                 float *p = (float *)weft_tensor_data(grad) + (int64_t)c * l->chunk_elems;
                 st = weft_tensor_wrap(WEFT_F32, 1, &len, p, (size_t)len * sizeof(float), WEFT_CPU,
-                                      NULL, NULL, &views[n]);
+                                      NULL, NULL, &views[i]);
             }
-            n++;
-        }
-        if (n == 0 || st != WEFT_OK) {
-            continue;
-        }
-        Weft__V1__PsRequest r;
-        request_init(t, &r, wop);
-        r.n_chunks = n;
-        r.chunks = chunks;
-        if (grad != NULL) {
-            r.seq = atomic_fetch_add(&ps->seq[s], 1) + 1;
-            r.pushes = atomic_fetch_add(&t->pushes[s], 1) + 1;
-        } else {
-            r.pushes = atomic_load(&t->pushes[s]);
-        }
-        st = op_send(op, s, &r, views, grad != NULL ? n : 0, timeout_ms);
-        for (size_t i = 0; i < n; i++) {
-            weft_tensor_release(views[i]);
-            views[i] = NULL;
-        }
-        if (st != WEFT_OK && grad != NULL) {
-            atomic_fetch_sub(&t->pushes[s], 1); /* not sent: not counted */
+            ps_sub_t *sub = &op->subs[nsub++];
+            sub->op = op;
+            sub->s = s;
+            sub->chunks = &op->chunk_ids[g];
+            sub->n_chunks = n;
+            Weft__V1__PsRequest r;
+            request_init(t, &r, wop);
+            r.n_chunks = n;
+            r.chunks = (uint32_t *)sub->chunks;
+            if (st == WEFT_OK) {
+                if (grad != NULL) {
+                    r.seq = atomic_fetch_add(&ps->seq[s], 1) + 1;
+                    r.pushes = atomic_fetch_add(&t->pushes[s], 1) + 1;
+                } else {
+                    r.pushes = atomic_load(&t->pushes[s]);
+                }
+                st = op_send(op, sub, &r, views, grad != NULL ? n : 0, timeout_ms);
+                if (st != WEFT_OK && grad != NULL) {
+                    atomic_fetch_sub(&t->pushes[s], 1); /* not sent: not counted */
+                }
+            }
+            for (size_t i = 0; i < n; i++) {
+                weft_tensor_release(views[i]);
+                views[i] = NULL;
+            }
+            g += n;
         }
     }
-    weft_free(chunks);
     weft_free(views);
     if (st != WEFT_OK) {
         /* Parts already sent complete on their own; the operation fails. */
@@ -850,7 +874,7 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
         } else {
             r.pushes = atomic_load(&t->pushes[s]);
         }
-        st = op_send(op, s, &r, ts, kind == OP_PUSH ? 2 : 1, timeout_ms);
+        st = op_send(op, &op->subs[s], &r, ts, kind == OP_PUSH ? 2 : 1, timeout_ms);
         if (st != WEFT_OK && kind == OP_PUSH) {
             atomic_fetch_sub(&t->pushes[s], 1);
         }

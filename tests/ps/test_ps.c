@@ -1033,3 +1033,54 @@ Test(ps, pulls_are_never_torn_by_concurrent_pushes, .timeout = 120)
     roles(1, 2);
     run_world(torn_body, 100000);
 }
+
+/* ------------------------------------------------------------------ large tables */
+
+#define BIG_N (3 * 1048576) /* 12 MiB of f32: three requests of 4 MiB per operation */
+
+/* A table larger than one request: its chunks travel in several requests in flight; every step
+ * still sees exactly the mean of both workers' pushes, everywhere. */
+static int big_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *t;
+    dense_spec(&s, "big", BIG_N);
+    s.chunk_bytes = 1 << 20;
+    s.init = WEFT_PS_CONSTANT;
+    s.init_a = 1.0;
+    s.sgd.lr = 1.0;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &t) == WEFT_OK, "create: %s", weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        return weft_ps_finish(PS, 60000) == WEFT_OK ? 0 : 1;
+    }
+    int w = weft_ps_worker_index(PS);
+    weft_tensor_t *v = zeros(BIG_N);
+    for (int k = 0; k < 3; k++) {
+        RANK_CHECK(weft_ps_pull(t, v, 30000) == WEFT_OK, "pull: %s", weft_last_error());
+        float want = 1.0f - 1.5f * (float)(k * (k + 1) / 2);
+        const float *p = weft_tensor_data(v);
+        for (int64_t i = 0; i < BIG_N; i++) {
+            RANK_CHECK(p[i] == want, "step %d: element %lld is %g, not %g", k, (long long)i, p[i],
+                       want);
+        }
+        weft_tensor_t *g = filled(BIG_N, (float)((w + 1) * (k + 1)));
+        RANK_CHECK(weft_ps_push(t, g, 30000) == WEFT_OK, "push: %s", weft_last_error());
+        weft_tensor_release(g);
+        RANK_CHECK(weft_ps_clock(PS, 30000) == WEFT_OK, "clock: %s", weft_last_error());
+    }
+    weft_ps_load_t load;
+    RANK_CHECK(weft_ps_table_stats(t, &load, 20000) == WEFT_OK, "stats");
+    /* Three requests per push and per pull. */
+    RANK_CHECK(load.pushes >= 3 * 3 && load.pushes % 3 == 0, "%llu pushes counted",
+               (unsigned long long)load.pushes);
+    weft_tensor_release(v);
+    RANK_CHECK(weft_ps_finish(PS, 30000) == WEFT_OK, "finish: %s", weft_last_error());
+    return 0;
+}
+
+Test(ps, tables_larger_than_a_request_travel_in_several, .timeout = 120)
+{
+    roles(1, 2);
+    run_world(big_body, 100000);
+}
