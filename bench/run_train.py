@@ -46,12 +46,14 @@ forward/backward -> push:
   torch_ps  bench/torch_ps_train.py --servers S --workers W ... (torch.distributed.rpc, the
             batch-updating parameter server of pytorch/examples; --ps-fetch picks its calls)
 
-ps_train evaluates after every epoch only and runs all --epochs (no --eval-every, no
---stop-at-target); torch_ps_train.py does the same. ps_train's JSON line has no time to target
-and no memory, so the runner takes them from its output: the training seconds at the end of
-epoch E are the samples trained so far (E x workers x ceil(N / workers), N from its first line)
-over the cumulative samples/s of its "epoch E: ..." line, time_to_target_s those of the first
-epoch whose test accuracy is >= --target; peak_rss_mb_* is the ru_maxrss of each rank
+ps_train evaluates every --eval-every steps and after every epoch, the training clock stopped,
+and runs all --epochs (no --stop-at-target); torch_ps_train.py does the same. ps_train's JSON
+line has no time to target and no memory, so the runner takes them from its output: its
+"step N: test accuracy X%, training T s" lines give the training seconds of each mid-epoch
+evaluation; at the end of epoch E they are the samples trained so far (E x workers x
+ceil(N / workers), N from its first line) over the cumulative samples/s of its "epoch E: ..."
+line; time_to_target_s is that of the first evaluation whose test accuracy is >= --target;
+peak_rss_mb_* is the ru_maxrss of each rank
 (/usr/bin/time's %M around every rank; without /usr/bin/time they are null). torch_ps_train.py
 reports both itself (getrusage of every rank, servers included). One JSON object per metric:
 
@@ -102,6 +104,7 @@ RSS_TAG = "weft_peak_rss_kb"
 PS_HEAD = re.compile(r" on (\d+) Fashion-MNIST images, (\d+) servers, (\d+) workers")
 PS_EPOCH = re.compile(r"^epoch (\d+): train loss \S+, test accuracy ([0-9.]+)%, [0-9.]+ s, ([0-9.]+) samples/s")
 PS_RSS = re.compile(r"^%s (\d+)$" % RSS_TAG)
+PS_STEP = re.compile(r"^step (\d+): test accuracy ([0-9.]+)%, training ([0-9.]+) s")
 
 
 def parse_args():
@@ -233,7 +236,7 @@ def ps_commands(a, torch_python):
     prog = os.path.join(a.builddir, "examples", "ps_train")
     opts = lambda s: ["--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", "%g" % a.lr,  # noqa: E731
                       "--momentum", "%g" % a.momentum, "--hidden", str(a.hidden), "--seed", str(s),
-                      "--target", "%g" % a.target, "--data", a.data]
+                      "--target", "%g" % a.target, "--eval-every", str(a.eval_every), "--data", a.data]
     # /usr/bin/time around every rank: its ru_maxrss (%M, KiB), printed on the rank's stderr.
     timer = [TIME_BIN, "-f", RSS_TAG + " %M"] if os.access(TIME_BIN, os.X_OK) else []
     cmds = {"weft": lambda s: ([weftrun, "-n", str(S + W), "--servers", str(S)] + timer
@@ -273,6 +276,7 @@ def parse_weft_ps(out, err, target):
     res = None
     head = None
     epochs = []  # (epoch, accuracy, cumulative samples/s)
+    mids = []  # (step, accuracy, training seconds): --eval-every's evaluations
     rss = {}  # rank -> KiB
     for text in (out, err):
         for ln in (text or "").splitlines():
@@ -290,6 +294,10 @@ def parse_weft_ps(out, err, target):
             mh = PS_HEAD.search(body)
             if mh and head is None:
                 head = (int(mh.group(1)), int(mh.group(3)))
+                continue
+            ms = PS_STEP.match(body)
+            if ms:
+                mids.append((int(ms.group(1)), float(ms.group(2)) / 100.0, float(ms.group(3))))
                 continue
             me = PS_EPOCH.match(body)
             if me:
@@ -309,10 +317,13 @@ def parse_weft_ps(out, err, target):
         steps_per_epoch = res["steps"] // max(1, len(epochs))
         res["epoch_acc"] = [acc for _, acc, _ in epochs]
         res["epoch_train_s"] = [round(e * per_epoch / rate, 4) if rate > 0 else None for e, _, rate in epochs]
-        for (e, acc, _), t in zip(epochs, res["epoch_train_s"]):
-            if acc >= target and t is not None:
+        # Every evaluation, in training-time order: the epoch ends and --eval-every's steps.
+        evals = [(t, e * steps_per_epoch, acc) for (e, acc, _), t in zip(epochs, res["epoch_train_s"])
+                 if t is not None] + [(t, st, acc) for st, acc, t in mids]
+        for t, st, acc in sorted(evals):
+            if acc >= target:
                 res["time_to_target_s"] = t
-                res["steps_to_target"] = e * steps_per_epoch
+                res["steps_to_target"] = st
                 break
     n = res.get("servers", 0) + res.get("workers", 0)
     if rss and len(rss) == n:
@@ -362,7 +373,8 @@ def main():
                 "stop_at_target": a.stop_at_target, "threads_per_rank": 1}
     ps_settings = {"epochs": a.epochs, "batch": a.batch, "lr": a.lr, "momentum": a.momentum, "hidden": a.hidden,
                    "seeds": [a.seed + r for r in range(a.repeat)], "servers": a.ps_servers,
-                   "workers": a.ps_workers, "mode": "sync", "eval": "epoch ends", "target": a.target,
+                   "workers": a.ps_workers, "mode": "sync",
+                   "eval": "every %d steps and epoch ends" % a.eval_every, "target": a.target,
                    "stop_at_target": False, "torch_fetch": a.ps_fetch, "threads_per_rank": 1}
     print("run_train: %s; %s" % (json.dumps(machine), json.dumps(settings if run_dp else ps_settings)),
           file=sys.stderr)

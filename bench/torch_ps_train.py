@@ -108,6 +108,8 @@ def parse_args():
     p.add_argument("--chunk-bytes", type=int, default=65536, help="bytes per parameter chunk placed on a server")
     p.add_argument("--fetch", default="fused", choices=["fused", "separate"])
     p.add_argument("--target", type=float, default=0.85)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also measure test accuracy every N steps, the clock stopped (as ps_train)")
     p.add_argument("--stop-at-target", action="store_true")
     p.add_argument("--rpc-threads", type=int, default=16, help="TensorPipe num_worker_threads (torch's default 16)")
     p.add_argument("--transports", help="TensorPipe transports, comma separated (default: TensorPipe's choice)")
@@ -312,6 +314,17 @@ def trainer_main(a, w, store_port):
             t_epoch += time.perf_counter() - t0
             samples += bi.shape[0] * W
             loss_sum += float(loss)
+            if a.eval_every > 0 and step % a.eval_every == 0 and b + 1 < steps_per_epoch:
+                # as ps_train --eval-every: the trainers meet, pull and score; the clock is stopped
+                dist.barrier()
+                if not fresh:
+                    pull(step)
+                    fresh = True
+                mid = evaluate()
+                if t_target is None and mid >= a.target:
+                    t_target, step_target = train_s + t_epoch, step
+                    if a.stop_at_target:
+                        break
         train_s += t_epoch
         loss_avg = loss_sum / steps_per_epoch
         dist.barrier()

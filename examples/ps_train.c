@@ -32,7 +32,8 @@
  * images, the counts summed with all_reduce; the first worker prints the epoch's loss, the test
  * accuracy, samples/s (the training clock stops during evaluation and checkpoints) and the
  * staleness the servers observed for the epoch's pulls (a pull's clock minus the slowest
- * worker's; weft_ps_table_stats).
+ * worker's; weft_ps_table_stats). --eval-every N scores the same way every N steps too ("step N:
+ * test accuracy X%, training T s"; bench/run_train.py takes time to target from these lines).
  *
  * Checkpoints: with --checkpoint-dir every worker calls weft_ps_save after the same step (every
  * --checkpoint-every steps, else at the end of each epoch, and at the end of training). --resume
@@ -90,6 +91,7 @@ typedef struct {
     int64_t chunk_bytes;
     const char *checkpoint_dir;
     int64_t checkpoint_every; /* steps; 0: at the end of each epoch */
+    int64_t eval_every;       /* steps; 0: after each epoch only */
     const char *resume_dir;
     double target;
     int json;
@@ -105,28 +107,30 @@ static const char *mode_name(weft_ps_consistency_t mode)
 
 static void usage(FILE *out)
 {
-    fprintf(out, "usage: weftrun -n N --servers S ps_train [options]\n"
-                 "  --mode M           sync, async or bounded (default sync)\n"
-                 "  --staleness S      bounded mode: steps a worker may run ahead (default 2)\n"
-                 "  --epochs N         passes over the training set (default 3)\n"
-                 "  --batch N          minibatch size per worker (default 64)\n"
-                 "  --lr X             SGD learning rate on the servers (default 0.02)\n"
-                 "  --momentum X       SGD momentum (default 0.9)\n"
-                 "  --nesterov         Nesterov momentum\n"
-                 "  --weight-decay X   L2 weight decay (default 0)\n"
-                 "  --hidden N[,N...]  hidden layer sizes (default 256: MLP 784-256-10)\n"
-                 "  --seed N           initialisation and shuffling seed (default 1)\n"
-                 "  --limit N          train on the first N training samples only\n"
-                 "  --chunk-bytes N    bytes per table chunk placed on a server (default 65536)\n"
-                 "  --checkpoint-dir D write checkpoints to D (weft_ps_save)\n"
-                 "  --checkpoint-every N  steps between checkpoints (default: each epoch's end)\n"
-                 "  --resume D         go on from the checkpoint in D until --epochs\n"
-                 "  --target X         test accuracy the final line compares with (default 0.85)\n"
-                 "  --threads N        BLAS threads per worker (default 1)\n"
-                 "  --json             print a JSON summary line at the end (first worker)\n"
-                 "  --verbose          print the servers' counters at the end\n"
-                 "  --data DIR         Fashion-MNIST IDX files (default $WEFT_DATA_DIR, else\n"
-                 "                     " DEFAULT_DATA_DIR ")\n");
+    fprintf(out,
+            "usage: weftrun -n N --servers S ps_train [options]\n"
+            "  --mode M           sync, async or bounded (default sync)\n"
+            "  --staleness S      bounded mode: steps a worker may run ahead (default 2)\n"
+            "  --epochs N         passes over the training set (default 3)\n"
+            "  --batch N          minibatch size per worker (default 64)\n"
+            "  --lr X             SGD learning rate on the servers (default 0.02)\n"
+            "  --momentum X       SGD momentum (default 0.9)\n"
+            "  --nesterov         Nesterov momentum\n"
+            "  --weight-decay X   L2 weight decay (default 0)\n"
+            "  --hidden N[,N...]  hidden layer sizes (default 256: MLP 784-256-10)\n"
+            "  --seed N           initialisation and shuffling seed (default 1)\n"
+            "  --limit N          train on the first N training samples only\n"
+            "  --chunk-bytes N    bytes per table chunk placed on a server (default 65536)\n"
+            "  --checkpoint-dir D write checkpoints to D (weft_ps_save)\n"
+            "  --checkpoint-every N  steps between checkpoints (default: each epoch's end)\n"
+            "  --resume D         go on from the checkpoint in D until --epochs\n"
+            "  --target X         test accuracy the final line compares with (default 0.85)\n"
+            "  --eval-every N     also measure test accuracy every N steps (default: per epoch)\n"
+            "  --threads N        BLAS threads per worker (default 1)\n"
+            "  --json             print a JSON summary line at the end (first worker)\n"
+            "  --verbose          print the servers' counters at the end\n"
+            "  --data DIR         Fashion-MNIST IDX files (default $WEFT_DATA_DIR, else\n"
+            "                     " DEFAULT_DATA_DIR ")\n");
 }
 
 static int parse_hidden(const char *s, config_t *cfg)
@@ -186,6 +190,7 @@ static int parse_args(int argc, char **argv, config_t *cfg)
         {"checkpoint-every", required_argument, NULL, 'k'},
         {"resume", required_argument, NULL, 'r'},
         {"target", required_argument, NULL, 't'},
+        {"eval-every", required_argument, NULL, 'E'},
         {"threads", required_argument, NULL, 'T'},
         {"json", no_argument, NULL, 'j'},
         {"verbose", no_argument, NULL, 'v'},
@@ -267,6 +272,9 @@ static int parse_args(int argc, char **argv, config_t *cfg)
             break;
         case 't':
             bad = parse_double_arg(optarg, 0.0, 1.0, &cfg->target);
+            break;
+        case 'E':
+            bad = parse_int_arg(optarg, 1, INT64_MAX, &cfg->eval_every);
             break;
         case 'T':
             bad = parse_int_arg(optarg, 1, 256, &iv);
@@ -1018,6 +1026,19 @@ static int train(job_t *job)
                     goto out;
                 }
                 last_saved = clock;
+            }
+            if (cfg->eval_every > 0 && clock % cfg->eval_every == 0 && s + 1 < steps) {
+                /* Between epochs too (the training clock stops meanwhile): the workers meet,
+                 * pull and score, then go on from the same parameters. */
+                double mid = 0;
+                if (sync_and_evaluate(job, &m, &mid) != 0) {
+                    goto out;
+                }
+                fresh = 1;
+                if (lead) {
+                    printf("%sstep %lld: test accuracy %.2f%%, training %.3f s\n", tty ? "\n" : "",
+                           (long long)clock, 100.0 * mid, train_time + t_epoch);
+                }
             }
         }
         train_time += t_epoch;
