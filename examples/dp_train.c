@@ -41,9 +41,6 @@
 #define MAX_LAYERS          8
 #define SHUTDOWN_TIMEOUT_MS 30000
 #define EXIT_USAGE          2
-/* Fashion-MNIST pixel mean and standard deviation (after scaling to [0, 1]). */
-#define PIXEL_MEAN 0.2860f
-#define PIXEL_STD  0.3530f
 
 /* ---------------------------------------------------------- configuration */
 
@@ -346,59 +343,6 @@ static uint64_t fnv1a(const void *p, size_t n)
 
 /* ------------------------------------------------------------------- data */
 
-/* Images [k, d] (normalised) and labels [k] of samples idx[0..k). */
-static weft_status_t make_batch(const mnist_set_t *set, const int64_t *idx, int64_t k,
-                                weft_tensor_t **x_p, weft_tensor_t **y_p)
-{
-    const int64_t d = (int64_t)set->rows * set->cols;
-    int64_t xs[2] = {k, d};
-    weft_tensor_t *x = NULL;
-    weft_tensor_t *y = NULL;
-    weft_status_t st;
-
-    st = weft_tensor_empty(WEFT_F32, 2, xs, &x);
-    if (st == WEFT_OK) {
-        st = weft_tensor_empty(WEFT_I64, 1, &k, &y);
-    }
-    if (st != WEFT_OK) {
-        weft_tensor_release(x);
-        return st;
-    }
-    for (int64_t i = 0; i < k; i++) {
-        const uint8_t *px = set->pixels + idx[i] * d;
-        float *row = (float *)weft_tensor_data(x) + i * d;
-
-        for (int64_t j = 0; j < d; j++) {
-            row[j] = ((float)px[j] * (1.0f / 255.0f) - PIXEL_MEAN) * (1.0f / PIXEL_STD);
-        }
-        ((int64_t *)weft_tensor_data(y))[i] = set->labels[idx[i]];
-    }
-    *x_p = x;
-    *y_p = y;
-    return WEFT_OK;
-}
-
-/* This epoch's samples for @p rank: a seeded permutation, padded, every world-th entry. */
-static void epoch_shard(uint64_t seed, int epoch, int64_t n, int rank, int world, int64_t *perm,
-                        int64_t *shard, int64_t shard_n)
-{
-    weft_rng_t rng;
-
-    weft_rng_init(&rng, seed, 1000 + (uint64_t)epoch);
-    for (int64_t i = 0; i < n; i++) {
-        perm[i] = i;
-    }
-    for (int64_t i = n - 1; i > 0; i--) {
-        int64_t j = (int64_t)weft_rng_below(&rng, (uint64_t)i + 1);
-        int64_t t = perm[i];
-        perm[i] = perm[j];
-        perm[j] = t;
-    }
-    for (int64_t i = 0; i < shard_n; i++) {
-        shard[i] = perm[(rank + i * world) % n];
-    }
-}
-
 /* ------------------------------------------------------------------ train */
 
 typedef struct {
@@ -451,7 +395,7 @@ static int evaluate(const job_t *job, const model_t *m, double *acc_p)
         for (int64_t i = start; i < n && k < chunk; i += job->world) {
             idx[k++] = i;
         }
-        st = make_batch(job->test, idx, k, &x, &y);
+        st = mnist_batch(job->test, idx, k, &x, &y);
         if (st == WEFT_OK) {
             st = weft_nn_mlp_forward(m->mlp, x, &logits);
         }
@@ -638,7 +582,7 @@ static int train(const job_t *job)
         double loss_sum = 0;
         int64_t loss_n = 0;
 
-        epoch_shard(cfg->seed, epoch, job->used, job->rank, job->world, perm, shard, shard_n);
+        mnist_epoch_shard(cfg->seed, epoch, job->used, job->rank, job->world, perm, shard, shard_n);
         for (int64_t s = 0; s < steps; s++) {
             int64_t k = s + 1 < steps ? cfg->batch : shard_n - s * cfg->batch;
             weft_tensor_t *x = NULL;
@@ -647,7 +591,7 @@ static int train(const job_t *job)
             weft_tensor_t *loss = NULL;
             double t0 = now_s();
 
-            st = make_batch(job->train, shard + s * cfg->batch, k, &x, &y);
+            st = mnist_batch(job->train, shard + s * cfg->batch, k, &x, &y);
             if (st == WEFT_OK) {
                 st = weft_nn_mlp_forward(m.mlp, x, &logits);
             }

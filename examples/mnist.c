@@ -12,6 +12,12 @@
 
 #include <zlib.h>
 
+#include <weft/random.h>
+
+/* Fashion-MNIST pixel mean and standard deviation (after scaling to [0, 1]). */
+#define MNIST_PIXEL_MEAN 0.2860f
+#define MNIST_PIXEL_STD  0.3530f
+
 #define IDX_MAGIC_U8_1D 0x00000801u /* unsigned bytes, one dimension (labels) */
 #define IDX_MAGIC_U8_3D 0x00000803u /* unsigned bytes, three dimensions (images) */
 #define MAX_COUNT       10000000
@@ -265,4 +271,55 @@ int parse_double_arg(const char *s, double min, double max, double *v_p)
     }
     *v_p = v;
     return 0;
+}
+
+weft_status_t mnist_batch(const mnist_set_t *set, const int64_t *idx, int64_t k,
+                          weft_tensor_t **x_p, weft_tensor_t **y_p)
+{
+    const int64_t d = (int64_t)set->rows * set->cols;
+    int64_t xs[2] = {k, d};
+    weft_tensor_t *x = NULL;
+    weft_tensor_t *y = NULL;
+    weft_status_t st;
+
+    st = weft_tensor_empty(WEFT_F32, 2, xs, &x);
+    if (st == WEFT_OK) {
+        st = weft_tensor_empty(WEFT_I64, 1, &k, &y);
+    }
+    if (st != WEFT_OK) {
+        weft_tensor_release(x);
+        return st;
+    }
+    for (int64_t i = 0; i < k; i++) {
+        const uint8_t *px = set->pixels + idx[i] * d;
+        float *row = (float *)weft_tensor_data(x) + i * d;
+
+        for (int64_t j = 0; j < d; j++) {
+            row[j] = ((float)px[j] * (1.0f / 255.0f) - MNIST_PIXEL_MEAN) * (1.0f / MNIST_PIXEL_STD);
+        }
+        ((int64_t *)weft_tensor_data(y))[i] = set->labels[idx[i]];
+    }
+    *x_p = x;
+    *y_p = y;
+    return WEFT_OK;
+}
+
+void mnist_epoch_shard(uint64_t seed, int epoch, int64_t n, int part, int parts, int64_t *perm,
+                       int64_t *shard, int64_t shard_n)
+{
+    weft_rng_t rng;
+
+    weft_rng_init(&rng, seed, 1000 + (uint64_t)epoch);
+    for (int64_t i = 0; i < n; i++) {
+        perm[i] = i;
+    }
+    for (int64_t i = n - 1; i > 0; i--) {
+        int64_t j = (int64_t)weft_rng_below(&rng, (uint64_t)i + 1);
+        int64_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    for (int64_t i = 0; i < shard_n; i++) {
+        shard[i] = perm[(part + i * parts) % n];
+    }
 }

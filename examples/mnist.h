@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include <weft/status.h>
+#include <weft/tensor.h>
 
 /** Number of classes the labels may take (0..9). */
 #define MNIST_CLASSES 10
@@ -46,5 +47,16 @@ int parse_double_arg(const char *s, double min, double max, double *v_p);
 
 /** Frees what mnist_load filled in; leaves @p set empty. */
 void mnist_free(mnist_set_t *set);
+
+/* Images [k, rows*cols] (scaled to [0, 1], then normalised with Fashion-MNIST's mean and standard
+ * deviation) and labels [k] (i64) of samples idx[0..k) of @p set. Caller releases both. */
+weft_status_t mnist_batch(const mnist_set_t *set, const int64_t *idx, int64_t k,
+                          weft_tensor_t **x_p, weft_tensor_t **y_p);
+
+/* Epoch @p epoch's samples for part @p part of @p parts (torch's DistributedSampler): a
+ * permutation of 0..n-1 drawn from @p seed and the epoch (into @p perm, n entries), then the
+ * positions part, part + parts, ... wrapping around to pad: @p shard gets @p shard_n samples. */
+void mnist_epoch_shard(uint64_t seed, int epoch, int64_t n, int part, int parts, int64_t *perm,
+                       int64_t *shard, int64_t shard_n);
 
 #endif
