@@ -372,61 +372,11 @@ static void fail(const char *what, weft_status_t st)
 /* Test accuracy over all ranks: each scores images rank, rank + W, ... */
 static int evaluate(const job_t *job, const model_t *m, double *acc_p)
 {
-    const int64_t chunk = 1000;
-    int64_t n = job->test->count;
-    int64_t *idx = malloc((size_t)chunk * sizeof(*idx));
-    int64_t one = 1;
-    weft_tensor_t *counts = NULL;
-    int64_t correct = 0;
-    weft_status_t st = WEFT_OK;
-    int prev = weft_grad_set_enabled(0);
-
-    if (idx == NULL) {
-        weft_grad_set_enabled(prev);
-        return -1;
-    }
-    for (int64_t start = job->rank; st == WEFT_OK && start < n; start += chunk * job->world) {
-        int64_t k = 0;
-        weft_tensor_t *x = NULL;
-        weft_tensor_t *y = NULL;
-        weft_tensor_t *logits = NULL;
-        weft_tensor_t *pred = NULL;
-
-        for (int64_t i = start; i < n && k < chunk; i += job->world) {
-            idx[k++] = i;
-        }
-        st = mnist_batch(job->test, idx, k, &x, &y);
-        if (st == WEFT_OK) {
-            st = weft_nn_mlp_forward(m->mlp, x, &logits);
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_argmax(logits, 1, 0, &pred);
-        }
-        for (int64_t i = 0; st == WEFT_OK && i < k; i++) {
-            correct +=
-                ((int64_t *)weft_tensor_data(pred))[i] == ((int64_t *)weft_tensor_data(y))[i];
-        }
-        weft_tensor_release(pred);
-        weft_tensor_release(logits);
-        weft_tensor_release(x);
-        weft_tensor_release(y);
-    }
-    weft_grad_set_enabled(prev);
-    free(idx);
-    if (st == WEFT_OK) {
-        st = weft_tensor_create(WEFT_I64, 1, &one, &counts);
-    }
-    if (st == WEFT_OK) {
-        ((int64_t *)weft_tensor_data(counts))[0] = correct;
-        st = weft_coll_all_reduce(job->pg, counts, WEFT_SUM, NULL);
-    }
+    weft_status_t st = mnist_accuracy(job->test, m->mlp, job->rank, job->world, job->pg, acc_p);
     if (st != WEFT_OK) {
         fail("evaluate", st);
-        weft_tensor_release(counts);
         return -1;
     }
-    *acc_p = (double)((int64_t *)weft_tensor_data(counts))[0] / (double)n;
-    weft_tensor_release(counts);
     return 0;
 }
 

@@ -323,3 +323,63 @@ void mnist_epoch_shard(uint64_t seed, int epoch, int64_t n, int part, int parts,
         shard[i] = perm[(part + i * parts) % n];
     }
 }
+
+weft_status_t mnist_accuracy(const mnist_set_t *set, weft_nn_mlp_t *mlp, int part, int parts,
+                             weft_pg_t *pg, double *acc_p)
+{
+    const int64_t chunk = 1000;
+    int64_t n = set->count;
+    int64_t *idx = malloc((size_t)chunk * sizeof(*idx));
+    int64_t one = 1;
+    weft_tensor_t *counts = NULL;
+    int64_t correct = 0;
+    weft_status_t st = WEFT_OK;
+    int prev = weft_grad_set_enabled(0);
+
+    if (idx == NULL) {
+        weft_grad_set_enabled(prev);
+        return WEFT_ERR_NO_MEMORY;
+    }
+    for (int64_t start = part; st == WEFT_OK && start < n; start += chunk * parts) {
+        int64_t k = 0;
+        weft_tensor_t *x = NULL;
+        weft_tensor_t *y = NULL;
+        weft_tensor_t *logits = NULL;
+        weft_tensor_t *pred = NULL;
+
+        for (int64_t i = start; i < n && k < chunk; i += parts) {
+            idx[k++] = i;
+        }
+        st = mnist_batch(set, idx, k, &x, &y);
+        if (st == WEFT_OK) {
+            st = weft_nn_mlp_forward(mlp, x, &logits);
+        }
+        if (st == WEFT_OK) {
+            st = weft_op_argmax(logits, 1, 0, &pred);
+        }
+        for (int64_t i = 0; st == WEFT_OK && i < k; i++) {
+            correct +=
+                ((int64_t *)weft_tensor_data(pred))[i] == ((int64_t *)weft_tensor_data(y))[i];
+        }
+        weft_tensor_release(pred);
+        weft_tensor_release(logits);
+        weft_tensor_release(x);
+        weft_tensor_release(y);
+    }
+    weft_grad_set_enabled(prev);
+    free(idx);
+    if (st == WEFT_OK) {
+        st = weft_tensor_create(WEFT_I64, 1, &one, &counts);
+    }
+    if (st == WEFT_OK) {
+        ((int64_t *)weft_tensor_data(counts))[0] = correct;
+        st = weft_coll_all_reduce(pg, counts, WEFT_SUM, NULL);
+    }
+    if (st != WEFT_OK) {
+        weft_tensor_release(counts);
+        return st;
+    }
+    *acc_p = (double)((int64_t *)weft_tensor_data(counts))[0] / (double)n;
+    weft_tensor_release(counts);
+    return WEFT_OK;
+}

@@ -6,6 +6,10 @@
 #include <stdint.h>
 
 #include <weft/status.h>
+#include <weft/collectives.h>
+#include <weft/autograd.h>
+#include <weft/nn.h>
+#include <weft/ops.h>
 #include <weft/tensor.h>
 
 /** Number of classes the labels may take (0..9). */
@@ -58,5 +62,11 @@ weft_status_t mnist_batch(const mnist_set_t *set, const int64_t *idx, int64_t k,
  * positions part, part + parts, ... wrapping around to pad: @p shard gets @p shard_n samples. */
 void mnist_epoch_shard(uint64_t seed, int epoch, int64_t n, int part, int parts, int64_t *perm,
                        int64_t *shard, int64_t shard_n);
+
+/* Test accuracy of @p mlp on @p set over a group: part @p part of @p parts scores images part,
+ * part + parts, ... (no gradients recorded), the counts are summed over @p pg (whose ranks are the
+ * parts), and @p acc_p gets the fraction right of all the set's images. */
+weft_status_t mnist_accuracy(const mnist_set_t *set, weft_nn_mlp_t *mlp, int part, int parts,
+                             weft_pg_t *pg, double *acc_p);
 
 #endif
