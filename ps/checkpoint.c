@@ -100,13 +100,13 @@ static void put_u64(wfile_t *w, uint64_t v)
 
 static void put_cell(wfile_t *w, const ps_layout_t *l, const ps_cell_t *c)
 {
-    int64_t n = weft_tensor_numel(c->value);
+    size_t n = (size_t)c->n;
     put_u64(w, c->id);
     put_u64(w, (uint64_t)n);
     put_u64(w, (uint64_t)c->step);
-    put(w, weft_tensor_data(c->value), weft_tensor_nbytes(c->value));
+    put(w, c->vdata, n * weft_dtype_size(c->dtype));
     for (int i = 0; i < l->n_state; i++) {
-        put(w, weft_tensor_data(c->state[i]), weft_tensor_nbytes(c->state[i]));
+        put(w, c->sdata[i], n * sizeof(float));
     }
 }
 
@@ -365,9 +365,9 @@ static weft_status_t load_file(ps_stable_t *t, const char *dir, const Weft__V1__
             break;
         }
         if (c != NULL) {
-            get(&r, weft_tensor_data(c->value), (size_t)elems * esz);
+            get(&r, c->vdata, (size_t)elems * esz);
             for (uint32_t i = 0; i < nstate; i++) {
-                get(&r, weft_tensor_data(c->state[i]), (size_t)elems * 4);
+                get(&r, c->sdata[i], (size_t)elems * 4);
             }
             c->step = step;
         } else {

@@ -825,6 +825,9 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
         goto out;
     }
     /* Distinct ids, each placed on its server. */
+    if (st == WEFT_OK) {
+        st = weft__ps_map_reserve(&seen, n);
+    }
     for (size_t i = 0; i < n && st == WEFT_OK; i++) {
         uint32_t s = weft__ps_id_server(ids[i], ns);
         uintptr_t v = (uintptr_t)weft__ps_map_get(&seen, ids[i]);

@@ -43,7 +43,20 @@ typedef struct {
     size_t n;
 } ps_map_t;
 
+static inline size_t weft__ps_map_home(uint64_t key, size_t cap)
+{
+    return (size_t)((key * UINT64_C(0xff51afd7ed558ccd)) >> 17) & (cap - 1);
+}
+/* Asks the cache for the slot where @p key's probe starts (a later get finds it there). */
+static inline void weft__ps_map_prefetch(const ps_map_t *m, uint64_t key)
+{
+    if (m->cap != 0) {
+        __builtin_prefetch(&m->slots[weft__ps_map_home(key, m->cap)]);
+    }
+}
 void *weft__ps_map_get(const ps_map_t *m, uint64_t key);
+/* Room for @p n keys without growing. */
+weft_status_t weft__ps_map_reserve(ps_map_t *m, size_t n);
 weft_status_t weft__ps_map_put(ps_map_t *m, uint64_t key, void *val);
 void *weft__ps_map_del(ps_map_t *m, uint64_t key);
 void weft__ps_map_free(ps_map_t *m);
@@ -97,19 +110,22 @@ static inline int64_t weft__ps_chunk_len(const ps_layout_t *l, uint32_t c)
 
 /* ------------------------------------------------------------------ cells (ps/store.c) */
 
-/* A dense chunk or a sparse row: its value and optimizer state. */
+/* A dense chunk or a sparse row: its value and optimizer state. A dense chunk's value is a tensor
+ * (a pull lends it, copy on write); a sparse row is one allocation, this header followed by its
+ * value and its state, so that serving a row touches one run of memory. */
 typedef struct ps_cell {
-    uint64_t id;             /* sparse id, or chunk index */
-    weft_tensor_t *value;    /* storage dtype, [n] */
-    weft_tensor_t *state[3]; /* f32 [n], as many as the optimizer keeps */
-    void *vdata;             /* the value's bytes (kept in step with value) */
-    float *sdata[3];         /* the states' */
-    int64_t n;
-    bool dense;               /* a dense chunk: a pull may share its value (copy on write) */
+    uint64_t id;              /* sparse id, or chunk index */
+    uint64_t touch;           /* last use (sparse eviction) */
     int64_t step;             /* optimizer steps applied */
+    int64_t n;                /* elements */
+    void *vdata;              /* the value's bytes (storage dtype) */
+    float *sdata[3];          /* the optimizer state's, f32 [n] each, as many as it keeps */
     float *acc;               /* SYNC: the current step's summed gradient, or NULL */
     struct ps_cell *next_acc; /* SYNC: cells with acc */
-    uint64_t touch;           /* last use (sparse eviction) */
+    weft_tensor_t *value;     /* a dense chunk's value (vdata is its data); NULL for a row */
+    weft_tensor_t *state[3];  /* a dense chunk's state tensors; NULL for a row */
+    weft_dtype_t dtype;       /* storage */
+    bool dense;               /* a dense chunk: a pull may share its value (copy on write) */
 } ps_cell_t;
 
 /* Makes a cell of @p n elements with its initial value (id = row or chunk) and zero state. */

@@ -7,7 +7,7 @@
 
 static size_t slot_of(uint64_t key, size_t cap)
 {
-    return (size_t)((key * UINT64_C(0xff51afd7ed558ccd)) >> 17) & (cap - 1);
+    return weft__ps_map_home(key, cap);
 }
 
 void *weft__ps_map_get(const ps_map_t *m, uint64_t key)
@@ -36,9 +36,8 @@ static void insert(ps_map_slot_t *slots, size_t cap, uint64_t key, void *val)
     slots[i].val = val;
 }
 
-static weft_status_t grow(ps_map_t *m)
+static weft_status_t grow_to(ps_map_t *m, size_t cap)
 {
-    size_t cap = m->cap == 0 ? 64 : m->cap * 2;
     ps_map_slot_t *slots = weft_calloc(cap, sizeof(*slots));
     if (slots == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory for a map of %zu slots", cap);
@@ -52,6 +51,20 @@ static weft_status_t grow(ps_map_t *m)
     m->slots = slots;
     m->cap = cap;
     return WEFT_OK;
+}
+
+static weft_status_t grow(ps_map_t *m)
+{
+    return grow_to(m, m->cap == 0 ? 64 : m->cap * 2);
+}
+
+weft_status_t weft__ps_map_reserve(ps_map_t *m, size_t n)
+{
+    size_t cap = m->cap == 0 ? 64 : m->cap;
+    while ((n + 1) * 4 > cap * 3) {
+        cap *= 2;
+    }
+    return cap == m->cap ? WEFT_OK : grow_to(m, cap);
 }
 
 weft_status_t weft__ps_map_put(ps_map_t *m, uint64_t key, void *val)

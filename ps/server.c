@@ -644,8 +644,16 @@ typedef weft_status_t (*row_fn_t)(ps_stable_t *t, ps_stripe_t *s, uint64_t id, i
 
 /* Runs @p fn on each of @p k ids, grouped by lock stripe (positions sorted stably by stripe): one
  * lock per stripe and request, not one per row. Stops at the first error. */
+#define PF_SLOT 16
+#define PF_ROW  6
+
 static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row_fn_t fn, void *arg)
 {
+    /* a row's header, value and state, as far as it is worth asking for ahead */
+    size_t row_bytes = sizeof(ps_cell_t) + weft__ps_cell_bytes(&t->l, t->l.spec.dim);
+    if (row_bytes > 512) {
+        row_bytes = 512;
+    }
     uint32_t start[PS_STRIPES + 1] = {0}, stack[4096];
     uint32_t *order = k <= 4096 ? stack : weft_alloc((size_t)k * sizeof(*order));
     weft_status_t st = WEFT_OK;
@@ -668,8 +676,23 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
             continue;
         }
         ps_stripe_t *s = &t->stripes[b];
+        uint32_t lo = start[b], hi = start[b + 1];
         pthread_mutex_lock(&s->mu);
-        for (uint32_t j = start[b]; j < start[b + 1] && st == WEFT_OK; j++) {
+        /* Rows are scattered over memory: ask for the map slots PF_SLOT ids ahead and for the
+         * rows PF_ROW ahead, so that the row being served is in the cache when it is reached. */
+        for (uint32_t j = lo; j < hi && j < lo + PF_SLOT; j++) {
+            weft__ps_map_prefetch(&s->rows, id[order[j]]);
+        }
+        for (uint32_t j = lo; j < hi && st == WEFT_OK; j++) {
+            if (j + PF_SLOT < hi) {
+                weft__ps_map_prefetch(&s->rows, id[order[j + PF_SLOT]]);
+            }
+            if (j + PF_ROW < hi) {
+                const char *c = weft__ps_map_get(&s->rows, id[order[j + PF_ROW]]);
+                for (size_t off = 0; c != NULL && off < row_bytes; off += 64) {
+                    __builtin_prefetch(c + off, 1);
+                }
+            }
             st = fn(t, s, id[order[j]], order[j], arg);
         }
         pthread_mutex_unlock(&s->mu);

@@ -393,60 +393,93 @@ void weft__ps_cell_free(ps_cell_t *c)
     weft_free(c);
 }
 
-weft_status_t weft__ps_cell_new(const ps_layout_t *l, uint64_t id, int64_t n, ps_cell_t **c_p)
+/* The initial value of cell @p c (vdata, c->n elements in the storage dtype). */
+static weft_status_t cell_init_value(const ps_layout_t *l, ps_cell_t *c)
 {
-    ps_cell_t *c = weft_calloc(1, sizeof(*c));
-    weft_status_t st = WEFT_ERR_NO_MEMORY;
-    if (c == NULL) {
-        return weft__set_error(st, "ps: no memory for a row");
-    }
-    c->id = id;
-    st = weft_tensor_empty(l->spec.dtype, 1, &n, &c->value);
-    if (st != WEFT_OK) {
-        goto err_free;
-    }
     if (l->spec.dtype == WEFT_F32) {
-        weft__ps_init_values(l, id, n, weft_tensor_data(c->value));
-    } else {
-        float *tmp = weft_alloc((size_t)n * sizeof(float));
-        if (tmp == NULL) {
-            st = weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory");
-            goto err_free;
-        }
-        weft__ps_init_values(l, id, n, tmp);
-        weft_reduce_narrow(weft_tensor_data(c->value), tmp, (size_t)n, l->spec.dtype, WEFT_SUM, 1);
+        weft__ps_init_values(l, c->id, c->n, c->vdata);
+        return WEFT_OK;
+    }
+    float stack[256];
+    float *tmp = (size_t)c->n <= 256 ? stack : weft_alloc((size_t)c->n * sizeof(float));
+    if (tmp == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory");
+    }
+    weft__ps_init_values(l, c->id, c->n, tmp);
+    weft_reduce_narrow(c->vdata, tmp, (size_t)c->n, l->spec.dtype, WEFT_SUM, 1);
+    if (tmp != stack) {
         weft_free(tmp);
     }
-    for (int i = 0; i < l->n_state; i++) {
-        st = weft_tensor_create(WEFT_F32, 1, &n, &c->state[i]);
+    return WEFT_OK;
+}
+
+#define CELL_ALIGN 16 /* what vector loads like; the block is contiguous either way */
+
+static size_t align_up(size_t n)
+{
+    return (n + CELL_ALIGN - 1) & ~(size_t)(CELL_ALIGN - 1);
+}
+
+weft_status_t weft__ps_cell_new(const ps_layout_t *l, uint64_t id, int64_t n, ps_cell_t **c_p)
+{
+    bool dense = l->spec.kind == WEFT_PS_DENSE;
+    size_t esz = weft_dtype_size(l->spec.dtype);
+    /* A row: header, value and state in one allocation. */
+    size_t head = align_up(sizeof(ps_cell_t)), vbytes = align_up((size_t)n * esz);
+    size_t sbytes = align_up((size_t)n * sizeof(float));
+    size_t total = dense ? sizeof(ps_cell_t) : head + vbytes + (size_t)l->n_state * sbytes;
+    ps_cell_t *c = weft_alloc(total);
+    weft_status_t st = WEFT_ERR_NO_MEMORY;
+    if (c == NULL) {
+        return weft__set_error(st, "ps: no memory for a row of %lld elements", (long long)n);
+    }
+    memset(c, 0, sizeof(*c));
+    c->id = id;
+    c->n = n;
+    c->dtype = l->spec.dtype;
+    c->dense = dense;
+    if (dense) {
+        st = weft_tensor_empty(l->spec.dtype, 1, &n, &c->value);
+        for (int i = 0; i < l->n_state && st == WEFT_OK; i++) {
+            st = weft_tensor_create(WEFT_F32, 1, &n, &c->state[i]);
+        }
         if (st != WEFT_OK) {
-            goto err_free;
+            weft__ps_cell_free(c);
+            return st;
+        }
+        c->vdata = weft_tensor_data(c->value);
+        for (int i = 0; i < l->n_state; i++) {
+            c->sdata[i] = weft_tensor_data(c->state[i]);
+        }
+    } else {
+        char *p = (char *)c + head;
+        c->vdata = p;
+        p += vbytes;
+        for (int i = 0; i < l->n_state; i++, p += sbytes) {
+            c->sdata[i] = (float *)(void *)p;
+            memset(p, 0, (size_t)n * sizeof(float));
         }
     }
+    if ((st = cell_init_value(l, c)) != WEFT_OK) {
+        weft__ps_cell_free(c);
+        return st;
+    }
     if (l->spec.optimizer == WEFT_PS_ADAGRAD && l->spec.adagrad.initial_accumulator_value != 0) {
-        weft_tensor_fill(c->state[0], l->spec.adagrad.initial_accumulator_value);
+        float v = (float)l->spec.adagrad.initial_accumulator_value;
+        for (int64_t i = 0; i < n; i++) {
+            c->sdata[0][i] = v;
+        }
     }
-    c->vdata = weft_tensor_data(c->value);
-    for (int i = 0; i < l->n_state; i++) {
-        c->sdata[i] = weft_tensor_data(c->state[i]);
-    }
-    c->n = n;
-    c->dense = l->spec.kind == WEFT_PS_DENSE;
     *c_p = c;
     return WEFT_OK;
-
-err_free:
-    weft__ps_cell_free(c);
-    return st;
 }
 
 void weft__ps_cell_read(const ps_cell_t *c, float *out)
 {
-    weft_dtype_t dt = weft_tensor_dtype(c->value);
-    if (dt == WEFT_F32) {
+    if (c->dtype == WEFT_F32) {
         memcpy(out, c->vdata, (size_t)c->n * sizeof(float));
     } else {
-        weft_reduce_widen(out, c->vdata, (size_t)c->n, dt);
+        weft_reduce_widen(out, c->vdata, (size_t)c->n, c->dtype);
     }
 }
 
