@@ -335,6 +335,8 @@ typedef struct {
     size_t n_chunks;
     weft_value_t *delayed; /* fault injection: the message sent later */
     int64_t timeout_ms;
+    weft_future_t *f; /* its call, while it may land bytes in the caller's memory */
+    bool over;        /* its sub_done ran (under op->mu) */
 } ps_sub_t;
 
 /* A dense operation's bytes per request: a server applies one request while the next arrives. */
@@ -366,6 +368,11 @@ static void op_free(ps_op_t *op)
     weft_value_free(op->keep);
     weft_free(op->srv_of);
     weft_free(op->pos_of);
+    size_t nsub = op->t->ps->n_servers +
+                  (op->t->l.spec.kind == WEFT_PS_DENSE ? op->t->l.n_chunks : 0);
+    for (size_t i = 0; op->subs != NULL && i < nsub; i++) {
+        weft_future_release(op->subs[i].f);
+    }
     weft_free(op->subs);
     weft_free(op->chunk_ids);
     pthread_mutex_destroy(&op->mu);
@@ -447,8 +454,10 @@ static bool scatter(ps_op_t *op, const ps_sub_t *sub, const weft_value_t *body)
                          t->l.name, s, c);
                 return false;
             }
-            memcpy(op->dst + (int64_t)c * t->l.chunk_elems, weft_tensor_data(x),
-                   (size_t)len * sizeof(float));
+            float *dst = op->dst + (int64_t)c * t->l.chunk_elems;
+            if (weft_tensor_data(x) != dst) { /* else it landed there (weft_rpc_async_into) */
+                memcpy(dst, weft_tensor_data(x), (size_t)len * sizeof(float));
+            }
             k++;
         }
         return true;
@@ -474,6 +483,29 @@ static bool scatter(ps_op_t *op, const ps_sub_t *sub, const weft_value_t *body)
         }
     }
     return true;
+}
+
+/* A failed pull completes its future at once, unless a part still outstanding is writing into
+ * the caller's memory right now: then that part's own completion comes back here. */
+static void pull_fail_early(ps_op_t *op)
+{
+    weft_ps_t *ps = op->t->ps;
+    size_t nsub = ps->n_servers + (op->t->l.spec.kind == WEFT_PS_DENSE ? op->t->l.n_chunks : 0);
+    pthread_mutex_lock(&op->mu);
+    weft_status_t ost = op->st;
+    char why[sizeof(op->why)];
+    memcpy(why, op->why, sizeof(why));
+    bool quiet = true;
+    for (size_t i = 0; ost != WEFT_OK && i < nsub; i++) {
+        ps_sub_t *o = &op->subs[i];
+        if (o->f != NULL && !o->over && !weft_rpc_withdraw_into(ps->agent, o->f)) {
+            quiet = false;
+        }
+    }
+    pthread_mutex_unlock(&op->mu);
+    if (ost != WEFT_OK && quiet) {
+        weft_future_complete(op->user, ost, why, NULL); /* the first completion counts */
+    }
 }
 
 /* A server answered (or failed) its part. A pull fails at its first failed part (the caller's
@@ -506,15 +538,11 @@ static void sub_done(weft_future_t *f, void *arg)
         pthread_mutex_unlock(&op->mu);
         weft_value_free(body);
     }
+    pthread_mutex_lock(&op->mu);
+    sub->over = true;
+    pthread_mutex_unlock(&op->mu);
     if (op->kind == OP_PULL) {
-        pthread_mutex_lock(&op->mu);
-        weft_status_t ost = op->st;
-        char why[sizeof(op->why)];
-        memcpy(why, op->why, sizeof(why));
-        pthread_mutex_unlock(&op->mu);
-        if (ost != WEFT_OK) {
-            weft_future_complete(op->user, ost, why, NULL); /* the first completion counts */
-        }
+        pull_fail_early(op);
     }
     weft_future_release(f);
     op_part_done(op);
@@ -525,8 +553,28 @@ static void sub_send(ps_sub_t *sub, weft_value_t *msg)
     ps_op_t *op = sub->op;
     weft_ps_t *ps = op->t->ps;
     weft_future_t *f = NULL;
-    weft_status_t st =
-        weft_rpc_async(ps->agent, ps->servers[sub->s], PS_FN, msg, sub->timeout_ms, &f);
+    weft_status_t st;
+    const ps_layout_t *l = &op->t->l;
+    if (op->dst != NULL && l->spec.kind == WEFT_PS_DENSE && sub->n_chunks > 0 &&
+        sub->n_chunks <= 64) {
+        /* A dense pull's chunks are received straight into the caller's tensor. */
+        weft_rpc_into_t into[64];
+        for (size_t j = 0; j < sub->n_chunks; j++) {
+            uint32_t c = sub->chunks[j];
+            into[j] = (weft_rpc_into_t){op->dst + (int64_t)c * l->chunk_elems,
+                                        (size_t)weft__ps_chunk_len(l, c) * sizeof(float),
+                                        WEFT_F32};
+        }
+        st = weft_rpc_async_into(ps->agent, ps->servers[sub->s], PS_FN, msg, sub->timeout_ms,
+                                 into, sub->n_chunks, &f);
+        if (st == WEFT_OK) {
+            pthread_mutex_lock(&op->mu);
+            sub->f = weft_future_retain(f);
+            pthread_mutex_unlock(&op->mu);
+        }
+    } else {
+        st = weft_rpc_async(ps->agent, ps->servers[sub->s], PS_FN, msg, sub->timeout_ms, &f);
+    }
     if (st != WEFT_OK) {
         op_fail(op, st, "ps: table '%s', server %u (rank %d): %s", op->t->l.name, sub->s,
                 ps->servers[sub->s], weft_last_error());

@@ -406,6 +406,15 @@ static weft__pending_t *pending_find(weft_agent_t *a, uint64_t id)
     return NULL;
 }
 
+static void pending_free(weft__pending_t *p)
+{
+    weft_future_release(p->f);
+    weft_free(p->fn);
+    weft_free(p->into);
+    weft_free(p->held_why);
+    weft_free(p);
+}
+
 static void pending_finish(weft_agent_t *a, weft__pending_t *p, weft_status_t st, const char *text,
                            weft_value_t *v)
 {
@@ -413,9 +422,13 @@ static void pending_finish(weft_agent_t *a, weft__pending_t *p, weft_status_t st
         (void)weft__timer_cancel(a->timer, p->timer_id);
     }
     weft_future_complete(p->f, st, text, v);
-    weft_future_release(p->f);
-    weft_free(p->fn);
-    weft_free(p);
+    pending_free(p);
+}
+
+static void deadline_text(weft_agent_t *a, const weft__pending_t *p, char *text, size_t n)
+{
+    snprintf(text, n, "call to '%s' on %s (rank %d) passed its deadline", p->fn,
+             a->peers[p->peer].name != NULL ? a->peers[p->peer].name : "?", p->peer);
 }
 
 /* A call's deadline passed (a task on the agent's timer; @p id is the request's). */
@@ -424,16 +437,87 @@ static void pending_deadline(void *arg, uint64_t id)
     weft_agent_t *a = arg;
 
     pthread_mutex_lock(&a->pend_mu);
-    weft__pending_t *p = pending_remove(a, id, -1);
+    weft__pending_t *p = pending_find(a, id);
+    if (p != NULL && p->landing) {
+        /* Its answer is being written into the caller's memory: it ends when that is over. */
+        p->timer_id = 0;
+        p->expired = true;
+        p = NULL;
+    } else if (p != NULL) {
+        p = pending_remove(a, id, -1);
+    }
     pthread_mutex_unlock(&a->pend_mu);
     if (p == NULL) {
-        return; /* answered meanwhile */
+        return; /* answered meanwhile, or landing */
     }
     p->timer_id = 0; /* this task is running: nothing to cancel */
     char text[512];
-    snprintf(text, sizeof(text), "call to '%s' on %s (rank %d) passed its deadline", p->fn,
-             a->peers[p->peer].name != NULL ? a->peers[p->peer].name : "?", p->peer);
+    deadline_text(a, p, text, sizeof(text));
     pending_finish(a, p, WEFT_ERR_TIMEOUT, text, NULL);
+}
+
+bool weft__pending_claim(weft_agent_t *a, uint64_t id, int peer, weft_rpc_into_t **into_p,
+                         size_t *n_p)
+{
+    bool claimed = false;
+    pthread_mutex_lock(&a->pend_mu);
+    weft__pending_t *p = pending_find(a, id);
+    if (p != NULL && p->peer == peer && p->n_into > 0 && !p->landing && !p->expired &&
+        p->held == WEFT_OK) {
+        *into_p = weft_alloc(p->n_into * sizeof(**into_p));
+        if (*into_p != NULL) {
+            memcpy(*into_p, p->into, p->n_into * sizeof(**into_p));
+            *n_p = p->n_into;
+            p->landing = claimed = true;
+        }
+    }
+    pthread_mutex_unlock(&a->pend_mu);
+    return claimed;
+}
+
+void weft__pending_unclaim(weft_agent_t *a, uint64_t id, bool delivered)
+{
+    weft__pending_t *p = NULL;
+    pthread_mutex_lock(&a->pend_mu);
+    weft__pending_t *q = pending_find(a, id);
+    if (q != NULL && q->landing) {
+        q->landing = false;
+        if (!delivered && (q->expired || q->held != WEFT_OK)) {
+            p = pending_remove(a, id, -1);
+        }
+    }
+    pthread_mutex_unlock(&a->pend_mu);
+    if (p != NULL) {
+        char text[1024];
+        if (p->held != WEFT_OK) {
+            snprintf(text, sizeof(text), "%s", p->held_why != NULL ? p->held_why : "failed");
+        } else {
+            deadline_text(a, p, text, sizeof(text));
+        }
+        pending_finish(a, p, p->held != WEFT_OK ? p->held : WEFT_ERR_TIMEOUT, text, NULL);
+    }
+}
+
+bool weft_rpc_withdraw_into(weft_agent_t *a, const weft_future_t *f)
+{
+    bool ok = true;
+    if (a == NULL || f == NULL) {
+        return true;
+    }
+    pthread_mutex_lock(&a->pend_mu);
+    for (size_t b = 0; a->npending > 0 && b < WEFT__PENDING_BUCKETS; b++) {
+        for (weft__pending_t *p = a->pending[b]; p != NULL; p = p->next) {
+            if (p->f == f) {
+                if (p->landing) {
+                    ok = false;
+                } else {
+                    p->n_into = 0;
+                }
+            }
+        }
+    }
+    pthread_mutex_unlock(&a->pend_mu);
+    return ok;
 }
 
 /* Whether a RESPONSE from @p o may answer @p p: from the rank the request went to, back the way
@@ -535,7 +619,8 @@ void weft__call_response(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Env
 }
 
 /* Takes out every pending call to @p rank (-1: any rank); returns them as a list. */
-static weft__pending_t *take_matching(weft_agent_t *a, int rank)
+static weft__pending_t *take_matching(weft_agent_t *a, int rank, weft_status_t st,
+                                      const char *why)
 {
     weft__pending_t *list = NULL;
 
@@ -544,7 +629,17 @@ static weft__pending_t *take_matching(weft_agent_t *a, int rank)
         weft__pending_t **pp = &a->pending[b];
         while (*pp != NULL) {
             weft__pending_t *p = *pp;
-            if (rank < 0 || p->peer == rank) {
+            if ((rank < 0 || p->peer == rank) && p->landing) {
+                /* Being written into the caller's memory: it ends when the reader is done. */
+                if (p->held == WEFT_OK) {
+                    char text[1024];
+                    snprintf(text, sizeof(text), "call to '%s' on rank %d failed: %s", p->fn,
+                             p->peer, why);
+                    p->held = st;
+                    p->held_why = weft_strdup(text);
+                }
+                pp = &p->next;
+            } else if (rank < 0 || p->peer == rank) {
                 *pp = p->next;
                 pending_unlinked_locked(a, p);
                 p->next = list;
@@ -560,7 +655,7 @@ static weft__pending_t *take_matching(weft_agent_t *a, int rank)
 
 static void fail_matching(weft_agent_t *a, int rank, weft_status_t st, const char *why)
 {
-    weft__pending_t *list = take_matching(a, rank);
+    weft__pending_t *list = take_matching(a, rank, st, why);
 
     while (list != NULL) {
         weft__pending_t *next = list->next;
@@ -624,8 +719,19 @@ weft_status_t weft__call_timeout(const weft_agent_t *a, int64_t timeout_ms, int6
     return WEFT_OK;
 }
 
+static weft_status_t rpc_async(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
+                               int64_t timeout_ms, bool internal, const weft_rpc_into_t *into,
+                               size_t n_into, weft_future_t **f_p);
+
 weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
                               int64_t timeout_ms, bool internal, weft_future_t **f_p)
+{
+    return rpc_async(a, to, fn, args, timeout_ms, internal, NULL, 0, f_p);
+}
+
+static weft_status_t rpc_async(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
+                               int64_t timeout_ms, bool internal, const weft_rpc_into_t *into,
+                               size_t n_into, weft_future_t **f_p)
 {
     weft_status_t st;
     weft_future_t *f;
@@ -640,7 +746,18 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
     internal = weft__fn_internal(fn);
     WEFT_CHECK(weft_future_create(&f));
     p = weft_calloc(1, sizeof(*p));
-    if (p == NULL || (p->fn = weft_strdup(fn)) == NULL) {
+    if (p != NULL && n_into > 0) {
+        p->into = weft_alloc(n_into * sizeof(*into));
+        if (p->into != NULL) {
+            memcpy(p->into, into, n_into * sizeof(*into));
+            p->n_into = n_into;
+        }
+    }
+    if (p == NULL || (p->fn = weft_strdup(fn)) == NULL || (n_into > 0 && p->into == NULL)) {
+        if (p != NULL) {
+            weft_free(p->fn);
+            weft_free(p->into);
+        }
         weft_free(p);
         weft_future_release(f);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "rpc: no memory");
@@ -684,12 +801,10 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
         if (!path.handed) {
             /* Refused before it left (bad arguments, over the limit): an error, no future. */
             if (q != NULL) {
-                weft_future_release(q->f);
                 if (q->timer_id != 0) {
                     (void)weft__timer_cancel(a->timer, q->timer_id);
                 }
-                weft_free(q->fn);
-                weft_free(q);
+                pending_free(q);
             }
             weft_future_release(f);
             return weft__set_error(st, "%s", why);
@@ -763,6 +878,22 @@ weft_status_t weft_rpc_async(weft_agent_t *a, int to_rank, const char *fn, const
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc_async: NULL future pointer");
     }
     return weft__rpc_async(a, to_rank, fn, args, timeout_ms, false, f_p);
+}
+
+weft_status_t weft_rpc_async_into(weft_agent_t *a, int to_rank, const char *fn,
+                                  const weft_value_t *args, int64_t timeout_ms,
+                                  const weft_rpc_into_t *into, size_t n_into, weft_future_t **f_p)
+{
+    if (f_p == NULL || (into == NULL && n_into > 0)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc_async_into: NULL future or into");
+    }
+    for (size_t i = 0; i < n_into; i++) {
+        if (into[i].data == NULL && into[i].nbytes > 0) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc_async_into: entry %zu has no data",
+                                   i);
+        }
+    }
+    return rpc_async(a, to_rank, fn, args, timeout_ms, false, into, n_into, f_p);
 }
 
 weft_status_t weft_rpc_async_to(weft_agent_t *a, const char *to, const char *fn,

@@ -845,8 +845,31 @@ out:
 /* Reads a frame's body into a new value, each part's memory taken as its bytes begin to arrive.
  * On an allocation failure the rest of the body is skipped (*skipped_p): the connection stays
  * framed. False when the connection broke. */
+static bool read_value_into(conn_in_t *c, const Weft__V1__Envelope *env, uint64_t body,
+                            const weft_rpc_into_t *into, size_t n_into, weft_value_t **v_p,
+                            weft_status_t *st_p);
+
 static bool read_value(conn_in_t *c, const Weft__V1__Envelope *env, uint64_t body,
                        weft_value_t **v_p, weft_status_t *st_p)
+{
+    weft_rpc_into_t *into = NULL;
+    size_t n_into = 0;
+    /* An answer whose call said where its tensors land (weft_rpc_async_into). */
+    bool claimed = env->kind == WEFT__V1__KIND__KIND_RESPONSE && env->n_tensors > 0 &&
+                   env->status == 0 &&
+                   weft__pending_claim(c->agent, env->request_id, atomic_load(&c->peer), &into,
+                                       &n_into);
+    bool ok = read_value_into(c, env, body, into, n_into, v_p, st_p);
+    if (claimed) {
+        weft__pending_unclaim(c->agent, env->request_id, ok);
+        weft_free(into);
+    }
+    return ok;
+}
+
+static bool read_value_into(conn_in_t *c, const Weft__V1__Envelope *env, uint64_t body,
+                            const weft_rpc_into_t *into, size_t n_into, weft_value_t **v_p,
+                            weft_status_t *st_p)
 {
     weft_value_t *v = NULL;
     uint64_t done = 0;
@@ -891,7 +914,20 @@ static bool read_value(conn_in_t *c, const Weft__V1__Envelope *env, uint64_t bod
             weft_value_free(v);
             return false;
         }
-        if (tm->nbytes >= GROW_MIN) {
+        if (i < n_into && into[i].nbytes == tm->nbytes && tm->nbytes > 0 &&
+            (int)into[i].dtype == (int)tm->dtype) {
+            /* Straight into the caller's memory; the value's tensor wraps it. */
+            st = weft_tensor_wrap((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape,
+                                  into[i].data, into[i].nbytes, WEFT_CPU, NULL, NULL, &t);
+            if (st == WEFT_OK) {
+                if (!read_body(c, into[i].data, (size_t)tm->nbytes)) {
+                    weft_tensor_release(t);
+                    weft_value_free(v);
+                    return false;
+                }
+                got = tm->nbytes;
+            }
+        } else if (tm->nbytes >= GROW_MIN) {
             bool broke = false;
             st = read_grown(c, tm, &t, &got, &broke);
             if (broke) {

@@ -294,6 +294,13 @@ typedef struct weft__pending {
     char *fn;
     bool internal;
     weft__path_t path; /* the way the request went: its answer comes back this way */
+    /* weft_rpc_async_into: where the result's tensors may land, and the landing's state */
+    weft_rpc_into_t *into;
+    size_t n_into;
+    bool landing;         /* a direct reader is writing the answer into @into right now */
+    bool expired;         /* its deadline passed while landing: it finishes when the reader is done */
+    weft_status_t held;   /* a failure that came while landing (a lost peer), or WEFT_OK */
+    char *held_why;
     struct weft__pending *next;
 } weft__pending_t;
 
@@ -495,6 +502,15 @@ void weft__pending_fail_peer(weft_agent_t *a, int rank, weft_status_t st, const 
 void weft__pending_fail_all(weft_agent_t *a, weft_status_t st, const char *why);
 weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const weft_value_t *args,
                               int64_t timeout_ms, bool internal, weft_future_t **f_p);
+/* A direct reader about to receive the answer to call @p id from @p peer: true when the call
+ * asked for its result to land (weft_rpc_async_into); *into_p (free with weft_free) and *n_p
+ * then say where, and the call is claimed (it neither times out nor fails while the bytes are
+ * written) until weft__pending_unclaim. */
+bool weft__pending_claim(weft_agent_t *a, uint64_t id, int peer, weft_rpc_into_t **into_p,
+                         size_t *n_p);
+/* The reader is done writing: @p delivered, the frame goes on to the delivery (which answers the
+ * call); otherwise (the connection broke) a deadline or failure that came meanwhile finishes it. */
+void weft__pending_unclaim(weft_agent_t *a, uint64_t id, bool delivered);
 /* A call's timeout argument: > 0 as given (at most 30 days), 0 the agent's default; negative is
  * WEFT_ERR_INVALID_ARG. */
 weft_status_t weft__call_timeout(const weft_agent_t *a, int64_t timeout_ms, int64_t *ms_p);

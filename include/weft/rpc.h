@@ -198,6 +198,36 @@ WEFT_API void weft_call_reply_future(weft_call_t *call, weft_future_t *f);
 WEFT_API weft_status_t weft_rpc_async(weft_agent_t *a, int to_rank, const char *fn,
                                       const weft_value_t *args, int64_t timeout_ms,
                                       weft_future_t **f_p);
+/** Memory a result's tensor may be received into (weft_rpc_async_into). */
+typedef struct {
+    void *data;
+    size_t nbytes;
+    weft_dtype_t dtype;
+} weft_rpc_into_t;
+
+/**
+ * weft_rpc_async whose result's tensors may be received straight into the caller's memory, with
+ * no copy: tensor i of the result lands in @p into[i] when the answer comes over a direct
+ * connection (a large answer) and the tensor has exactly into[i]'s dtype and byte count. That
+ * tensor of the result value then wraps into[i].data (weft_tensor_data(x) == into[i].data tells);
+ * otherwise it is a fresh tensor, as with weft_rpc_async. @p into is copied; the memory it names
+ * must stay valid, and not be read or written by the caller, until the future completes or
+ * weft_rpc_withdraw_into returns true. Bytes are written only before the future completes: a
+ * deadline or a lost peer that comes while the answer is being received completes the call once
+ * the answer is in (then with its result) or its connection broke. Thread-safe.
+ * @return as weft_rpc_async; WEFT_ERR_INVALID_ARG for into entries without data.
+ */
+WEFT_API weft_status_t weft_rpc_async_into(weft_agent_t *a, int to_rank, const char *fn,
+                                           const weft_value_t *args, int64_t timeout_ms,
+                                           const weft_rpc_into_t *into, size_t n_into,
+                                           weft_future_t **f_p);
+/**
+ * Stops the call of @p f (from weft_rpc_async_into) from writing into the caller's memory: true
+ * when no byte of its answer will be written there any more (the call goes on; its result then
+ * comes in fresh tensors) or the call is over; false while its answer is being received into that
+ * memory (the future completes once it is in). Thread-safe.
+ */
+WEFT_API bool weft_rpc_withdraw_into(weft_agent_t *a, const weft_future_t *f);
 /** weft_rpc_async to a worker by name (WEFT_ERR_NOT_FOUND for an unknown one). Thread-safe. */
 WEFT_API weft_status_t weft_rpc_async_to(weft_agent_t *a, const char *to, const char *fn,
                                          const weft_value_t *args, int64_t timeout_ms,

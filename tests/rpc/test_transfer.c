@@ -1,5 +1,6 @@
 /* Tensors of every dtype and of sizes 0 B to 256 MiB cross byte-exact. */
 #include <criterion/criterion.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "ranks.h"
@@ -149,5 +150,155 @@ Test(rpc_transfer, large_frames_with_one_rank_without_direct_connections, .timeo
     o.setup = setup;
     o.no_direct_rank = 1;
     o.deadline_ms = 280000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* ------------------------------------------------------------------ results landing in place */
+
+/* rank 1: a "hold" call, answered by "release" (which fails while no hold has come: the large
+ * hold travels on the direct connection and may be overtaken) */
+static _Atomic(weft_call_t *) held_call;
+
+static void hold(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    atomic_store(&held_call, call);
+}
+
+static void release(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_call_t *h = atomic_exchange(&held_call, NULL);
+    if (h == NULL) {
+        weft_call_fail(call, WEFT_ERR_NOT_FOUND, "no call held yet");
+        return;
+    }
+    weft_call_reply(h, weft_call_take_args(h));
+    weft_call_reply(call, NULL);
+}
+
+static void setup_into(weft_agent_t *a, int rank, void *arg)
+{
+    setup(a, rank, arg);
+    weft_rpc_register(a, "hold", hold, NULL);
+    weft_rpc_register(a, "release", release, NULL);
+}
+
+static bool all_bytes(const uint8_t *p, size_t n, uint8_t b)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (p[i] != b) {
+            return false;
+        }
+    }
+    return true;
+}
+
+static weft_value_t *u8_args(size_t n, uint64_t seed)
+{
+    int64_t k = (int64_t)n;
+    weft_tensor_t *t = NULL;
+    weft_value_t *v = NULL;
+    if (weft_tensor_empty(WEFT_U8, 1, &k, &t) != WEFT_OK || weft_value_create(&v) != WEFT_OK) {
+        return NULL;
+    }
+    fill(weft_tensor_data(t), n, seed);
+    weft_value_push_tensor(v, t);
+    return v;
+}
+
+static int body_into(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    (void)world;
+    if (rank != 0) {
+        return 0;
+    }
+    const size_t big = (size_t)4 << 20, small = 64;
+    uint8_t *dst = malloc(big), *dst2 = malloc(big);
+    RANK_CHECK(dst != NULL && dst2 != NULL, "malloc");
+
+    /* A large answer on the direct connection lands in the caller's memory. */
+    weft_value_t *args = u8_args(big, 7);
+    RANK_CHECK(args != NULL, "args");
+    weft_rpc_into_t into[2] = {{dst, big, WEFT_U8}, {dst2, big, WEFT_U8}};
+    memset(dst, 0xAA, big);
+    weft_future_t *f = NULL;
+    RANK_CHECK(weft_rpc_async_into(a, 1, "echo", args, 20000, into, 1, &f) == WEFT_OK, "%s",
+               weft_last_error());
+    RANK_CHECK(weft_future_wait(f, -1) == WEFT_OK, "%s", weft_future_error(f));
+    weft_tensor_t *r = weft_value_tensor(weft_future_value(f), 0);
+    RANK_CHECK(weft_tensor_data(r) == dst, "the result did not land in place");
+    RANK_CHECK(memcmp(dst, weft_tensor_data(weft_value_tensor(args, 0)), big) == 0,
+               "landed bytes differ");
+    weft_future_release(f);
+
+    /* A size or a dtype that differs: a fresh tensor, the caller's memory untouched. */
+    memset(dst, 0xAA, big);
+    into[0] = (weft_rpc_into_t){dst, big - 1, WEFT_U8};
+    into[1] = (weft_rpc_into_t){dst2, big, WEFT_I8};
+    weft_value_t *two = u8_args(big, 8);
+    weft_value_push_tensor(two, weft_tensor_retain(weft_value_tensor(args, 0)));
+    RANK_CHECK(weft_rpc_async_into(a, 1, "echo", two, 20000, into, 2, &f) == WEFT_OK, "%s",
+               weft_last_error());
+    RANK_CHECK(weft_future_wait(f, -1) == WEFT_OK, "%s", weft_future_error(f));
+    for (size_t i = 0; i < 2; i++) {
+        r = weft_value_tensor(weft_future_value(f), i);
+        RANK_CHECK(weft_tensor_data(r) != into[i].data, "tensor %zu landed though it differs", i);
+        RANK_CHECK(weft_tensor_equal(r, weft_value_tensor(two, i)), "tensor %zu differs", i);
+    }
+    RANK_CHECK(all_bytes(dst, big, 0xAA), "memory of a refused landing was written");
+    weft_future_release(f);
+    weft_value_free(two);
+
+    /* A small answer comes on the stream: a fresh tensor. */
+    weft_value_t *tiny = u8_args(small, 9);
+    into[0] = (weft_rpc_into_t){dst, small, WEFT_U8};
+    RANK_CHECK(weft_rpc_async_into(a, 1, "echo", tiny, 20000, into, 1, &f) == WEFT_OK, "%s",
+               weft_last_error());
+    RANK_CHECK(weft_future_wait(f, -1) == WEFT_OK, "%s", weft_future_error(f));
+    r = weft_value_tensor(weft_future_value(f), 0);
+    RANK_CHECK(weft_tensor_equal(r, weft_value_tensor(tiny, 0)), "small result differs");
+    RANK_CHECK(all_bytes(dst, big, 0xAA), "a stream answer wrote the caller's memory");
+    weft_future_release(f);
+    weft_value_free(tiny);
+
+    /* Withdrawn before the answer comes: it arrives in a fresh tensor. */
+    into[0] = (weft_rpc_into_t){dst, big, WEFT_U8};
+    RANK_CHECK(weft_rpc_async_into(a, 1, "hold", args, 20000, into, 1, &f) == WEFT_OK, "%s",
+               weft_last_error());
+    RANK_CHECK(weft_rpc_withdraw_into(a, f), "withdrawing an unanswered call");
+    weft_status_t rst = WEFT_ERR_NOT_FOUND;
+    for (int tries = 0; tries < 20000 && rst == WEFT_ERR_NOT_FOUND; tries++) {
+        rst = weft_rpc_sync(a, 1, "release", NULL, 20000, NULL); /* until the hold is there */
+    }
+    RANK_CHECK(rst == WEFT_OK, "release: %s", weft_last_error());
+    RANK_CHECK(weft_future_wait(f, -1) == WEFT_OK, "%s", weft_future_error(f));
+    r = weft_value_tensor(weft_future_value(f), 0);
+    RANK_CHECK(weft_tensor_data(r) != dst, "a withdrawn call landed");
+    RANK_CHECK(weft_tensor_equal(r, weft_value_tensor(args, 0)), "withdrawn result differs");
+    RANK_CHECK(all_bytes(dst, big, 0xAA), "a withdrawn call wrote the caller's memory");
+    RANK_CHECK(weft_rpc_withdraw_into(a, f), "withdrawing a finished call");
+    weft_future_release(f);
+
+    /* Bad arguments. */
+    into[0] = (weft_rpc_into_t){NULL, big, WEFT_U8};
+    RANK_CHECK(weft_rpc_async_into(a, 1, "echo", args, 20000, into, 1, &f) ==
+                   WEFT_ERR_INVALID_ARG,
+               "an entry without memory");
+    RANK_CHECK(weft_rpc_async_into(a, 1, "echo", args, 20000, NULL, 1, &f) == WEFT_ERR_INVALID_ARG,
+               "no entries");
+    weft_value_free(args);
+    free(dst);
+    free(dst2);
+    return 0;
+}
+
+Test(rpc_transfer, results_land_in_the_callers_memory, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_into);
+    o.setup = setup_into;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
