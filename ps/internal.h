@@ -120,12 +120,13 @@ typedef struct ps_cell {
     int64_t n;                /* elements */
     void *vdata;              /* the value's bytes (storage dtype) */
     float *sdata[3];          /* the optimizer state's, f32 [n] each, as many as it keeps */
-    float *acc;               /* SYNC: the current step's summed gradient, or NULL */
-    struct ps_cell *next_acc; /* SYNC: cells with acc */
+    float *acc;               /* SYNC: the step's summed gradient (a dense chunk keeps it) */
+    struct ps_cell *next_acc; /* SYNC: cells with a gradient this step */
     weft_tensor_t *value;     /* a dense chunk's value (vdata is its data); NULL for a row */
     weft_tensor_t *state[3];  /* a dense chunk's state tensors; NULL for a row */
     weft_dtype_t dtype;       /* storage */
     bool dense;               /* a dense chunk: a pull may share its value (copy on write) */
+    bool acc_on;              /* SYNC: acc holds this step's gradient (the cell is listed) */
 } ps_cell_t;
 
 /* Makes a cell of @p n elements with its initial value (id = row or chunk) and zero state. */

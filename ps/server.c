@@ -477,7 +477,7 @@ static void evict_one(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
     for (size_t k = 0; k < s->rows.cap && seen < 16; k++) {
         size_t i = (start + k) & (s->rows.cap - 1);
         ps_cell_t *c = s->rows.slots[i].val;
-        if (c == NULL || c->id == keep || c->acc != NULL) {
+        if (c == NULL || c->id == keep || c->acc_on) {
             continue;
         }
         seen++;
@@ -737,13 +737,17 @@ static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64
 
 static weft_status_t acc_add(ps_stable_t *t, ps_cell_t *c, const float *g, int64_t n)
 {
-    if (c->acc == NULL) {
-        c->acc = weft_calloc((size_t)n, sizeof(float));
-        if (c->acc == NULL) {
+    if (!c->acc_on) {
+        /* The step's first gradient is copied in (a dense chunk keeps its buffer from step to
+         * step: nothing allocated or zeroed per step). */
+        if (c->acc == NULL && (c->acc = weft_alloc((size_t)n * sizeof(float))) == NULL) {
             return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory for a step's gradient");
         }
+        memcpy(c->acc, g, (size_t)n * sizeof(float));
+        c->acc_on = true;
         c->next_acc = t->acc_list;
         t->acc_list = c;
+        return WEFT_OK;
     }
     for (int64_t i = 0; i < n; i++) {
         c->acc[i] += g[i];
@@ -959,10 +963,18 @@ static void sync_advance(ps_stable_t *t, done_t **done)
             ps_cell_t *c = t->acc_list;
             t->acc_list = c->next_acc;
             if (st == WEFT_OK) {
-                st = weft__ps_cell_apply(&t->l, c, c->acc, scale);
+                if (scale != 1.0f) { /* the mean, in the step's own buffer */
+                    for (int64_t i = 0; i < c->n; i++) {
+                        c->acc[i] *= scale;
+                    }
+                }
+                st = weft__ps_cell_apply(&t->l, c, c->acc, 1.0f);
             }
-            weft_free(c->acc);
-            c->acc = NULL;
+            if (!c->dense) {
+                weft_free(c->acc); /* rows: most are not in the next step */
+                c->acc = NULL;
+            }
+            c->acc_on = false;
             c->next_acc = NULL;
         }
         if (st != WEFT_OK) {
