@@ -36,7 +36,9 @@
  *       weft_ps_push (waited), weft_ps_clock, weft_ps_pull (waits for the step to be applied).
  *       3 untimed steps, then K; prints sync_step_<SIZE>_w<W> (us per step, the slowest
  *       worker's mean). --fused 1: a step is weft_ps_push_pull_async, weft_ps_clock, then the
- *       wait (one round trip per server less); prints sync_step_fused_<SIZE>_w<W>.
+ *       wait (one round trip per server less); prints sync_step_fused_<SIZE>_w<W>. With
+ *       S > 1 servers (and --chunk N/S, so that the table is spread over them) the metric
+ *       names end in _s<S>.
  *
  * The results are checked, so that a wrong answer never passes for a fast one: p1's pulls must
  * read the sum of every push so far, p3's the SGD value after every step (-1e-5 per step).
@@ -695,8 +697,12 @@ static void report(const args_t *a, result_t *res)
             worst = r->elapsed_ns[0] > worst ? r->elapsed_ns[0] : worst;
         }
         bench_size_label(a->bytes, label, sizeof(label));
-        snprintf(metric, sizeof(metric), "sync_step%s_%s_w%d", a->fused ? "_fused" : "", label,
-                 a->workers);
+        char servers[24] = "";
+        if (a->servers > 1) {
+            snprintf(servers, sizeof(servers), "_s%d", a->servers);
+        }
+        snprintf(metric, sizeof(metric), "sync_step%s_%s_w%d%s", a->fused ? "_fused" : "", label,
+                 a->workers, servers);
         emit("weft", metric, (double)worst / (double)a->iters / 1e3, "us", a);
     }
     fflush(stdout);
