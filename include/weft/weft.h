@@ -26,5 +26,6 @@
 #include <weft/autograd.h>
 #include <weft/ops.h>
 #include <weft/nn.h>
+#include <weft/ddp.h>
 
 #endif

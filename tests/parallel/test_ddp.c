@@ -1,0 +1,341 @@
+/* The DDP reducer over forked ranks: gradients equal one all_reduce AVG of the whole model, bit
+ * for bit, whatever the buckets; rank 0's parameters broadcast; parameters that differ refused
+ * naming the parameter; a parameter without gradient fails every member, never hangs;
+ * find_unused_parameters, no_sync, compression and a user comm hook. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <string.h>
+
+#include "ranks.h"
+
+#define IN  12
+#define HID 20
+#define OUT 5
+#define BATCH 7
+
+typedef struct {
+    size_t cap, first;
+    bool find_unused;
+    weft_ddp_compress_t compress;
+    bool hook;
+    int accumulate; /* backwards under no_sync before the synchronised one */
+    int steps;
+    bool skip_fc2_on_rank0; /* rank 0's forward leaves fc2 out */
+} cfg_t;
+
+static int hook_calls;
+
+static weft_status_t avg_hook(void *arg, weft_pg_t *pg, int bucket, weft_tensor_t *t,
+                              weft_future_t **work_p)
+{
+    (void)arg;
+    (void)bucket;
+    hook_calls++;
+    return weft_coll_all_reduce(pg, t, WEFT_AVG, work_p);
+}
+
+/* A batch of this rank's, step @p s. */
+static void batch(int rank, int s, weft_tensor_t **x_p, weft_tensor_t **y_p)
+{
+    int64_t xs[2] = {BATCH, IN}, ys[1] = {BATCH};
+    weft_tensor_create(WEFT_F32, 2, xs, x_p);
+    weft_tensor_create(WEFT_I64, 1, ys, y_p);
+    weft_rng_t rng;
+    weft_rng_init(&rng, 1000 + (uint64_t)rank, (uint64_t)s);
+    float *x = weft_tensor_data(*x_p);
+    int64_t *y = weft_tensor_data(*y_p);
+    for (int i = 0; i < BATCH * IN; i++) {
+        x[i] = (float)weft_rng_normal(&rng);
+    }
+    for (int i = 0; i < BATCH; i++) {
+        y[i] = (int64_t)(weft_rng_next(&rng) % OUT);
+    }
+}
+
+/* fc1 -> relu -> (fc2 -> relu, unless skipped) -> fc3; loss: cross entropy. */
+static weft_status_t loss_of(weft_nn_linear_t *const *l, bool skip2, weft_tensor_t *x,
+                             weft_tensor_t *y, weft_tensor_t **loss_p)
+{
+    weft_tensor_t *h = NULL, *a = NULL, *h2 = NULL, *a2 = NULL, *o = NULL;
+    weft_status_t st = weft_nn_linear_forward(l[0], x, &h);
+    if (st == WEFT_OK) {
+        st = weft_nn_activation(WEFT_NN_ACT_RELU, h, &a);
+    }
+    weft_tensor_t *in3 = a;
+    if (st == WEFT_OK && !skip2) {
+        st = weft_nn_linear_forward(l[1], a, &h2);
+        if (st == WEFT_OK) {
+            st = weft_nn_activation(WEFT_NN_ACT_RELU, h2, &a2);
+        }
+        in3 = a2;
+    }
+    if (st == WEFT_OK) {
+        st = weft_nn_linear_forward(l[2], in3, &o);
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_cross_entropy(o, y, WEFT_REDUCTION_MEAN, loss_p);
+    }
+    weft_tensor_release(h);
+    weft_tensor_release(a);
+    weft_tensor_release(h2);
+    weft_tensor_release(a2);
+    weft_tensor_release(o);
+    return st;
+}
+
+typedef struct {
+    weft_nn_linear_t *l[3];
+    weft_param_list_t *params;
+} model_t;
+
+static int model_make(model_t *m, uint64_t seed, int64_t hid2)
+{
+    weft_rng_t rng;
+    weft_rng_init(&rng, seed, 0);
+    int64_t in[3] = {IN, HID, hid2}, out[3] = {HID, hid2, OUT};
+    weft_param_list_create(&m->params);
+    const char *names[3] = {"fc1", "fc2", "fc3"};
+    for (int i = 0; i < 3; i++) {
+        if (weft_nn_linear_create(in[i], out[i], 1, WEFT_F32, &rng, &m->l[i]) != WEFT_OK ||
+            weft_param_list_extend(m->params, names[i], weft_nn_linear_params(m->l[i])) !=
+                WEFT_OK) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static void model_free(model_t *m)
+{
+    for (int i = 0; i < 3; i++) {
+        weft_nn_linear_free(m->l[i]);
+    }
+    weft_param_list_free(m->params);
+}
+
+static weft_tensor_t *flat(const weft_param_list_t *p, bool grads)
+{
+    int64_t n = weft_param_list_numel(p);
+    weft_tensor_t *t = NULL;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    if (grads) {
+        weft_param_list_pack_grads(p, t);
+    } else {
+        weft_param_list_pack(p, t);
+    }
+    return t;
+}
+
+/* Trains @p cfg->steps steps with the reducer and, beside it, a twin model whose gradients one
+ * all_reduce AVG of the flat buffer averages; after every step the gradients must agree. */
+static int body_train(weft_agent_t *a, int rank, int world, void *arg)
+{
+    const cfg_t *cfg = arg;
+    (void)world;
+    weft_pg_t *pg = NULL;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg");
+    model_t m, twin;
+    RANK_CHECK(model_make(&m, 7 + (uint64_t)rank, HID) == 0, "model");
+    RANK_CHECK(model_make(&twin, 7, HID) == 0, "twin"); /* rank 0's values: what DDP broadcasts */
+    weft_ddp_opts_t o;
+    weft_ddp_opts_init(&o);
+    o.bucket_cap_bytes = cfg->cap;
+    o.first_bucket_bytes = cfg->first;
+    o.find_unused_parameters = cfg->find_unused;
+    o.compress = cfg->compress;
+    if (cfg->hook) {
+        o.comm_hook = avg_hook;
+    }
+    weft_ddp_t *ddp = NULL;
+    RANK_CHECK(weft_ddp_create(pg, m.params, &o, &ddp) == WEFT_OK, "create: %s", weft_last_error());
+    weft_tensor_t *pm = flat(m.params, false), *pt = flat(twin.params, false);
+    RANK_CHECK(weft_tensor_equal(pm, pt), "rank 0's parameters were not broadcast");
+    weft_tensor_release(pm);
+    weft_tensor_release(pt);
+    bool skip = cfg->skip_fc2_on_rank0 && rank == 0;
+    for (int s = 0; s < cfg->steps; s++) {
+        weft_param_list_zero_grad(m.params);
+        weft_param_list_zero_grad(twin.params);
+        hook_calls = 0;
+        for (int k = 0; k <= cfg->accumulate; k++) {
+            weft_tensor_t *x, *y, *loss = NULL, *tloss = NULL;
+            batch(rank, s * 10 + k, &x, &y);
+            RANK_CHECK(loss_of(m.l, skip, x, y, &loss) == WEFT_OK, "forward");
+            RANK_CHECK(loss_of(twin.l, skip, x, y, &tloss) == WEFT_OK, "twin forward");
+            weft_ddp_set_sync(ddp, k == cfg->accumulate);
+            weft_status_t st = weft_ddp_backward(ddp, loss, NULL);
+            RANK_CHECK(st == WEFT_OK, "step %d: %s", s, weft_last_error());
+            RANK_CHECK(weft_backward(tloss, NULL, 0) == WEFT_OK, "twin backward");
+            weft_tensor_release(x);
+            weft_tensor_release(y);
+            weft_tensor_release(loss);
+            weft_tensor_release(tloss);
+        }
+        weft_tensor_t *want = flat(twin.params, true), *got = flat(m.params, true);
+        RANK_CHECK(weft_coll_all_reduce(pg, want, WEFT_AVG, NULL) == WEFT_OK, "reference");
+        const float *w = weft_tensor_data(want), *g = weft_tensor_data(got);
+        for (int64_t i = 0; i < weft_tensor_numel(want); i++) {
+            if (cfg->compress != WEFT_DDP_COMPRESS_NONE) {
+                float tol = 2e-2f * fabsf(w[i]) + 1e-3f;
+                RANK_CHECK(fabsf(w[i] - g[i]) <= tol, "step %d: element %lld: %g, want %g", s,
+                           (long long)i, g[i], w[i]);
+            } else {
+                RANK_CHECK(memcmp(&w[i], &g[i], sizeof(float)) == 0,
+                           "step %d: element %lld: %.9g, want %.9g", s, (long long)i, g[i], w[i]);
+            }
+        }
+        weft_tensor_release(want);
+        weft_tensor_release(got);
+        weft_ddp_stats_t st;
+        weft_ddp_stats(ddp, &st);
+        RANK_CHECK(st.steps == (uint64_t)s + 1, "steps %llu", (unsigned long long)st.steps);
+        RANK_CHECK(st.bytes > 0, "no bytes reduced");
+        if (cfg->hook) {
+            RANK_CHECK(hook_calls == st.buckets, "hook called %d times for %d buckets", hook_calls,
+                       st.buckets);
+        }
+        if (s >= 1 && !cfg->find_unused) {
+            RANK_CHECK(st.rebuilt, "buckets not rebuilt after the first step");
+        }
+        /* The gradients are views of the buckets: writing one is seen by the next reduction. */
+        weft_tensor_t *g0 = weft_tensor_grad(weft_param_list_get(m.params, 0));
+        RANK_CHECK(g0 != NULL, "no gradient");
+    }
+    if (cfg->cap > 0 && cfg->cap < 4096) {
+        char plan[4096];
+        weft_ddp_describe(ddp, plan, sizeof(plan));
+        RANK_CHECK(strstr(plan, "bucket 1:") != NULL, "one bucket only:\n%s", plan);
+    }
+    weft_ddp_free(ddp);
+    /* The gradients outlive the reducer. */
+    RANK_CHECK(weft_tensor_grad(weft_param_list_get(m.params, 0)) != NULL, "gradient lost");
+    model_free(&m);
+    model_free(&twin);
+    weft_pg_free(pg);
+    return 0;
+}
+
+static void run(cfg_t *cfg)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_train);
+    o.arg = cfg;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+Test(ddp, one_bucket_equals_one_all_reduce, .timeout = 120)
+{
+    cfg_t c = {.steps = 3};
+    run(&c);
+}
+
+Test(ddp, many_buckets_rebuilt_equal_one_all_reduce, .timeout = 120)
+{
+    cfg_t c = {.cap = 600, .first = 100, .steps = 4};
+    run(&c);
+}
+
+Test(ddp, no_sync_accumulates_then_averages, .timeout = 120)
+{
+    cfg_t c = {.cap = 600, .first = 100, .steps = 3, .accumulate = 2};
+    run(&c);
+}
+
+Test(ddp, fp16_and_bf16_compression, .timeout = 120)
+{
+    cfg_t c = {.cap = 600, .first = 100, .steps = 2, .compress = WEFT_DDP_COMPRESS_FP16};
+    run(&c);
+    cfg_t d = {.cap = 600, .first = 100, .steps = 2, .compress = WEFT_DDP_COMPRESS_BF16};
+    run(&d);
+}
+
+Test(ddp, user_comm_hook, .timeout = 120)
+{
+    cfg_t c = {.cap = 600, .first = 100, .steps = 2, .hook = true};
+    run(&c);
+}
+
+Test(ddp, find_unused_parameters, .timeout = 120)
+{
+    cfg_t c = {.cap = 600, .first = 100, .steps = 3, .find_unused = true,
+               .skip_fc2_on_rank0 = true};
+    run(&c);
+}
+
+/* Without find_unused_parameters, rank 0 leaving fc2 out fails both ranks, naming fc2 on rank
+ * 0; neither hangs, and the next step (fc2 used again) works. */
+static int body_unused(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    weft_pg_t *pg = NULL;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg");
+    model_t m;
+    RANK_CHECK(model_make(&m, 7, HID) == 0, "model");
+    weft_ddp_t *ddp = NULL;
+    RANK_CHECK(weft_ddp_create(pg, m.params, NULL, &ddp) == WEFT_OK, "%s", weft_last_error());
+    for (int s = 0; s < 2; s++) {
+        weft_tensor_t *x, *y, *loss = NULL;
+        batch(rank, s, &x, &y);
+        weft_param_list_zero_grad(m.params);
+        RANK_CHECK(loss_of(m.l, s == 0 && rank == 0, x, y, &loss) == WEFT_OK, "forward");
+        weft_status_t st = weft_ddp_backward(ddp, loss, NULL);
+        if (s == 0) {
+            RANK_CHECK(st == WEFT_ERR_INVALID_STATE, "step 0 gave %s", weft_strerror(st));
+            const char *why = weft_last_error();
+            if (rank == 0) {
+                RANK_CHECK(strstr(why, "'fc2.weight'") != NULL && strstr(why, "'fc2.bias'"),
+                           "rank 0 does not name fc2: %s", why);
+            } else {
+                RANK_CHECK(strstr(why, "another member") != NULL, "rank 1: %s", why);
+            }
+        } else {
+            RANK_CHECK(st == WEFT_OK, "step 1: %s", weft_last_error());
+        }
+        weft_tensor_release(x);
+        weft_tensor_release(y);
+        weft_tensor_release(loss);
+    }
+    weft_ddp_free(ddp);
+    model_free(&m);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(ddp, a_parameter_without_gradient_fails_every_rank, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_unused);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* A model that differs is refused on every rank, naming the parameter. */
+static int body_mismatch(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    weft_pg_t *pg = NULL;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg");
+    model_t m;
+    RANK_CHECK(model_make(&m, 7, rank == 0 ? HID : HID + 1) == 0, "model");
+    weft_ddp_t *ddp = NULL;
+    weft_status_t st = weft_ddp_create(pg, m.params, NULL, &ddp);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "create gave %s", weft_strerror(st));
+    RANK_CHECK(strstr(weft_last_error(), "fc2.weight") != NULL &&
+                   strstr(weft_last_error(), "shape") != NULL,
+               "%s", weft_last_error());
+    RANK_CHECK(ddp == NULL, "a reducer was made");
+    model_free(&m);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(ddp, parameters_that_differ_are_refused_by_name, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_mismatch);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
