@@ -522,6 +522,15 @@ weft_status_t weft_ddp_create(weft_pg_t *pg, const weft_param_list_t *params,
                                                                                : "");
             goto fail;
         }
+        for (int j = 0; j < d->n; j++) {
+            if (d->p[j].param == t) {
+                st = weft__set_error(WEFT_ERR_INVALID_ARG,
+                                     "ddp: '%s' and '%s' are the same tensor (a shared parameter "
+                                     "goes in the list once)",
+                                     d->p[j].name, weft_param_list_name(params, i));
+                goto fail;
+            }
+        }
         ddp_param_t *p = &d->p[d->n++];
         p->ddp = d;
         p->param = t;
