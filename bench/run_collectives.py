@@ -31,17 +31,14 @@ Sizes 4K..256M in powers of 4 (f32); --quick: 4K, 1M, 16M and a shorter
 budget per point. Python 3 standard library only.
 """
 import argparse
-import importlib.util
-import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
 
-from benchlib import find_torch_python, fmt, parse_lines, run_one  # noqa: F401
+from benchlib import emit_results, fmt, record_raw, run_one, say_done, torch_python_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ["weft", "torch_gloo", "mpi", "mpi_tcp"]
@@ -119,11 +116,7 @@ def common_opts(a, op):
 
 def main():
     a = parse_args()
-    torch_python = None
-    if not a.skip_torch:
-        torch_python = find_torch_python(a)
-        if torch_python is None:
-            print("run_collectives: no python with torch found; torch_gloo skipped", file=sys.stderr)
+    torch_python = torch_python_for(a, "run_collectives", "torch_gloo")
     mpi_exe = None if a.skip_mpi else build_mpi(a.builddir)
     cmds = commands(a, torch_python, mpi_exe)
     if not os.access(cmds["weft"](2)[0], os.X_OK):
@@ -152,12 +145,7 @@ def main():
                         print("run_collectives: %s %s world %d failed: %s" % (system, op, world, err),
                               file=sys.stderr)
                     for ln in lines:
-                        ln["round"] = rnd
-                        text = json.dumps(ln, separators=(",", ":"))
-                        print(text, file=sys.stderr)
-                        if raw_f:
-                            raw_f.write(text + "\n")
-                            raw_f.flush()
+                        record_raw(ln, rnd, raw_f)
                         if "skipped" in ln:
                             skipped[(ln["system"], ln["op"], ln["world"])] = ln["skipped"]
                             continue
@@ -173,7 +161,7 @@ def main():
     if raw_f:
         raw_f.close()
 
-    out_f = open(a.out, "w") if a.out else None
+    results = []
     weft_missing = False
     for key in order:
         op, world, nbytes = key
@@ -197,17 +185,11 @@ def main():
             notes = {s: skipped[(s, op, world)] for s in systems if (s, op, world) in skipped}
             if notes:
                 res["skipped"] = notes
-            text = json.dumps(res, separators=(",", ":"))
-            print(text, flush=True)
-            if out_f:
-                out_f.write(text + "\n")
-    if out_f:
-        out_f.close()
+            results.append(res)
+    emit_results(results, a.out, "w")
     for (s, op, world), text in sorted(skipped.items()):
         print("run_collectives: %s %s world %d skipped: %s" % (s, op, world, text), file=sys.stderr)
-    print("run_collectives: %d round(s) in %.0f s%s" % (a.repeat, time.monotonic() - t_start,
-                                                       ", %d failed runs" % len(failures) if failures else ""),
-          file=sys.stderr)
+    say_done("run_collectives", a.repeat, t_start, len(failures), "round(s)")
     return 1 if weft_missing or not order else 0
 
 

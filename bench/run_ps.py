@@ -61,14 +61,13 @@ and bench/torch_gloo.py under a python that has torch (this one, else /usr/bin/p
 python3-torch); without torch the torch rows are skipped with a message. All ranks on one host
 over loopback. Python 3 standard library only.
 """
-import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
-from benchlib import find_torch_python, fmt, run_one
+from benchlib import (Values, as_is, emit_results, fmt, run_rounds, runner_args, say_done, size_label,
+                      torch_python_for, versus)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ["weft", "weft_rpc", "weft_rpc_stream", "raw_tcp", "torch_rpc", "gloo_all_reduce",
@@ -80,36 +79,7 @@ PUBLISHED_SOURCE = "ps-lite 1 worker + 1 server, 1e8 f32 (Yuzhen11/flexps-paper-
 CONTEXT_METRICS = {"unique_ids": "sparse_rows"}  # raw metric -> the result line it rides along on
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--builddir", default="build", help="meson build directory (default: build)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
-    p.add_argument("--out", help="also append the result JSON lines to this file")
-    p.add_argument("--raw", help="also write every raw measurement line to this file")
-    p.add_argument("--skip-torch", action="store_true", help="do not run torch (torch_rpc, gloo_all_reduce)")
-    p.add_argument("--repeat", type=int, default=None,
-                   help="rounds of all measurements; medians are reported (default 2, --quick 1)")
-    p.add_argument("--torch-python", help="python interpreter with torch (default: this one, else /usr/bin/python3)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds one measurement may take")
-    p.add_argument("--verbose", action="store_true", help="pass the programs' stderr through")
-    a = p.parse_args()
-    if a.repeat is None:
-        a.repeat = 1 if a.quick else 2
-    return a
-
-
-def size_label(size):
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if size >= (1 << shift) and size % (1 << shift) == 0:
-            return "%d%s" % (size >> shift, unit)
-    return "%dB" % size
-
-
-# Mappers: a program's raw line -> [(metric, system, value, unit)].
-def as_is(ln):
-    return [(ln["metric"], ln["system"], ln["value"], ln.get("unit", ""))]
-
-
+# Mappers: a program's raw line -> [(metric, system, value, unit)] (benchlib.as_is as it is).
 def rpc_stream_as(system):
     def m(ln):
         if not ln["metric"].startswith("bandwidth_"):
@@ -186,13 +156,10 @@ def target_of(metric):
 
 
 def main():
-    a = parse_args()
-    torch_python = None
-    if not a.skip_torch:
-        torch_python = find_torch_python(a)
-        if torch_python is None:
-            print("run_ps: no python with torch found; torch_rpc and gloo_all_reduce skipped", file=sys.stderr)
-    else:
+    a = runner_args(__doc__, "fewer sizes and iterations", "also append the result JSON lines to this file",
+                    "do not run torch (torch_rpc, gloo_all_reduce)")
+    torch_python = torch_python_for(a, "run_ps", "torch_rpc and gloo_all_reduce")
+    if a.skip_torch:
         print("run_ps: --skip-torch: torch_rpc and gloo_all_reduce skipped", file=sys.stderr)
     groups = plan(a, a.builddir, torch_python)
     missing = sorted({argv[0] for g in groups for s, argv, _ in g
@@ -200,82 +167,48 @@ def main():
     if missing:
         print("run_ps: %s missing; run meson compile -C %s" % (", ".join(missing), a.builddir), file=sys.stderr)
         return 1
-    raw_f = open(a.raw, "w") if a.raw else None
 
-    values = {}  # metric -> system -> [values]
-    units = {}
-    context = {}  # result metric -> {name: [values]}
-    order = []
-    failures = 0
+    values = Values()
+    context = {}  # result metric -> {name: {system: [values]}}
+
+    def collect(metric, system, value, unit):
+        if metric in CONTEXT_METRICS:
+            context.setdefault(CONTEXT_METRICS[metric], {}).setdefault("unique_ids", {}).setdefault(
+                system, []).append(value)
+        else:
+            values.add(metric, system, value, unit)
+
     t_start = time.monotonic()
-    for rnd in range(a.repeat):
-        for g in groups:
-            k = rnd % len(g)
-            for system, argv, mapper in g[k:] + g[:k]:
-                lines, err = run_one(argv, a.timeout, a.verbose)
-                if err:
-                    failures += 1
-                    print("run_ps: %s (%s) failed: %s" % (system, " ".join(argv), err), file=sys.stderr)
-                for ln in lines:
-                    ln["round"] = rnd
-                    text = json.dumps(ln, separators=(",", ":"))
-                    print(text, file=sys.stderr)
-                    if raw_f:
-                        raw_f.write(text + "\n")
-                        raw_f.flush()
-                    if ln.get("skipped"):
-                        continue
-                    for metric, sysname, value, unit in mapper(ln):
-                        if metric in CONTEXT_METRICS:
-                            context.setdefault(CONTEXT_METRICS[metric], {}).setdefault(
-                                "unique_ids", {}).setdefault(sysname, []).append(value)
-                            continue
-                        if metric not in values:
-                            values[metric] = {}
-                            order.append(metric)
-                        values[metric].setdefault(sysname, []).append(value)
-                        units[metric] = unit
-    if raw_f:
-        raw_f.close()
+    failures = run_rounds("run_ps", a, [[(s, argv, "(%s)" % " ".join(argv), mapper) for s, argv, mapper in g]
+                                        for g in groups], collect)
 
-    out_f = open(a.out, "a") if a.out else None
+    results = []
     weft_missing = False
-    for m in order:
-        med = {s: statistics.median(v) for s, v in values[m].items() if v}
+    for m in values.order:
+        med = values.medians(m)
         w = med.get("weft")
-        lower_better = units[m] in LOWER_IS_BETTER_UNITS
+        unit = values.units[m]
+        lower_better = unit in LOWER_IS_BETTER_UNITS
         tgt = target_of(m)
-        vs, peers = {}, {}
-        for s in SYSTEMS:
-            if s == "weft" or (s not in med and not (tgt and s in tgt)):
-                continue
-            p = med.get(s)
-            peers[s] = fmt(p)
-            vs[s] = None if w is None or p is None or w == 0 or p == 0 else round(p / w if lower_better else w / p, 3)
+        vs, peers = versus(med, [s for s in SYSTEMS if s != "weft" and (s in med or (tgt and s in tgt))],
+                           lower_better)
         if w is None:
             weft_missing = True
-        res = {"bench": "ps", "metric": m, "value": fmt(w), "unit": units[m], "vs": vs,
-               "ratio": "peer/weft" if lower_better else "weft/peer", "peers": peers,
-               "runs": len(values[m].get("weft", []))}
+        res = {"bench": "ps", "metric": m, "value": fmt(w), "unit": unit, "vs": vs,
+               "ratio": "peer/weft" if lower_better else "weft/peer", "peers": peers, "runs": values.runs(m)}
         if tgt:
             res["target"] = tgt
             res["meets_target"] = (None if any(vs.get(s) is None for s in tgt)
                                    else all(vs[s] >= t for s, t in tgt.items()))
         op = m.split("_")[0] if not m.startswith("push_pull") else None
-        if op in PUBLISHED and units[m] == "GB/s":
+        if op in PUBLISHED and unit == "GB/s":
             res["published"] = dict(PUBLISHED[op], source=PUBLISHED_SOURCE)
         for name, per_sys in context.get(m, {}).items():
             res[name] = {s: fmt(statistics.median(v)) for s, v in per_sys.items()}
-        text = json.dumps(res, separators=(",", ":"))
-        print(text, flush=True)
-        if out_f:
-            out_f.write(text + "\n")
-    if out_f:
-        out_f.close()
-    print("run_ps: %d rounds in %.0f s%s" % (a.repeat, time.monotonic() - t_start,
-                                             ", %d failed runs" % failures if failures else ""),
-          file=sys.stderr)
-    return 1 if weft_missing or not order or failures else 0
+        results.append(res)
+    emit_results(results, a.out, "a")
+    say_done("run_ps", a.repeat, t_start, failures)
+    return 1 if weft_missing or not values.order or failures else 0
 
 
 if __name__ == "__main__":

@@ -25,40 +25,16 @@ async_throughput (calls/s, 64-byte echoes, 64 in flight), bandwidth_<SIZE>
 (GB/s = 1e9 B/s, one-way tensors, 4 calls in flight, the callee replies small).
 Python 3 standard library only.
 """
-import argparse
-import importlib.util
-import json
 import os
-import signal
-import statistics
-import subprocess
 import sys
 import time
 
-from benchlib import find_torch_python, fmt, parse_lines, run_one  # noqa: F401
+from benchlib import Values, as_is, emit_results, fmt, run_rounds, runner_args, say_done, torch_python_for, versus
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ["weft", "raw_grpc_bidi", "raw_tcp", "torch_rpc"]
 LOWER_IS_BETTER_UNITS = {"us"}
 MiB = 1 << 20
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--builddir", default="build", help="meson build directory (default: build)")
-    p.add_argument("--quick", action="store_true", help="fewer iterations; bandwidth at 1 and 16 MiB only")
-    p.add_argument("--out", help="also write the result JSON lines to this file")
-    p.add_argument("--raw", help="also write every raw measurement line to this file")
-    p.add_argument("--skip-torch", action="store_true", help="do not run torch.distributed.rpc")
-    p.add_argument("--repeat", type=int, default=None,
-                   help="rounds of all measurements; medians are reported (default 2, --quick 1)")
-    p.add_argument("--torch-python", help="python interpreter with torch (default: this one, else /usr/bin/python3)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds one measurement may take")
-    p.add_argument("--verbose", action="store_true", help="pass the programs' stderr through")
-    a = p.parse_args()
-    if a.repeat is None:
-        a.repeat = 1 if a.quick else 2
-    return a
 
 
 def plan(quick):
@@ -87,86 +63,35 @@ def commands(a, torch_python):
 
 
 def main():
-    a = parse_args()
-    torch_python = None
-    if not a.skip_torch:
-        torch_python = find_torch_python(a)
-        if torch_python is None:
-            print("run_rpc: no python with torch found; torch_rpc skipped", file=sys.stderr)
+    a = runner_args(__doc__, "fewer iterations; bandwidth at 1 and 16 MiB only",
+                    "also write the result JSON lines to this file", "do not run torch.distributed.rpc")
+    torch_python = torch_python_for(a, "run_rpc", "torch_rpc")
     cmds = commands(a, torch_python)
     for name, cmd in cmds.items():
         if name != "torch_rpc" and not os.access(cmd[0], os.X_OK):
             print("run_rpc: %s not built (%s missing); run meson compile -C %s" % (name, cmd[0], a.builddir),
                   file=sys.stderr)
     systems = [s for s in SYSTEMS if s in cmds]
-    jobs = plan(a.quick)
-    raw_f = open(a.raw, "w") if a.raw else None
-
-    values = {}  # metric -> system -> [values]
-    units = {}
-    order = []  # metrics in the order first seen
-    failures = []
+    groups = [[(s, cmds[s] + [mode] + args, " ".join([mode] + args), as_is) for s in systems]
+              for mode, args in plan(a.quick)]
+    values = Values()
     t_start = time.monotonic()
-    for rnd in range(a.repeat):
-        for mode, args in jobs:
-            k = rnd % len(systems)
-            for system in systems[k:] + systems[:k]:
-                cmd = cmds[system] + [mode] + args
-                if system != "torch_rpc" and not os.access(cmd[0], os.X_OK):
-                    failures.append((system, mode, "not built"))
-                    continue
-                lines, err = run_one(cmd, a.timeout, a.verbose)
-                if err:
-                    failures.append((system, " ".join([mode] + args), err))
-                    print("run_rpc: %s %s failed: %s" % (system, " ".join([mode] + args), err), file=sys.stderr)
-                for ln in lines:
-                    ln["round"] = rnd
-                    text = json.dumps(ln, separators=(",", ":"))
-                    print(text, file=sys.stderr)
-                    if raw_f:
-                        raw_f.write(text + "\n")
-                        raw_f.flush()
-                    m = ln["metric"]
-                    if m not in values:
-                        values[m] = {}
-                        order.append(m)
-                    values[m].setdefault(ln["system"], []).append(ln["value"])
-                    units[m] = ln.get("unit", "")
-    if raw_f:
-        raw_f.close()
+    failures = run_rounds("run_rpc", a, groups, values.add)
 
-    out_f = open(a.out, "w") if a.out else None
+    results = []
     weft_missing = False
-    for m in order:
-        med = {s: statistics.median(v) for s, v in values[m].items() if v}
-        w = med.get("weft")
-        lower_better = units[m] in LOWER_IS_BETTER_UNITS
-        vs = {}
-        peers = {}
-        for s in systems:
-            if s == "weft":
-                continue
-            p = med.get(s)
-            peers[s] = fmt(p)
-            if w is None or p is None or w == 0 or p == 0:
-                vs[s] = None
-            else:
-                vs[s] = round(p / w if lower_better else w / p, 3)
-        if w is None:
+    for m in values.order:
+        med = values.medians(m)
+        lower_better = values.units[m] in LOWER_IS_BETTER_UNITS
+        vs, peers = versus(med, [s for s in systems if s != "weft"], lower_better)
+        if med.get("weft") is None:
             weft_missing = True
-        res = {"bench": "rpc", "metric": m, "value": fmt(w), "unit": units[m], "vs": vs,
-               "ratio": "peer/weft" if lower_better else "weft/peer", "peers": peers,
-               "runs": len(values[m].get("weft", []))}
-        text = json.dumps(res, separators=(",", ":"))
-        print(text, flush=True)
-        if out_f:
-            out_f.write(text + "\n")
-    if out_f:
-        out_f.close()
-    print("run_rpc: %d rounds in %.0f s%s" % (a.repeat, time.monotonic() - t_start,
-                                              ", %d failed runs" % len(failures) if failures else ""),
-          file=sys.stderr)
-    return 1 if weft_missing or not order else 0
+        results.append({"bench": "rpc", "metric": m, "value": fmt(med.get("weft")), "unit": values.units[m],
+                        "vs": vs, "ratio": "peer/weft" if lower_better else "weft/peer", "peers": peers,
+                        "runs": values.runs(m)})
+    emit_results(results, a.out, "w")
+    say_done("run_rpc", a.repeat, t_start, failures)
+    return 1 if weft_missing or not values.order else 0
 
 
 if __name__ == "__main__":

@@ -78,13 +78,12 @@ import datetime
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import time
 
-from benchlib import find_torch_python, fmt
+from benchlib import fmt, jline, run_proc, say_done, torch_python_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ["weft", "torch_ddp"]
@@ -187,26 +186,14 @@ def parse_output(out):
 
 def run_cmd(cmd, timeout, verbose, env):
     """Runs one program in its own process group; returns (json lines, error text or None, wall seconds)."""
-    t0 = time.monotonic()
     try:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if verbose else subprocess.PIPE,
-                             text=True, start_new_session=True, env=env)
+        out, _, err, wall = run_proc(cmd, timeout, verbose, env)
     except OSError as e:
         return [], str(e), 0.0
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        return parse_output(out), "timed out after %.0f s" % timeout, time.monotonic() - t0
-    wall = time.monotonic() - t0
     lines = parse_output(out)
-    if p.returncode != 0:
-        tail = (err or "").strip().splitlines()[-5:]
-        return lines, "exit %d after %.1f s: %s" % (p.returncode, wall, " | ".join(tail)), wall
-    if not lines:
-        return lines, "no result line", wall
-    return lines, None, wall
+    if err is None and not lines:
+        err = "no result line"
+    return lines, err, wall
 
 
 def common_opts(a, seed):
@@ -248,25 +235,22 @@ def ps_commands(a, torch_python):
     return cmds
 
 
+def weft_built(a, example, rows):
+    """Whether weftrun and the example are built; if not, says so and that rows are skipped."""
+    needed = [os.path.join(a.builddir, "tools", "weftrun"), os.path.join(a.builddir, "examples", example)]
+    if all(os.access(x, os.X_OK) for x in needed):
+        return True
+    print("run_train: %s missing; build it (ninja -C %s); %s skipped" % (" or ".join(needed), a.builddir, rows),
+          file=sys.stderr)
+    return False
+
+
 def run_raw(cmd, timeout, env):
     """Like run_cmd, both streams kept: (stdout, stderr, error text or None, wall seconds)."""
-    t0 = time.monotonic()
     try:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, env=env)
+        return run_proc(cmd, timeout, False, env)
     except OSError as e:
         return "", "", str(e), 0.0
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        return out, err, "timed out after %.0f s" % timeout, time.monotonic() - t0
-    wall = time.monotonic() - t0
-    if p.returncode != 0:
-        tail = (err or "").strip().splitlines()[-5:]
-        return out, err, "exit %d after %.1f s: %s" % (p.returncode, wall, " | ".join(tail)), wall
-    return out, err, None, wall
 
 
 def parse_weft_ps(out, err, target):
@@ -336,6 +320,21 @@ def parse_weft_ps(out, err, target):
     return res
 
 
+def keep_last(lines, rnd, seed, wall, err, raw):
+    """A run's last result line, with its round, seed and wall seconds, to stderr and raw; returns
+    it unless the run failed (or printed none)."""
+    for ln in lines[-1:]:
+        ln["round"] = rnd
+        ln["seed"] = seed
+        ln["wall_s"] = round(wall, 3)
+        text = jline(ln)
+        print(text, file=sys.stderr, flush=True)
+        raw.append(text)
+        if not err:
+            return ln
+    return None
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -345,23 +344,13 @@ def main():
     a = parse_args()
     run_dp = a.only != "ps"
     run_ps = a.only != "dp"
-    torch_python = None
-    if not a.skip_torch:
-        torch_python = find_torch_python(a)
-        if torch_python is None:
-            print("run_train: no python with torch found; torch_ddp and torch_ps skipped", file=sys.stderr)
+    torch_python = torch_python_for(a, "run_train", "torch_ddp and torch_ps")
     cmds = commands(a, torch_python)
-    needed = [os.path.join(a.builddir, "tools", "weftrun"), os.path.join(a.builddir, "examples", "dp_train")]
-    if run_dp and not all(os.access(x, os.X_OK) for x in needed):
-        print("run_train: %s missing; build it (ninja -C %s); weft skipped"
-              % (" or ".join(needed), a.builddir), file=sys.stderr)
+    if run_dp and not weft_built(a, "dp_train", "weft"):
         del cmds["weft"]
     systems = [s for s in SYSTEMS if s in cmds] if run_dp else []
     ps_cmds = ps_commands(a, torch_python)
-    ps_needed = [os.path.join(a.builddir, "tools", "weftrun"), os.path.join(a.builddir, "examples", "ps_train")]
-    if run_ps and not all(os.access(x, os.X_OK) for x in ps_needed):
-        print("run_train: %s missing; build it (ninja -C %s); weft's parameter-server rows skipped"
-              % (" or ".join(ps_needed), a.builddir), file=sys.stderr)
+    if run_ps and not weft_built(a, "ps_train", "weft's parameter-server rows"):
         del ps_cmds["weft"]
     if run_ps and not os.access(TIME_BIN, os.X_OK):
         print("run_train: no %s: weft's parameter-server peak RSS not measured" % TIME_BIN, file=sys.stderr)
@@ -397,15 +386,9 @@ def main():
                 if err:
                     failures.append((system, world, seed, err))
                     print("run_train: %s world %d seed %d failed: %s" % (system, world, seed, err), file=sys.stderr)
-                for ln in lines[-1:]:
-                    ln["round"] = rnd
-                    ln["seed"] = seed
-                    ln["wall_s"] = round(wall, 3)
-                    text = json.dumps(ln, separators=(",", ":"))
-                    print(text, file=sys.stderr, flush=True)
-                    raw.append(text)
-                    if not err:
-                        values.setdefault(world, {}).setdefault(system, []).append(ln)
+                ln = keep_last(lines, rnd, seed, wall, err, raw)
+                if ln:
+                    values.setdefault(world, {}).setdefault(system, []).append(ln)
                 print("run_train: %s world %d seed %d: %.1f s" % (system, world, seed, wall), file=sys.stderr)
         # The parameter-server rows, weft and torch in turn, the order alternating between rounds.
         r = rnd % len(ps_systems) if ps_systems else 0
@@ -423,15 +406,9 @@ def main():
             if err:
                 failures.append((system, ps_world, seed, err))
                 print("run_train: ps %s seed %d failed: %s" % (system, seed, err), file=sys.stderr)
-            for ln in lines[-1:]:
-                ln["round"] = rnd
-                ln["seed"] = seed
-                ln["wall_s"] = round(wall, 3)
-                text = json.dumps(ln, separators=(",", ":"))
-                print(text, file=sys.stderr, flush=True)
-                raw.append(text)
-                if not err:
-                    ps_values.setdefault(system, []).append(ln)
+            ln = keep_last(lines, rnd, seed, wall, err, raw)
+            if ln:
+                ps_values.setdefault(system, []).append(ln)
             print("run_train: ps %s seed %d: %.1f s" % (system, seed, wall), file=sys.stderr)
 
     date = datetime.date.today().isoformat()
@@ -450,7 +427,7 @@ def main():
             if key == "time_to_target_s":
                 res["reached"] = {s: sum(1 for ln in runs.get(s, []) if ln.get(key) is not None) for s in systems}
             res.update({"settings": settings, "machine": machine, "date": date})
-            summary.append(json.dumps(res, separators=(",", ":")))
+            summary.append(jline(res))
             table.append((world, key, unit, better, w, p, ratio, res.get("reached")))
     ps_table = []
     if run_ps:
@@ -471,7 +448,7 @@ def main():
                 res["target"] = {"torch_ps": PS_TARGETS[key]}
                 res["meets_target"] = None if ratio is None else ratio >= PS_TARGETS[key]
             res.update({"settings": ps_settings, "machine": machine, "date": date})
-            summary.append(json.dumps(res, separators=(",", ":")))
+            summary.append(jline(res))
             ps_table.append((key, better, w, p, ratio, res.get("reached"), res.get("meets_target")))
     for text in summary:
         print(text, flush=True)
@@ -512,9 +489,7 @@ def main():
             for text in raw + summary:
                 f.write(text + "\n")
         print("run_train: appended %d lines to %s" % (len(raw) + len(summary), path), file=sys.stderr)
-    print("run_train: %d round(s) in %.0f s%s" % (a.repeat, time.monotonic() - t_start,
-                                                 ", %d failed runs" % len(failures) if failures else ""),
-          file=sys.stderr)
+    say_done("run_train", a.repeat, t_start, len(failures), "round(s)")
     weft_missing = run_dp and ("weft" not in systems or any("weft" not in values.get(w, {}) for w in a.worlds))
     weft_missing = weft_missing or (run_ps and "weft" not in ps_values)
     return 1 if weft_missing or not raw else 0

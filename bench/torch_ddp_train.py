@@ -38,16 +38,15 @@ the pages of torch that it shares with the launcher), the maximum and sum over t
                      [--data DIR] [--json] [--verbose] [--timeout S]
 """
 import argparse
-import datetime
 import gzip
 import json
-import multiprocessing
 import os
 import resource
-import signal
 import sys
 import time
 import warnings
+
+from torchlib import fork_ranks, join_gloo
 
 SYSTEM = "torch_ddp"
 MEAN = 0.2860
@@ -137,9 +136,7 @@ def rank_main(a, rank, port):
     except RuntimeError:
         pass
     W = a.world
-    store = dist.TCPStore("127.0.0.1", port, W, False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=W,
-                            timeout=datetime.timedelta(seconds=300))
+    join_gloo(rank, W, port, 300)
 
     xtr, ytr = load(a.data, "train")
     xte = yte = None
@@ -238,18 +235,6 @@ def rank_main(a, rank, port):
     dist.destroy_process_group()
 
 
-def child(a, rank, port):
-    code = 0
-    try:
-        rank_main(a, rank, port)
-    except BaseException as e:  # noqa: B902 - report anything, then leave without destructors
-        print("torch_ddp_train[rank %d]: %s: %s" % (rank, type(e).__name__, e), file=sys.stderr, flush=True)
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def main():
     a = parse_args()
     # One BLAS/OpenMP thread per rank from the start (torch.set_num_threads(1) in each rank
@@ -257,34 +242,7 @@ def main():
     # the thread count it was started with; run_train.py sets the same for weft.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
-    deadline = time.monotonic() + a.timeout
-    import torch.distributed as dist  # imported once here: the forked ranks share it
-
-    warnings.simplefilter("ignore")
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    ctx = multiprocessing.get_context("fork")
-    procs = []
-    for r in range(a.world):
-        p = ctx.Process(target=child, args=(a, r, store.port), daemon=True)
-        p.start()
-        procs.append(p)
-    bad = False
-    while any(p.is_alive() for p in procs):
-        failed = [p for p in procs if p.exitcode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            print("torch_ddp_train: %s; killing the ranks" % ("a rank failed" if failed else "timed out"),
-                  file=sys.stderr)
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
-            bad = True
-            break
-        time.sleep(0.02)
-    for p in procs:
-        p.join(5)
-        if p.exitcode != 0:
-            bad = True
-    return 1 if bad else 0
+    return fork_ranks("torch_ddp_train", a.world, rank_main, a, a.timeout)
 
 
 if __name__ == "__main__":

@@ -21,27 +21,17 @@ all_to_all_single (the list form all_to_all is not supported).
                 [--max-iters N] [--timeout S]
 """
 import argparse
-import datetime
 import json
-import multiprocessing
-import os
-import signal
 import sys
 import time
 import warnings
+
+from torchlib import fork_ranks, join_gloo, parse_size
 
 OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"]
 FULL_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,1M,16M"
 SYSTEM = "torch_gloo"
-
-
-def parse_size(s):
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = s.strip()
-    if s and s[-1].upper() in mult:
-        return int(s[:-1]) * mult[s[-1].upper()]
-    return int(s)
 
 
 def parse_args():
@@ -109,9 +99,7 @@ def rank_main(a, rank, port):
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")
-    store = dist.TCPStore("127.0.0.1", port, a.world, False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=a.world,
-                            timeout=datetime.timedelta(seconds=120))
+    join_gloo(rank, a.world, port, 120)
     W = a.world
 
     def max_over_ranks(v):
@@ -179,48 +167,9 @@ def rank_main(a, rank, port):
     dist.destroy_process_group()
 
 
-def child(a, rank, port):
-    code = 0
-    try:
-        rank_main(a, rank, port)
-    except BaseException as e:  # noqa: B902 - report anything, then leave without destructors
-        print("torch_gloo[rank %d]: %s: %s" % (rank, type(e).__name__, e), file=sys.stderr, flush=True)
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def main():
     a = parse_args()
-    deadline = time.monotonic() + a.timeout
-    import torch.distributed as dist  # imported once here: the forked ranks share it
-
-    warnings.simplefilter("ignore")
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    ctx = multiprocessing.get_context("fork")
-    procs = []
-    for r in range(a.world):
-        p = ctx.Process(target=child, args=(a, r, store.port), daemon=True)
-        p.start()
-        procs.append(p)
-    bad = False
-    while any(p.is_alive() for p in procs):
-        failed = [p for p in procs if p.exitcode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            print("torch_gloo: %s; killing the ranks" % ("a rank failed" if failed else "timed out"),
-                  file=sys.stderr)
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
-            bad = True
-            break
-        time.sleep(0.02)
-    for p in procs:
-        p.join(5)
-        if p.exitcode != 0:
-            bad = True
-    return 1 if bad else 0
+    return fork_ranks("torch_gloo", a.world, rank_main, a, a.timeout)
 
 
 if __name__ == "__main__":

@@ -31,14 +31,12 @@ Rank layout: rank 0 .. W-1 are "trainer<i>" (this process is trainer 0 and start
 subprocesses of the same script), W .. W+S-1 are "ps<j>". All on 127.0.0.1.
 """
 import argparse
-import importlib.util
-import json
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
+
+from torchlib import add_rank_args, emit, parse_size, percentile, rpc_main
 
 SYSTEM = "torch_rpc"
 
@@ -145,17 +143,9 @@ def trainer(a, torch, rpc, widx):
             "unique": unique}
 
 
-def percentile(sorted_v, p):
-    """Nearest rank, as bench_common.h."""
-    k = int(p / 100.0 * len(sorted_v) + 0.999999)
-    return sorted_v[min(max(k, 1), len(sorted_v)) - 1]
-
-
-def emit(a, metric, value, unit):
-    line = {"system": SYSTEM, "metric": metric, "value": float("%.6g" % value), "unit": unit,
-            "servers": a.servers, "workers": a.workers, "ids": a.ids, "iters": a.batches,
-            "threads": a.threads, "dedup": True}
-    print(json.dumps(line, separators=(",", ":")), flush=True)
+def emit_line(a, metric, value, unit):
+    emit(SYSTEM, metric, value, unit, servers=a.servers, workers=a.workers, ids=a.ids, iters=a.batches,
+         threads=a.threads, dedup=True)
 
 
 def run_rank(a):
@@ -180,24 +170,14 @@ def run_rank(a):
             if a.rank == 0:
                 got = [res] + [rpc.rpc_sync("trainer%d" % w, get_results) for w in range(1, a.workers)]
                 all_ns = sorted(ns for r in got for ns in r["batch_ns"])
-                emit(a, "sparse_rows", sum(r["rate"] for r in got), "rows/s")
-                emit(a, "sparse_batch_p50", percentile(all_ns, 50) / 1e3, "us")
-                emit(a, "sparse_batch_p99", percentile(all_ns, 99) / 1e3, "us")
+                emit_line(a, "sparse_rows", sum(r["rate"] for r in got), "rows/s")
+                emit_line(a, "sparse_batch_p50", percentile(all_ns, 50) / 1e3, "us")
+                emit_line(a, "sparse_batch_p99", percentile(all_ns, 99) / 1e3, "us")
                 pulls = sorted(ns for r in got for ns in r["pull_ns"])
-                emit(a, "sparse_pull_p50", percentile(pulls, 50) / 1e3, "us")
-                emit(a, "unique_ids", sum(r["unique"] for r in got) / len(all_ns), "ids")
+                emit_line(a, "sparse_pull_p50", percentile(pulls, 50) / 1e3, "us")
+                emit_line(a, "unique_ids", sum(r["unique"] for r in got) / len(all_ns), "ids")
     finally:
         rpc.shutdown()  # graceful: waits for every rank
-
-
-def parse_size(s):
-    s = s.strip()
-    mult = 1
-    for suffix, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if s.upper().endswith(suffix):
-            s, mult = s[:-1], m
-            break
-    return int(s) * mult
 
 
 def parse_args(argv):
@@ -213,51 +193,16 @@ def parse_args(argv):
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--threads", type=int, default=8, help="num_worker_threads of every rank")
     p.add_argument("--timeout", type=float, default=300.0, help="rpc_timeout in seconds")
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    add_rank_args(p)
     a = p.parse_args(argv)
     if min(a.servers, a.workers, a.batches, a.ids, a.rows, a.dim) <= 0 or a.warmup < 0:
         p.error("counts must be positive")
     return a
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv):
     a = parse_args(argv)
-    if a.rank != 0:
-        run_rank(a)
-        return 0
-    if importlib.util.find_spec("torch") is None:
-        print("torch_ps.py: torch is not installed for %s; skipping" % sys.executable, file=sys.stderr)
-        return 0
-    a.port = free_port()
-    children = [subprocess.Popen([sys.executable, os.path.abspath(__file__)] + argv +
-                                 ["--rank", str(r), "--port", str(a.port)])
-                for r in range(1, a.servers + a.workers)]
-    try:
-        run_rank(a)
-    except BaseException:
-        for c in children:
-            c.kill()
-            c.wait()
-        raise
-    bad = 0
-    for r, c in enumerate(children, 1):
-        try:
-            rc = c.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            c.kill()
-            c.wait()
-            rc = -1
-        if rc != 0:
-            print("torch_ps.py: rank %d exited with %d" % (r, rc), file=sys.stderr)
-            bad = 1
-    return bad
+    return rpc_main("torch_ps.py", __file__, argv, a, a.servers + a.workers, run_rank)
 
 
 if __name__ == "__main__":

@@ -68,13 +68,9 @@ that evaluation (ps_train has no such option; run_train.py does not use it).
                     [--data DIR] [--json] [--verbose] [--timeout S]
 """
 import argparse
-import datetime
 import json
-import multiprocessing
 import os
 import resource
-import signal
-import socket
 import sys
 import threading
 import time
@@ -89,6 +85,7 @@ import torch  # noqa: E402 - after the thread variables
 import torch.distributed.rpc as rpc  # noqa: E402
 
 from torch_ddp_train import DEFAULT_DATA, load, scale
+from torchlib import fork_ranks, free_port, join_gloo
 
 SYSTEM = "torch_ps"
 
@@ -235,8 +232,7 @@ def trainer_main(a, w, store_port):
     from torch.utils.data import DistributedSampler
 
     S, W = a.servers, a.workers
-    store = dist.TCPStore("127.0.0.1", store_port, W, False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=w, world_size=W, timeout=datetime.timedelta(seconds=300))
+    join_gloo(w, W, store_port, 300)
 
     xtr, ytr = load(a.data, "train")
     xte, yte = load(a.data, "t10k")
@@ -393,57 +389,13 @@ def rank_main(a, rank, store_port, rpc_port):
     return ok
 
 
-def child(a, rank, store_port, rpc_port):
-    code = 0
-    try:
-        if not rank_main(a, rank, store_port, rpc_port):
-            print("torch_ps_train[rank %d]: parameters DIFFER between the trainers" % rank, file=sys.stderr)
-            code = 1
-    except BaseException as e:  # noqa: B902 - report anything, then leave without destructors
-        print("torch_ps_train[rank %d]: %s: %s" % (rank, type(e).__name__, e), file=sys.stderr, flush=True)
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     a = parse_args()
-    deadline = time.monotonic() + a.timeout
-    import torch.distributed as dist
-
-    warnings.simplefilter("ignore")
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # the trainers' gloo group
-    rpc_port = free_port()  # rank 0 (ps0) hosts the RPC rendezvous there
-    ctx = multiprocessing.get_context("fork")
-    procs = []
-    for r in range(a.servers + a.workers):
-        p = ctx.Process(target=child, args=(a, r, store.port, rpc_port), daemon=True)
-        p.start()
-        procs.append(p)
-    bad = False
-    while any(p.is_alive() for p in procs):
-        failed = [p for p in procs if p.exitcode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            print("torch_ps_train: %s; killing the ranks" % ("a rank failed" if failed else "timed out"),
-                  file=sys.stderr)
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
-            bad = True
-            break
-        time.sleep(0.02)
-    for p in procs:
-        p.join(5)
-        if p.exitcode != 0:
-            bad = True
-    return 1 if bad else 0
+    # The trainers' gloo group meets at the parent's TCPStore; rank 0 (ps0) hosts the RPC
+    # rendezvous on a free port.
+    return fork_ranks("torch_ps_train", a.servers + a.workers, rank_main, a, a.timeout,
+                      extra_args=lambda: (free_port(),),
+                      failed_text="parameters DIFFER between the trainers")
 
 
 if __name__ == "__main__":

@@ -21,13 +21,11 @@ and its 64-byte round trip was ~3x faster than with --transports uv (~350 vs
 """
 import argparse
 import collections
-import importlib.util
-import json
 import os
-import socket
-import subprocess
 import sys
 import time
+
+from torchlib import add_rank_args, emit, parse_size, percentile, rpc_main, size_label
 
 DEFAULT_WINDOW = 4
 DEFAULT_INFLIGHT = 64
@@ -42,16 +40,6 @@ def sink(t):
     return 0
 
 
-def parse_size(s):
-    s = s.strip()
-    mult = 1
-    for suffix, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if s.upper().endswith(suffix):
-            s, mult = s[:-1], m
-            break
-    return int(s) * mult
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["pingpong", "stream", "async"])
@@ -62,8 +50,7 @@ def parse_args(argv):
     p.add_argument("--channels", default="",
                    help="comma-separated TensorPipe channels ('' = TensorPipe's default)")
     p.add_argument("--timeout", type=float, default=300.0, help="rpc_timeout in seconds")
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    add_rank_args(p)
     a = p.parse_args(argv)
     n = [parse_size(x) for x in a.nums]
     if a.mode == "pingpong" and len(n) == 2:
@@ -85,24 +72,9 @@ def parse_args(argv):
     return a
 
 
-def size_label(size):
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if size >= (1 << shift) and size % (1 << shift) == 0:
-            return "%d%s" % (size >> shift, unit)
-    return "%dB" % size
-
-
-def percentile(sorted_v, p):
-    """Nearest rank, as bench_common.h."""
-    k = int(p / 100.0 * len(sorted_v) + 0.999999)
-    return sorted_v[min(max(k, 1), len(sorted_v)) - 1]
-
-
-def emit(a, metric, value, unit):
-    line = {"system": "torch_rpc", "metric": metric, "value": float("%.6g" % value), "unit": unit,
-            "size": a.size, "count": a.count, "window": a.window, "warmup": a.warmup,
-            "threads": a.threads, "transports": a.transports or "default", "channels": a.channels or "default"}
-    print(json.dumps(line, separators=(",", ":")), flush=True)
+def emit_line(a, metric, value, unit):
+    emit("torch_rpc", metric, value, unit, size=a.size, count=a.count, window=a.window, warmup=a.warmup,
+         threads=a.threads, transports=a.transports or "default", channels=a.channels or "default")
 
 
 def backend_options(a, rpc):
@@ -129,8 +101,8 @@ def measure(a, torch, rpc):
         assert r.numel() == a.size
         rtt.sort()
         label = size_label(a.size)
-        emit(a, "latency_p50_" + label, percentile(rtt, 50) / 1e3, "us")
-        emit(a, "latency_p99_" + label, percentile(rtt, 99) / 1e3, "us")
+        emit_line(a, "latency_p50_" + label, percentile(rtt, 50) / 1e3, "us")
+        emit_line(a, "latency_p99_" + label, percentile(rtt, 99) / 1e3, "us")
         return
 
     fn = sink if a.mode == "stream" else echo
@@ -149,9 +121,9 @@ def measure(a, torch, rpc):
     run(a.count)
     elapsed = now() - t0
     if a.mode == "stream":
-        emit(a, "bandwidth_" + size_label(a.size), a.size * a.count / elapsed, "GB/s")
+        emit_line(a, "bandwidth_" + size_label(a.size), a.size * a.count / elapsed, "GB/s")
     else:
-        emit(a, "async_throughput", a.count * 1e9 / elapsed, "calls/s")
+        emit_line(a, "async_throughput", a.count * 1e9 / elapsed, "calls/s")
 
 
 def run_rank(a):
@@ -169,39 +141,8 @@ def run_rank(a):
         rpc.shutdown()  # graceful: waits for the other rank
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv):
-    a = parse_args(argv)
-    if a.rank != 0:
-        run_rank(a)
-        return 0
-    if importlib.util.find_spec("torch") is None:
-        print("torch_rpc.py: torch is not installed for %s; skipping" % sys.executable, file=sys.stderr)
-        return 0
-    a.port = free_port()
-    child = subprocess.Popen([sys.executable, os.path.abspath(__file__)] + argv +
-                             ["--rank", "1", "--port", str(a.port)])
-    try:
-        run_rank(a)
-    except BaseException:
-        child.kill()
-        child.wait()
-        raise
-    try:
-        rc = child.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
-        rc = -1
-    if rc != 0:
-        print("torch_rpc.py: rank 1 exited with %d" % rc, file=sys.stderr)
-        return 1
-    return 0
+    return rpc_main("torch_rpc.py", __file__, argv, parse_args(argv), 2, run_rank)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,11 @@ nothing, says so on stderr and exits 0.
 import argparse
 import collections
 import gc
-import importlib.util
-import json
 import os
-import socket
-import subprocess
 import sys
 import time
+
+from torchlib import add_rank_args, emit, parse_size, percentile, rpc_main, size_label
 
 DEFAULT_INFLIGHT = 16
 SMALL = 64
@@ -48,24 +46,13 @@ def owner_rrefs():
     return int(_rref_context_get_debug_info()["num_owner_rrefs"])
 
 
-def parse_size(s):
-    s = s.strip()
-    mult = 1
-    for suffix, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if s.upper().endswith(suffix):
-            s, mult = s[:-1], m
-            break
-    return int(s) * mult
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["latency", "fork"])
     p.add_argument("nums", nargs="+", help="SIZE ITERS | N [INFLIGHT]")
     p.add_argument("--threads", type=int, default=8, help="num_worker_threads of every rank")
     p.add_argument("--timeout", type=float, default=300.0, help="rpc_timeout in seconds")
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    add_rank_args(p)
     a = p.parse_args(argv)
     n = [parse_size(x) for x in a.nums]
     if a.mode == "latency" and len(n) == 2:
@@ -82,24 +69,9 @@ def parse_args(argv):
     return a
 
 
-def size_label(size):
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if size >= (1 << shift) and size % (1 << shift) == 0:
-            return "%d%s" % (size >> shift, unit)
-    return "%dB" % size
-
-
-def percentile(sorted_v, p):
-    """Nearest rank, as bench_common.h."""
-    k = int(p / 100.0 * len(sorted_v) + 0.999999)
-    return sorted_v[min(max(k, 1), len(sorted_v)) - 1]
-
-
-def emit(a, metric, value, unit):
-    line = {"system": "torch_rpc", "metric": metric, "value": float("%.6g" % value), "unit": unit,
-            "size": a.size, "count": a.count, "window": a.window, "warmup": a.warmup,
-            "threads": a.threads}
-    print(json.dumps(line, separators=(",", ":")), flush=True)
+def emit_line(a, metric, value, unit):
+    emit("torch_rpc", metric, value, unit, size=a.size, count=a.count, window=a.window, warmup=a.warmup,
+         threads=a.threads)
 
 
 def wait_owner_settled(rpc, timeout=60.0):
@@ -127,8 +99,8 @@ def measure(a, torch, rpc):
                 rtt.append(dt)
         rtt.sort()
         label = size_label(a.size)
-        emit(a, "remote_to_here_p50_" + label, percentile(rtt, 50) / 1e3, "us")
-        emit(a, "remote_to_here_p99_" + label, percentile(rtt, 99) / 1e3, "us")
+        emit_line(a, "remote_to_here_p50_" + label, percentile(rtt, 50) / 1e3, "us")
+        emit_line(a, "remote_to_here_p99_" + label, percentile(rtt, 99) / 1e3, "us")
         return
 
     owner = rpc.get_worker_info("worker1")
@@ -155,8 +127,8 @@ def measure(a, torch, rpc):
     run(a.count)
     wait_owner_settled(rpc)
     elapsed = now() - t0
-    emit(a, "fork_throughput", 2 * a.count * 1e9 / elapsed, "forks/s")
-    emit(a, "fork_ops_throughput", a.count * 1e9 / elapsed, "ops/s")
+    emit_line(a, "fork_throughput", 2 * a.count * 1e9 / elapsed, "forks/s")
+    emit_line(a, "fork_ops_throughput", a.count * 1e9 / elapsed, "ops/s")
 
 
 def run_rank(a):
@@ -175,43 +147,9 @@ def run_rank(a):
         rpc.shutdown()  # graceful: waits for the other ranks
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv):
     a = parse_args(argv)
-    if a.rank != 0:
-        run_rank(a)
-        return 0
-    if importlib.util.find_spec("torch") is None:
-        print("torch_rref.py: torch is not installed for %s; skipping" % sys.executable, file=sys.stderr)
-        return 0
-    a.port = free_port()
-    children = [subprocess.Popen([sys.executable, os.path.abspath(__file__)] + argv +
-                                 ["--rank", str(r), "--port", str(a.port)])
-                for r in range(1, a.world)]
-    try:
-        run_rank(a)
-    except BaseException:
-        for c in children:
-            c.kill()
-            c.wait()
-        raise
-    bad = 0
-    for r, c in enumerate(children, 1):
-        try:
-            rc = c.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            c.kill()
-            c.wait()
-            rc = -1
-        if rc != 0:
-            print("torch_rref.py: rank %d exited with %d" % (r, rc), file=sys.stderr)
-            bad = 1
-    return bad
+    return rpc_main("torch_rref.py", __file__, argv, a, a.world, run_rank)
 
 
 if __name__ == "__main__":

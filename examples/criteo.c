@@ -32,6 +32,8 @@
  */
 #include "criteo.h"
 
+#include "common.h"
+
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -87,34 +89,6 @@ static int reserve(criteo_set_t *set, int64_t cap, int with_logit)
     return 0;
 }
 
-int criteo_parse_int(const char *s, int64_t min, int64_t max, int64_t *v_p)
-{
-    char *end = NULL;
-    long long v;
-
-    errno = 0;
-    v = strtoll(s, &end, 10);
-    if (errno != 0 || end == s || *end != '\0' || v < min || v > max) {
-        return -1;
-    }
-    *v_p = (int64_t)v;
-    return 0;
-}
-
-int criteo_parse_double(const char *s, double min, double max, double *v_p)
-{
-    char *end = NULL;
-    double v;
-
-    errno = 0;
-    v = strtod(s, &end);
-    if (errno != 0 || end == s || *end != '\0' || !isfinite(v) || v < min || v > max) {
-        return -1;
-    }
-    *v_p = v;
-    return 0;
-}
-
 /* ------------------------------------------------------------------ loader */
 
 static int parse_count(const char *s, const char *end, float *x_p)
@@ -132,7 +106,7 @@ static int parse_count(const char *s, const char *end, float *x_p)
     }
     memcpy(buf, s, len);
     buf[len] = '\0';
-    if (criteo_parse_int(buf, INT64_MIN, INT64_MAX, &v) != 0) {
+    if (ex_parse_int(buf, INT64_MIN, INT64_MAX, &v) != 0) {
         return -1;
     }
     *x_p = v > 0 ? (float)log1p((double)v) : 0.0f;

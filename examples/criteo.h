@@ -48,9 +48,4 @@ int criteo_synth(const criteo_synth_opts_t *o, criteo_set_t *set);
 /** Frees the arrays of @p set and zeroes it. */
 void criteo_free(criteo_set_t *set);
 
-/** Parses a whole decimal integer in [min, max]. @return 0, or -1. */
-int criteo_parse_int(const char *s, int64_t min, int64_t max, int64_t *v_p);
-/** Parses a whole finite number in [min, max]. @return 0, or -1. */
-int criteo_parse_double(const char *s, double min, double max, double *v_p);
-
 #endif

@@ -57,29 +57,26 @@
  * Exit status: 0 on success, 2 for bad options or data that cannot be read, 1 for any other
  * failure.
  */
-#include <getopt.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include <weft/weft.h>
 
+#include "common.h"
 #include "criteo.h"
 
-#define PROG                "ctr_train"
-#define MAX_LAYERS          8
-#define MAX_PARAMS          (2 * MAX_LAYERS)
-#define N_PULLS             (CRITEO_SPARSE + MAX_PARAMS)
-#define SHUTDOWN_TIMEOUT_MS 30000
-#define EXIT_USAGE          2
-#define EVAL_CHUNK          8192
-#define EMB_INIT            0.01
-#define EMB_ACC             3e-5 /* Adagrad's initial accumulator for a batch of EMB_ACC_BATCH */
-#define EMB_ACC_BATCH       1024
-#define CHUNK_BYTES         (64 * 1024)
+#define PROG          "ctr_train"
+#define MAX_PARAMS    (2 * EX_MAX_LAYERS)
+#define N_PULLS       (CRITEO_SPARSE + MAX_PARAMS)
+#define EXIT_USAGE    EX_EXIT_USAGE
+#define EVAL_CHUNK    8192
+#define EMB_INIT      0.01
+#define EMB_ACC       3e-5 /* Adagrad's initial accumulator for a batch of EMB_ACC_BATCH */
+#define EMB_ACC_BATCH 1024
+#define CHUNK_BYTES   (64 * 1024)
 
 /* ---------------------------------------------------------- configuration */
 
@@ -93,8 +90,7 @@ typedef struct {
     int64_t samples;
     int64_t values; /* synthetic: distinct values per feature */
     double zipf;    /* synthetic: Zipf exponent */
-    int n_hidden;
-    int64_t hidden[MAX_LAYERS];
+    ex_sizes_t hidden;
     uint64_t seed;
     const char *data;
     weft_ps_consistency_t mode;
@@ -103,11 +99,6 @@ typedef struct {
     int json;
     int threads;
 } config_t;
-
-static const char *mode_name(weft_ps_consistency_t mode)
-{
-    return mode == WEFT_PS_SYNC ? "sync" : mode == WEFT_PS_ASYNC ? "async" : "bounded";
-}
 
 static void usage(FILE *out)
 {
@@ -130,60 +121,28 @@ static void usage(FILE *out)
                  "  --json          print a JSON summary line at the end (first worker)\n");
 }
 
-static int parse_hidden(const char *s, config_t *cfg)
-{
-    char buf[256];
-    char *save = NULL;
-    int n = 0;
-
-    if (strlen(s) >= sizeof(buf)) {
-        return -1;
-    }
-    strcpy(buf, s);
-    for (char *tok = strtok_r(buf, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
-        if (n == MAX_LAYERS - 1 || criteo_parse_int(tok, 1, 1 << 16, &cfg->hidden[n]) != 0) {
-            return -1;
-        }
-        n++;
-    }
-    if (n == 0) {
-        return -1;
-    }
-    cfg->n_hidden = n;
-    return 0;
-}
-
-static int parse_mode(const char *s, weft_ps_consistency_t *mode_p)
-{
-    if (strcmp(s, "sync") == 0) {
-        *mode_p = WEFT_PS_SYNC;
-    } else if (strcmp(s, "async") == 0) {
-        *mode_p = WEFT_PS_ASYNC;
-    } else if (strcmp(s, "bounded") == 0) {
-        *mode_p = WEFT_PS_BOUNDED;
-    } else {
-        return -1;
-    }
-    return 0;
-}
-
 /* Returns 0, 1 after --help, or EXIT_USAGE after a message. */
 static int parse_args(int argc, char **argv, config_t *cfg)
 {
-    static const struct option longopts[] = {
-        {"epochs", required_argument, NULL, 'e'},  {"batch", required_argument, NULL, 'b'},
-        {"lr", required_argument, NULL, 'l'},      {"emb-lr", required_argument, NULL, 'E'},
-        {"dim", required_argument, NULL, 'D'},     {"rows", required_argument, NULL, 'R'},
-        {"hidden", required_argument, NULL, 'H'},  {"samples", required_argument, NULL, 'n'},
-        {"values", required_argument, NULL, 'V'},  {"zipf", required_argument, NULL, 'z'},
-        {"seed", required_argument, NULL, 's'},    {"data", required_argument, NULL, 'd'},
-        {"mode", required_argument, NULL, 'M'},    {"staleness", required_argument, NULL, 'A'},
-        {"threads", required_argument, NULL, 'T'}, {"json", no_argument, NULL, 'j'},
-        {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
+    const ex_opt_t opts[] = {
+        EX_INT("epochs", &cfg->epochs, 1, 100000),
+        EX_I64("batch", &cfg->batch, 1, 1 << 22),
+        EX_DOUBLE("lr", &cfg->lr, 0.0, 1e6),
+        EX_DOUBLE("emb-lr", &cfg->emb_lr, 0.0, 1e6),
+        EX_I64("dim", &cfg->dim, 1, 4096),
+        EX_I64("rows", &cfg->rows, 2, UINT32_MAX),
+        EX_SIZES("hidden", &cfg->hidden),
+        EX_I64("samples", &cfg->samples, 2, 1LL << 31),
+        EX_I64("values", &cfg->values, 1, 1 << 20),
+        EX_DOUBLE("zipf", &cfg->zipf, 0.0, 10.0),
+        EX_U64("seed", &cfg->seed, 0, INT64_MAX),
+        EX_STR("data", &cfg->data),
+        EX_MODE("mode", &cfg->mode),
+        {"staleness", EX_OPT_I64, &cfg->staleness, 0, 1000000, 0, 0, &cfg->staleness_set},
+        EX_INT("threads", &cfg->threads, 1, 256),
+        EX_FLAG("json", &cfg->json),
     };
-    int64_t iv = 0;
-    int index = 0;
-    int c;
+    int rc;
 
     memset(cfg, 0, sizeof(*cfg));
     cfg->epochs = 2;
@@ -195,86 +154,16 @@ static int parse_args(int argc, char **argv, config_t *cfg)
     cfg->samples = 1000000;
     cfg->values = 10000;
     cfg->zipf = 1.2;
-    cfg->n_hidden = 2;
-    cfg->hidden[0] = 64;
-    cfg->hidden[1] = 32;
+    cfg->hidden.n = 2;
+    cfg->hidden.v[0] = 64;
+    cfg->hidden.v[1] = 32;
     cfg->seed = 1;
     cfg->mode = WEFT_PS_SYNC;
     cfg->staleness = 2;
     cfg->threads = 1;
-
-    while ((c = getopt_long(argc, argv, "h", longopts, &index)) != -1) {
-        int bad = 0;
-        switch (c) {
-        case 'e':
-            bad = criteo_parse_int(optarg, 1, 100000, &iv);
-            cfg->epochs = (int)iv;
-            break;
-        case 'b':
-            bad = criteo_parse_int(optarg, 1, 1 << 22, &cfg->batch);
-            break;
-        case 'l':
-            bad = criteo_parse_double(optarg, 0.0, 1e6, &cfg->lr);
-            break;
-        case 'E':
-            bad = criteo_parse_double(optarg, 0.0, 1e6, &cfg->emb_lr);
-            break;
-        case 'D':
-            bad = criteo_parse_int(optarg, 1, 4096, &cfg->dim);
-            break;
-        case 'R':
-            bad = criteo_parse_int(optarg, 2, UINT32_MAX, &cfg->rows);
-            break;
-        case 'H':
-            bad = parse_hidden(optarg, cfg);
-            break;
-        case 'n':
-            bad = criteo_parse_int(optarg, 2, 1LL << 31, &cfg->samples);
-            break;
-        case 'V':
-            bad = criteo_parse_int(optarg, 1, 1 << 20, &cfg->values);
-            break;
-        case 'z':
-            bad = criteo_parse_double(optarg, 0.0, 10.0, &cfg->zipf);
-            break;
-        case 's':
-            bad = criteo_parse_int(optarg, 0, INT64_MAX, &iv);
-            cfg->seed = (uint64_t)iv;
-            break;
-        case 'd':
-            cfg->data = optarg;
-            break;
-        case 'M':
-            bad = parse_mode(optarg, &cfg->mode);
-            break;
-        case 'A':
-            bad = criteo_parse_int(optarg, 0, 1000000, &cfg->staleness);
-            cfg->staleness_set = 1;
-            break;
-        case 'T':
-            bad = criteo_parse_int(optarg, 1, 256, &iv);
-            cfg->threads = (int)iv;
-            break;
-        case 'j':
-            cfg->json = 1;
-            break;
-        case 'h':
-            usage(stdout);
-            return 1;
-        default:
-            usage(stderr);
-            return EXIT_USAGE;
-        }
-        if (bad != 0) {
-            fprintf(stderr, PROG ": bad value '%s' for --%s\n", optarg, longopts[index].name);
-            usage(stderr);
-            return EXIT_USAGE;
-        }
-    }
-    if (optind != argc) {
-        fprintf(stderr, PROG ": unexpected argument '%s'\n", argv[optind]);
-        usage(stderr);
-        return EXIT_USAGE;
+    rc = ex_parse_opts(PROG, argc, argv, opts, sizeof(opts) / sizeof(opts[0]), usage);
+    if (rc != 0) {
+        return rc;
     }
     if (cfg->staleness_set && cfg->mode != WEFT_PS_BOUNDED) {
         fprintf(stderr, PROG ": --staleness is for --mode bounded\n");
@@ -287,7 +176,7 @@ static int parse_args(int argc, char **argv, config_t *cfg)
 
 typedef struct {
     int n_sizes;
-    int64_t sizes[MAX_LAYERS + 1];
+    int64_t sizes[EX_MAX_LAYERS + 1];
     weft_ps_table_t *emb[CRITEO_SPARSE]; /* owned by the PS */
     int n_dense;
     char names[MAX_PARAMS][32];
@@ -296,7 +185,7 @@ typedef struct {
 
 static void fail(const char *what, weft_status_t st)
 {
-    fprintf(stderr, PROG ": %s: %s: %s\n", what, weft_status_name(st), weft_last_error());
+    ex_fail(PROG, what, st);
 }
 
 /* Adagrad's initial accumulator for the rows: a prior that keeps a row seen a few times from
@@ -321,15 +210,9 @@ static int tables_create(weft_ps_t *ps, const config_t *cfg, tables_t *tb)
 {
     char name[32];
     weft_ps_table_spec_t spec;
-    weft_status_t st;
 
     memset(tb, 0, sizeof(*tb));
-    tb->n_sizes = cfg->n_hidden + 2;
-    tb->sizes[0] = CRITEO_DENSE + CRITEO_SPARSE * cfg->dim;
-    for (int l = 0; l < cfg->n_hidden; l++) {
-        tb->sizes[l + 1] = cfg->hidden[l];
-    }
-    tb->sizes[tb->n_sizes - 1] = 1;
+    tb->n_sizes = ex_mlp_sizes(&cfg->hidden, CRITEO_DENSE + CRITEO_SPARSE * cfg->dim, 1, tb->sizes);
     tb->n_dense = 2 * (tb->n_sizes - 1);
 
     for (int f = 0; f < CRITEO_SPARSE; f++) {
@@ -344,40 +227,19 @@ static int tables_create(weft_ps_t *ps, const config_t *cfg, tables_t *tb)
         spec.optimizer = WEFT_PS_ADAGRAD;
         spec.adagrad.lr = cfg->emb_lr;
         spec.adagrad.initial_accumulator_value = emb_accumulator(cfg);
-        st = weft_ps_table_create(ps, &spec, 0, &tb->emb[f]);
-        if (st != WEFT_OK) {
-            fprintf(stderr, PROG ": table %s: %s: %s\n", name, weft_status_name(st),
-                    weft_last_error());
+        if (ex_ps_table_create(PROG, ps, &spec, &tb->emb[f]) != 0) {
             return -1;
         }
     }
     for (int i = 0; i < tb->n_dense; i++) {
-        int l = i / 2;
-        double bound = 1.0 / sqrt((double)tb->sizes[l]);
-
-        snprintf(tb->names[i], sizeof(tb->names[i]), "fc%d.%s", l + 1,
-                 i % 2 == 0 ? "weight" : "bias");
+        ex_linear_name(i, tb->names[i], sizeof(tb->names[i]));
         snprintf(name, sizeof(name), "mlp.%s", tb->names[i]);
-        weft_ps_table_spec_init(&spec, name, WEFT_PS_DENSE);
+        ex_ps_linear_spec(tb->sizes, i, name, &spec);
         table_common(cfg, &spec);
-        if (i % 2 == 0) {
-            spec.ndim = 2;
-            spec.shape[0] = tb->sizes[l + 1];
-            spec.shape[1] = tb->sizes[l];
-        } else {
-            spec.ndim = 1;
-            spec.shape[0] = tb->sizes[l + 1];
-        }
-        spec.init = WEFT_PS_UNIFORM; /* torch's nn.Linear: uniform(+-1/sqrt(fan_in)) */
-        spec.init_a = -bound;
-        spec.init_b = bound;
         spec.optimizer = WEFT_PS_ADAM;
         spec.adam.lr = cfg->lr;
         spec.chunk_bytes = CHUNK_BYTES;
-        st = weft_ps_table_create(ps, &spec, 0, &tb->dense[i]);
-        if (st != WEFT_OK) {
-            fprintf(stderr, PROG ": table %s: %s: %s\n", name, weft_status_name(st),
-                    weft_last_error());
+        if (ex_ps_table_create(PROG, ps, &spec, &tb->dense[i]) != 0) {
             return -1;
         }
     }
@@ -386,27 +248,9 @@ static int tables_create(weft_ps_t *ps, const config_t *cfg, tables_t *tb)
 
 /* ------------------------------------------------------------------ futures */
 
-/* Waits for @p n futures and releases them; on a failure prints the first failed one's error. */
 static int wait_all(weft_future_t **fs, int n, const char *what)
 {
-    weft_status_t st = n > 0 ? weft_future_wait_all(fs, (size_t)n, 0) : WEFT_OK;
-    int rc = 0;
-
-    for (int i = 0; i < n; i++) {
-        weft_status_t fst = weft_future_status(fs[i]);
-
-        if (rc == 0 && fst != WEFT_OK) {
-            fprintf(stderr, PROG ": %s: %s: %s\n", what, weft_status_name(fst),
-                    weft_future_error(fs[i]));
-            rc = -1;
-        }
-        weft_future_release(fs[i]);
-    }
-    if (st != WEFT_OK && rc == 0) {
-        fprintf(stderr, PROG ": %s: %s\n", what, weft_status_name(st));
-        rc = -1;
-    }
-    return rc;
+    return ex_wait_all(PROG, fs, n, what);
 }
 
 /* ------------------------------------------------------------------ lookups */
@@ -502,25 +346,15 @@ typedef struct {
 /* The worker's MLP, whose parameters the pulls overwrite. */
 static weft_status_t model_init(model_t *m, const config_t *cfg, const tables_t *tb)
 {
-    weft_rng_t rng;
     weft_status_t st;
 
     memset(m, 0, sizeof(*m));
-    weft_rng_init(&rng, cfg->seed, 0);
-    st = weft_nn_mlp_create(tb->n_sizes, tb->sizes, NULL, &rng, &m->mlp);
+    st = ex_mlp_for_tables(PROG, tb->n_sizes, tb->sizes, cfg->seed, &m->mlp);
     if (st != WEFT_OK) {
         return st;
     }
     m->params = weft_nn_mlp_params(m->mlp);
     m->n = weft_param_list_size(m->params);
-    for (int i = 0; i < m->n; i++) {
-        if (i >= tb->n_dense || strcmp(weft_param_list_name(m->params, i), tb->names[i]) != 0) {
-            fprintf(stderr, PROG ": parameter %d is %s, its table %s\n", i,
-                    weft_param_list_name(m->params, i), i < tb->n_dense ? tb->names[i] : "none");
-            weft_nn_mlp_free(m->mlp);
-            return WEFT_ERR_INVALID_STATE;
-        }
-    }
     return WEFT_OK;
 }
 
@@ -698,14 +532,6 @@ typedef struct {
     int64_t steps;  /* per epoch */
 } job_t;
 
-static double now_s(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* The held-out logloss and AUC of the model on the servers now. */
 static int evaluate(const job_t *job, const model_t *m, double *logloss_p, double *auc_p)
 {
@@ -787,24 +613,6 @@ static void ceiling(const job_t *job, double *logloss_p, double *auc_p)
     *logloss_p = loss / (double)job->n_eval;
     *auc_p = auc(s, job->n_eval);
     free(s);
-}
-
-/* This epoch's order of the training samples: a seeded permutation, the same on every worker. */
-static void epoch_perm(uint64_t seed, int epoch, int64_t n, int64_t *perm)
-{
-    weft_rng_t rng;
-
-    weft_rng_init(&rng, seed, 1000 + (uint64_t)epoch);
-    for (int64_t i = 0; i < n; i++) {
-        perm[i] = i;
-    }
-    for (int64_t i = n - 1; i > 0; i--) {
-        int64_t j = (int64_t)weft_rng_below(&rng, (uint64_t)i + 1);
-        int64_t t = perm[i];
-
-        perm[i] = perm[j];
-        perm[j] = t;
-    }
 }
 
 /* One step on samples idx[0..k): pull, forward, backward, push; *loss_p gets the mean loss. */
@@ -907,35 +715,30 @@ static int train(const job_t *job)
     int64_t *perm = malloc((size_t)job->n_train * sizeof(*perm));
     int64_t *idx = malloc((size_t)(job->batch / job->nw + 1) * sizeof(*idx));
     model_t m;
-    double t_start = now_s();
+    double t_start = ex_now();
     double train_time = 0;
     double ll = NAN, au = NAN, ceil_ll = NAN, ceil_auc = NAN, train_loss = NAN;
     int64_t samples = 0;
     weft_status_t st;
     int rc = 1;
 
+    memset(&m, 0, sizeof(m));
     if (perm == NULL || idx == NULL) {
         fprintf(stderr, PROG ": out of memory\n");
-        free(perm);
-        free(idx);
-        return 1;
+        goto out;
     }
     st = model_init(&m, cfg, job->tb);
     if (st != WEFT_OK) {
         fail("model", st);
-        free(perm);
-        free(idx);
-        return 1;
+        goto out;
     }
     if (lead) {
-        printf("CTR model: 26 sparse tables (dim %lld, %lld rows, Adagrad lr %g), MLP %lld",
-               (long long)cfg->dim, (long long)cfg->rows, cfg->emb_lr,
-               (long long)job->tb->sizes[0]);
-        for (int l = 1; l < job->tb->n_sizes; l++) {
-            printf("-%lld", (long long)job->tb->sizes[l]);
-        }
+        printf("CTR model: 26 sparse tables (dim %lld, %lld rows, Adagrad lr %g), ",
+               (long long)cfg->dim, (long long)cfg->rows, cfg->emb_lr);
+        ex_print_mlp(job->tb->n_sizes, job->tb->sizes);
         printf(" (Adam lr %g); %zu servers, %d workers, batch %lld, %s", cfg->lr,
-               weft_ps_num_servers(job->ps), job->nw, (long long)job->batch, mode_name(cfg->mode));
+               weft_ps_num_servers(job->ps), job->nw, (long long)job->batch,
+               ex_mode_name(cfg->mode));
         if (cfg->mode == WEFT_PS_BOUNDED) {
             printf(" (staleness %lld)", (long long)cfg->staleness);
         }
@@ -951,10 +754,10 @@ static int train(const job_t *job)
         double t_epoch = 0;
         double loss_sum = 0;
 
-        epoch_perm(cfg->seed, epoch, job->n_train, perm);
+        ex_epoch_perm(cfg->seed, epoch, job->n_train, perm);
         for (int64_t s = 0; s < job->steps; s++) {
             const int64_t *b = perm + s * job->batch;
-            double t0 = now_s();
+            double t0 = ex_now();
             double loss = 0;
             int64_t k = 0;
 
@@ -965,7 +768,7 @@ static int train(const job_t *job)
                 goto out;
             }
             loss_sum += loss;
-            t_epoch += now_s() - t0;
+            t_epoch += ex_now() - t0;
             samples += job->batch;
         }
         train_time += t_epoch;
@@ -991,12 +794,12 @@ static int train(const job_t *job)
             printf(", ceiling %.4f (gap %.4f)", ceil_auc, ceil_auc - au);
         }
         printf(", logloss %.4f, %.0f samples/s, %lld steps, %.1f s\n", ll, rate,
-               (long long)weft_ps_worker_clock(job->ps), now_s() - t_start);
+               (long long)weft_ps_worker_clock(job->ps), ex_now() - t_start);
         if (cfg->json) {
             printf("{\"system\":\"weft-ps\",\"example\":\"ctr_train\",\"mode\":\"%s\","
                    "\"servers\":%zu,\"workers\":%d,\"batch\":%lld,\"dim\":%lld,\"epochs\":%d,"
                    "\"steps\":%lld,\"train_samples\":%lld,\"eval_samples\":%lld",
-                   mode_name(cfg->mode), weft_ps_num_servers(job->ps), job->nw,
+                   ex_mode_name(cfg->mode), weft_ps_num_servers(job->ps), job->nw,
                    (long long)job->batch, (long long)cfg->dim, cfg->epochs,
                    (long long)weft_ps_worker_clock(job->ps), (long long)job->n_train,
                    (long long)job->n_eval);
@@ -1023,13 +826,10 @@ int main(int argc, char **argv)
 {
     config_t cfg;
     criteo_set_t set = {0};
-    weft_agent_opts_t opts;
-    weft_ps_opts_t ps_opts;
     weft_agent_t *a = NULL;
     weft_ps_t *ps = NULL;
     tables_t tb;
     job_t job;
-    weft_status_t st;
     int rc;
 
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -1044,19 +844,7 @@ int main(int argc, char **argv)
         return EXIT_USAGE;
     }
 
-    weft_agent_opts_init(&opts);
-    opts.handler_threads = 2; /* a server answers pushes while pulls wait for a step */
-    st = weft_agent_create(&opts, &a);
-    if (st == WEFT_OK) {
-        /* Before the join: the servers' function must exist when the first request comes. */
-        weft_ps_opts_init(&ps_opts); /* roles from WEFT_PS_SERVERS (weftrun --servers) */
-        st = weft_ps_create(a, &ps_opts, &ps);
-    }
-    if (st == WEFT_OK) {
-        st = weft_agent_join(a);
-    }
-    if (st != WEFT_OK) {
-        fail("cannot start the parameter server", st);
+    if (ex_ps_start(PROG, &a, &ps) != 0) {
         rc = 1;
         goto out;
     }
@@ -1075,7 +863,7 @@ int main(int argc, char **argv)
         job.nw = (int)weft_ps_num_workers(ps);
         if (cfg.data == NULL) {
             criteo_synth_opts_t so;
-            double t0 = now_s();
+            double t0 = ex_now();
 
             criteo_synth_opts_init(&so, cfg.samples, (uint64_t)cfg.rows, cfg.seed);
             so.values = cfg.values;
@@ -1093,7 +881,7 @@ int main(int argc, char **argv)
                 printf("synthetic Criteo-like data: %lld samples (seed %llu, Zipf %g over %lld "
                        "values per feature, click rate %.3f), made in %.1f s\n",
                        (long long)set.n, (unsigned long long)cfg.seed, cfg.zipf,
-                       (long long)cfg.values, (double)pos / (double)set.n, now_s() - t0);
+                       (long long)cfg.values, (double)pos / (double)set.n, ex_now() - t0);
             }
         } else if (job.w == 0) {
             printf("loaded %lld samples (%lld skipped) from %s\n", (long long)set.n,
@@ -1114,19 +902,10 @@ int main(int argc, char **argv)
         }
     }
     criteo_free(&set);
-    /* Servers serve until every worker is done; workers say they are. */
-    st = weft_ps_finish(ps, 0);
-    if (st != WEFT_OK) {
-        fail("finish", st);
-        rc = rc != 0 ? rc : 1;
-    }
+    rc = ex_ps_finish(PROG, ps, rc);
 
 out_shutdown:
-    st = weft_agent_shutdown(a, SHUTDOWN_TIMEOUT_MS);
-    if (st != WEFT_OK) {
-        fail("shutdown", st);
-        rc = rc != 0 ? rc : 1;
-    }
+    rc = ex_agent_shutdown(PROG, a, rc);
 out:
     weft_agent_free(a);
     criteo_free(&set);

@@ -22,25 +22,21 @@
  * Exit status: 0 on success, 2 for bad options or missing or corrupt data, 1 for any other
  * failure (including parameters that differ between ranks).
  */
-#include <getopt.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <weft/weft.h>
 
+#include "common.h"
 #include "mnist.h"
 
-#define DEFAULT_DATA_DIR    "/usr/share/datasets/fashion-mnist"
-#define NCLASS              MNIST_CLASSES
-#define MAX_LAYERS          8
-#define SHUTDOWN_TIMEOUT_MS 30000
-#define EXIT_USAGE          2
+#define PROG       "dp_train"
+#define NCLASS     MNIST_CLASSES
+#define EXIT_USAGE EX_EXIT_USAGE
 
 /* ---------------------------------------------------------- configuration */
 
@@ -51,8 +47,7 @@ typedef struct {
     double momentum;
     double weight_decay;
     int nesterov;
-    int n_hidden;
-    int64_t hidden[MAX_LAYERS];
+    ex_sizes_t hidden;
     uint64_t seed;
     int64_t limit;  /* 0: all training samples */
     int eval_every; /* steps; 0: after each epoch only */
@@ -82,144 +77,48 @@ static void usage(FILE *out)
             "  --threads N        BLAS threads per rank (default 1)\n"
             "  --json             print a JSON summary line at the end (rank 0)\n"
             "  --data DIR         Fashion-MNIST IDX files (default $WEFT_DATA_DIR, else\n"
-            "                     " DEFAULT_DATA_DIR ")\n");
-}
-
-static int parse_hidden(const char *s, config_t *cfg)
-{
-    char buf[256];
-    char *save = NULL;
-    int n = 0;
-
-    if (strlen(s) >= sizeof(buf)) {
-        return -1;
-    }
-    strcpy(buf, s);
-    for (char *tok = strtok_r(buf, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
-        if (n == MAX_LAYERS - 1 || parse_int_arg(tok, 1, 1 << 16, &cfg->hidden[n]) != 0) {
-            return -1;
-        }
-        n++;
-    }
-    if (n == 0) {
-        return -1;
-    }
-    cfg->n_hidden = n;
-    return 0;
+            "                     " MNIST_DEFAULT_DIR ")\n");
 }
 
 /* Returns 0, 1 after --help, or EXIT_USAGE after a message. */
 static int parse_args(int argc, char **argv, config_t *cfg)
 {
-    static const struct option longopts[] = {
-        {"epochs", required_argument, NULL, 'e'},
-        {"batch", required_argument, NULL, 'b'},
-        {"lr", required_argument, NULL, 'l'},
-        {"momentum", required_argument, NULL, 'm'},
-        {"nesterov", no_argument, NULL, 'N'},
-        {"weight-decay", required_argument, NULL, 'w'},
-        {"hidden", required_argument, NULL, 'H'},
-        {"seed", required_argument, NULL, 's'},
-        {"limit", required_argument, NULL, 'n'},
-        {"eval-every", required_argument, NULL, 'E'},
-        {"target", required_argument, NULL, 't'},
-        {"stop-at-target", no_argument, NULL, 'S'},
-        {"threads", required_argument, NULL, 'T'},
-        {"json", no_argument, NULL, 'j'},
-        {"data", required_argument, NULL, 'd'},
-        {"help", no_argument, NULL, 'h'},
-        {NULL, 0, NULL, 0},
+    const ex_opt_t opts[] = {
+        EX_INT("epochs", &cfg->epochs, 1, 100000),
+        EX_INT("batch", &cfg->batch, 1, 1 << 20),
+        EX_DOUBLE("lr", &cfg->lr, 0.0, 1e6),
+        EX_DOUBLE("momentum", &cfg->momentum, 0.0, 0.999999),
+        EX_FLAG("nesterov", &cfg->nesterov),
+        EX_DOUBLE("weight-decay", &cfg->weight_decay, 0.0, 1e6),
+        EX_SIZES("hidden", &cfg->hidden),
+        EX_U64("seed", &cfg->seed, 0, INT64_MAX),
+        EX_I64("limit", &cfg->limit, 1, INT64_MAX),
+        EX_INT("eval-every", &cfg->eval_every, 0, INT32_MAX),
+        EX_DOUBLE("target", &cfg->target, 0.0, 1.0),
+        EX_FLAG("stop-at-target", &cfg->stop_at_target),
+        EX_INT("threads", &cfg->threads, 1, 256),
+        EX_FLAG("json", &cfg->json),
+        EX_STR("data", &cfg->data_dir),
     };
-    const char *env = weft_config_str("WEFT_DATA_DIR"); /* its default is DEFAULT_DATA_DIR */
-    int64_t iv = 0;
-    int index = 0;
-    int c;
+    int rc;
 
     memset(cfg, 0, sizeof(*cfg));
     cfg->epochs = 3;
     cfg->batch = 64;
     cfg->lr = 0.02;
     cfg->momentum = 0.9;
-    cfg->n_hidden = 1;
-    cfg->hidden[0] = 256;
+    cfg->hidden.n = 1;
+    cfg->hidden.v[0] = 256;
     cfg->seed = 1;
     cfg->target = 0.85;
     cfg->threads = 1;
-    cfg->data_dir = env != NULL && *env != '\0' ? env : DEFAULT_DATA_DIR;
-
-    while ((c = getopt_long(argc, argv, "h", longopts, &index)) != -1) {
-        int bad = 0;
-        switch (c) {
-        case 'e':
-            bad = parse_int_arg(optarg, 1, 100000, &iv);
-            cfg->epochs = (int)iv;
-            break;
-        case 'b':
-            bad = parse_int_arg(optarg, 1, 1 << 20, &iv);
-            cfg->batch = (int)iv;
-            break;
-        case 'l':
-            bad = parse_double_arg(optarg, 0.0, 1e6, &cfg->lr);
-            break;
-        case 'm':
-            bad = parse_double_arg(optarg, 0.0, 0.999999, &cfg->momentum);
-            break;
-        case 'N':
-            cfg->nesterov = 1;
-            break;
-        case 'w':
-            bad = parse_double_arg(optarg, 0.0, 1e6, &cfg->weight_decay);
-            break;
-        case 'H':
-            bad = parse_hidden(optarg, cfg);
-            break;
-        case 's':
-            bad = parse_int_arg(optarg, 0, INT64_MAX, &iv);
-            cfg->seed = (uint64_t)iv;
-            break;
-        case 'n':
-            bad = parse_int_arg(optarg, 1, INT64_MAX, &cfg->limit);
-            break;
-        case 'E':
-            bad = parse_int_arg(optarg, 0, INT32_MAX, &iv);
-            cfg->eval_every = (int)iv;
-            break;
-        case 't':
-            bad = parse_double_arg(optarg, 0.0, 1.0, &cfg->target);
-            break;
-        case 'S':
-            cfg->stop_at_target = 1;
-            break;
-        case 'T':
-            bad = parse_int_arg(optarg, 1, 256, &iv);
-            cfg->threads = (int)iv;
-            break;
-        case 'j':
-            cfg->json = 1;
-            break;
-        case 'd':
-            cfg->data_dir = optarg;
-            break;
-        case 'h':
-            usage(stdout);
-            return 1;
-        default:
-            usage(stderr);
-            return EXIT_USAGE;
-        }
-        if (bad != 0) {
-            fprintf(stderr, "dp_train: bad value '%s' for --%s\n", optarg, longopts[index].name);
-            usage(stderr);
-            return EXIT_USAGE;
-        }
-    }
-    if (optind != argc) {
-        fprintf(stderr, "dp_train: unexpected argument '%s'\n", argv[optind]);
-        usage(stderr);
-        return EXIT_USAGE;
+    cfg->data_dir = mnist_default_dir();
+    rc = ex_parse_opts(PROG, argc, argv, opts, sizeof(opts) / sizeof(opts[0]), usage);
+    if (rc != 0) {
+        return rc;
     }
     if (cfg->nesterov && cfg->momentum == 0.0) {
-        fprintf(stderr, "dp_train: --nesterov needs a momentum above 0\n");
+        fprintf(stderr, PROG ": --nesterov needs a momentum above 0\n");
         return EXIT_USAGE;
     }
     return 0;
@@ -235,7 +134,7 @@ static int parse_args(int argc, char **argv, config_t *cfg)
  */
 typedef struct {
     int n_sizes;
-    int64_t sizes[MAX_LAYERS + 1];
+    int64_t sizes[EX_MAX_LAYERS + 1];
     weft_nn_mlp_t *mlp;
     const weft_param_list_t *params; /* borrowed from the MLP */
     int64_t numel;
@@ -259,12 +158,7 @@ static weft_status_t model_init(model_t *m, const config_t *cfg, int64_t inputs)
     weft_status_t st;
 
     memset(m, 0, sizeof(*m));
-    m->n_sizes = cfg->n_hidden + 2;
-    m->sizes[0] = inputs;
-    for (int l = 0; l < cfg->n_hidden; l++) {
-        m->sizes[l + 1] = cfg->hidden[l];
-    }
-    m->sizes[m->n_sizes - 1] = NCLASS;
+    m->n_sizes = ex_mlp_sizes(&cfg->hidden, inputs, NCLASS, m->sizes);
     weft_rng_init(&rng, cfg->seed, 0);
     st = weft_nn_mlp_create(m->n_sizes, m->sizes, NULL, &rng, &m->mlp);
     if (st != WEFT_OK) {
@@ -311,38 +205,6 @@ static weft_status_t model_broadcast(const model_t *m, weft_pg_t *pg)
     return st;
 }
 
-/* The parameters, packed into one new flat tensor. */
-static weft_status_t model_pack(const model_t *m, weft_tensor_t **flat_p)
-{
-    weft_tensor_t *flat = NULL;
-    int64_t n = m->numel;
-    weft_status_t st;
-
-    st = weft_tensor_empty(WEFT_F32, 1, &n, &flat);
-    if (st == WEFT_OK) {
-        st = weft_param_list_pack(m->params, flat);
-    }
-    if (st != WEFT_OK) {
-        weft_tensor_release(flat);
-        return st;
-    }
-    *flat_p = flat;
-    return WEFT_OK;
-}
-
-static uint64_t fnv1a(const void *p, size_t n)
-{
-    const unsigned char *c = p;
-    uint64_t h = 0xcbf29ce484222325ULL;
-
-    for (size_t i = 0; i < n; i++) {
-        h = (h ^ c[i]) * 0x100000001b3ULL;
-    }
-    return h;
-}
-
-/* ------------------------------------------------------------------- data */
-
 /* ------------------------------------------------------------------ train */
 
 typedef struct {
@@ -356,17 +218,9 @@ typedef struct {
     int64_t used;
 } job_t;
 
-static double now_s(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static void fail(const char *what, weft_status_t st)
 {
-    fprintf(stderr, "dp_train: %s: %s: %s\n", what, weft_status_name(st), weft_last_error());
+    ex_fail(PROG, what, st);
 }
 
 /* Test accuracy over all ranks: each scores images rank, rank + W, ... */
@@ -378,22 +232,6 @@ static int evaluate(const job_t *job, const model_t *m, double *acc_p)
         return -1;
     }
     return 0;
-}
-
-static void progress(const job_t *job, int epoch, int64_t step, int64_t steps, double loss,
-                     double rate, int tty)
-{
-    char bar[31];
-    int fill = (int)(30 * (step + 1) / steps);
-
-    for (int i = 0; i < 30; i++) {
-        bar[i] = i < fill ? '#' : '.';
-    }
-    bar[30] = '\0';
-    printf("%sepoch %d/%d [%s] %lld/%lld loss %.4f %.0f samples/s%s", tty ? "\r" : "", epoch + 1,
-           job->cfg->epochs, bar, (long long)(step + 1), (long long)steps, loss, rate,
-           tty ? "" : "\n");
-    fflush(stdout);
 }
 
 /* Max and sum over ranks of the peak resident set, in MiB. */
@@ -433,45 +271,6 @@ static int peak_rss(const job_t *job, double *max_p, double *sum_p)
     return 0;
 }
 
-/* Compares every rank's parameters with rank 0's, bit for bit; 1 when all match. */
-static int params_identical(const job_t *job, const model_t *m, int *same_p, uint64_t *hash_p)
-{
-    int64_t one = 1;
-    weft_tensor_t *copy = NULL;
-    weft_tensor_t *flag = NULL;
-    weft_status_t st;
-
-    weft_tensor_t *mine = NULL;
-
-    st = model_pack(m, &mine);
-    if (st == WEFT_OK) {
-        st = weft_tensor_clone(mine, &copy);
-    }
-    if (st == WEFT_OK) {
-        st = weft_coll_broadcast(job->pg, copy, 0, NULL);
-    }
-    if (st == WEFT_OK) {
-        st = weft_tensor_create(WEFT_I32, 1, &one, &flag);
-    }
-    if (st == WEFT_OK) {
-        ((int32_t *)weft_tensor_data(flag))[0] =
-            memcmp(weft_tensor_data(copy), weft_tensor_data(mine), weft_tensor_nbytes(copy)) == 0;
-        st = weft_coll_all_reduce(job->pg, flag, WEFT_MIN, NULL);
-    }
-    if (st == WEFT_OK) {
-        *same_p = ((int32_t *)weft_tensor_data(flag))[0];
-        *hash_p = fnv1a(weft_tensor_data(mine), weft_tensor_nbytes(mine));
-    }
-    weft_tensor_release(mine);
-    weft_tensor_release(copy);
-    weft_tensor_release(flag);
-    if (st != WEFT_OK) {
-        fail("parameter check", st);
-        return -1;
-    }
-    return 0;
-}
-
 static int train(const job_t *job)
 {
     const config_t *cfg = job->cfg;
@@ -497,18 +296,15 @@ static int train(const job_t *job)
     weft_status_t st;
     int rc = 1;
 
+    memset(&m, 0, sizeof(m));
     if (perm == NULL || shard == NULL) {
-        fprintf(stderr, "dp_train: out of memory\n");
-        free(perm);
-        free(shard);
-        return 1;
+        fprintf(stderr, PROG ": out of memory\n");
+        goto out;
     }
     st = model_init(&m, cfg, d);
     if (st != WEFT_OK) {
         fail("model", st);
-        free(perm);
-        free(shard);
-        return 1;
+        goto out;
     }
     /* Rank 0's initial parameters everywhere. */
     st = model_broadcast(&m, job->pg);
@@ -517,10 +313,7 @@ static int train(const job_t *job)
         goto out;
     }
     if (job->rank == 0) {
-        printf("MLP %lld", (long long)m.sizes[0]);
-        for (int l = 1; l < m.n_sizes; l++) {
-            printf("-%lld", (long long)m.sizes[l]);
-        }
+        ex_print_mlp(m.n_sizes, m.sizes);
         printf(" (%lld parameters) on %lld Fashion-MNIST images, %d rank%s, batch %d per rank, "
                "SGD lr %g momentum %g, %lld steps per epoch\n",
                (long long)m.numel, (long long)job->used, job->world, job->world > 1 ? "s" : "",
@@ -535,25 +328,13 @@ static int train(const job_t *job)
         mnist_epoch_shard(cfg->seed, epoch, job->used, job->rank, job->world, perm, shard, shard_n);
         for (int64_t s = 0; s < steps; s++) {
             int64_t k = s + 1 < steps ? cfg->batch : shard_n - s * cfg->batch;
-            weft_tensor_t *x = NULL;
-            weft_tensor_t *y = NULL;
-            weft_tensor_t *logits = NULL;
-            weft_tensor_t *loss = NULL;
-            double t0 = now_s();
+            double loss = 0;
+            double t0 = ex_now();
 
-            st = mnist_batch(job->train, shard + s * cfg->batch, k, &x, &y);
+            memset(weft_tensor_data(m.grad), 0, weft_tensor_nbytes(m.grad));
+            st = mnist_loss_backward(job->train, m.mlp, shard + s * cfg->batch, k, &loss);
             if (st == WEFT_OK) {
-                st = weft_nn_mlp_forward(m.mlp, x, &logits);
-            }
-            if (st == WEFT_OK) {
-                st = weft_op_cross_entropy(logits, y, WEFT_REDUCTION_MEAN, &loss);
-            }
-            if (st == WEFT_OK) {
-                memset(weft_tensor_data(m.grad), 0, weft_tensor_nbytes(m.grad));
-                st = weft_backward(loss, NULL, 0);
-            }
-            if (st == WEFT_OK) {
-                loss_sum += ((float *)weft_tensor_data(loss))[0];
+                loss_sum += loss;
                 loss_n++;
                 /* Average the gradients of every rank: one all_reduce over the flat buffer. */
                 st = weft_coll_all_reduce(job->pg, m.grad, WEFT_AVG, NULL);
@@ -561,21 +342,17 @@ static int train(const job_t *job)
             if (st == WEFT_OK) {
                 st = weft_optimizer_step(m.opt);
             }
-            weft_tensor_release(loss);
-            weft_tensor_release(logits);
-            weft_tensor_release(x);
-            weft_tensor_release(y);
             if (st != WEFT_OK) {
                 fail("training step", st);
                 goto out;
             }
-            t_epoch += now_s() - t0;
+            t_epoch += ex_now() - t0;
             samples += k * job->world;
             step_total++;
             if (job->rank == 0 &&
                 (tty || (s + 1) % (steps / 10 > 0 ? steps / 10 : 1) == 0 || s + 1 == steps)) {
-                progress(job, epoch, s, steps, loss_sum / (double)loss_n,
-                         (double)samples / (train_time + t_epoch), tty);
+                ex_progress(epoch, cfg->epochs, s, steps, loss_sum / (double)loss_n,
+                            (double)samples / (train_time + t_epoch), tty);
             }
             if ((cfg->eval_every > 0 && step_total % cfg->eval_every == 0) || s + 1 == steps) {
                 if (evaluate(job, &m, &acc) != 0) {
@@ -604,7 +381,8 @@ static int train(const job_t *job)
         }
     }
 
-    if (params_identical(job, &m, &same, &hash) != 0 || peak_rss(job, &rss_max, &rss_sum) != 0) {
+    if (ex_params_identical(PROG, job->pg, m.params, &same, &hash) != 0 ||
+        peak_rss(job, &rss_max, &rss_sum) != 0) {
         goto out;
     }
     if (job->rank == 0) {
@@ -618,7 +396,7 @@ static int train(const job_t *job)
             printf("{\"system\":\"weft\",\"world\":%d,\"batch\":%d,\"lr\":%g,\"momentum\":%g,"
                    "\"hidden\":%lld,\"epochs_run\":%d,\"steps\":%lld,\"samples_per_s\":%.1f,"
                    "\"time_to_target_s\":",
-                   job->world, cfg->batch, cfg->lr, cfg->momentum, (long long)cfg->hidden[0],
+                   job->world, cfg->batch, cfg->lr, cfg->momentum, (long long)cfg->hidden.v[0],
                    epochs_run, (long long)step_total, (double)samples / train_time);
             if (reached) {
                 printf("%.3f", time_to_target);
@@ -659,7 +437,7 @@ int main(int argc, char **argv)
     }
     weft_op_set_threads(cfg.threads);
     /* Data first: a missing or corrupt file ends the run before any rank waits for it. */
-    if (mnist_load_splits("dp_train", cfg.data_dir, &train_set, &test_set) != 0) {
+    if (mnist_load_splits(PROG, cfg.data_dir, &train_set, &test_set) != 0) {
         return EXIT_USAGE;
     }
 
@@ -691,11 +469,7 @@ int main(int argc, char **argv)
     weft_pg_free(job.pg);
 
 out_shutdown:
-    st = weft_agent_shutdown(a, SHUTDOWN_TIMEOUT_MS);
-    if (st != WEFT_OK) {
-        fail("shutdown", st);
-        rc = 1;
-    }
+    rc = ex_agent_shutdown(PROG, a, rc);
 out:
     weft_agent_free(a);
     mnist_free(&train_set);

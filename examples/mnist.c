@@ -3,6 +3,8 @@
  * than trained on. */
 #include "mnist.h"
 
+#include "common.h"
+
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -249,28 +251,11 @@ int mnist_load_splits(const char *prog, const char *dir, mnist_set_t *train_p, m
     return 0;
 }
 
-int parse_int_arg(const char *s, int64_t min, int64_t max, int64_t *v_p)
+const char *mnist_default_dir(void)
 {
-    char *end;
-    long long v = strtoll(s, &end, 10);
+    const char *env = weft_config_str("WEFT_DATA_DIR"); /* its default is MNIST_DEFAULT_DIR */
 
-    if (*s == '\0' || *end != '\0' || v < min || v > max) {
-        return -1;
-    }
-    *v_p = v;
-    return 0;
-}
-
-int parse_double_arg(const char *s, double min, double max, double *v_p)
-{
-    char *end;
-    double v = strtod(s, &end);
-
-    if (*s == '\0' || *end != '\0' || !(v >= min && v <= max)) {
-        return -1;
-    }
-    *v_p = v;
-    return 0;
+    return env != NULL && *env != '\0' ? env : MNIST_DEFAULT_DIR;
 }
 
 weft_status_t mnist_batch(const mnist_set_t *set, const int64_t *idx, int64_t k,
@@ -304,21 +289,39 @@ weft_status_t mnist_batch(const mnist_set_t *set, const int64_t *idx, int64_t k,
     return WEFT_OK;
 }
 
+weft_status_t mnist_loss_backward(const mnist_set_t *set, weft_nn_mlp_t *mlp, const int64_t *idx,
+                                  int64_t k, double *loss_p)
+{
+    weft_tensor_t *x = NULL;
+    weft_tensor_t *y = NULL;
+    weft_tensor_t *logits = NULL;
+    weft_tensor_t *loss = NULL;
+    weft_status_t st;
+
+    st = mnist_batch(set, idx, k, &x, &y);
+    if (st == WEFT_OK) {
+        st = weft_nn_mlp_forward(mlp, x, &logits);
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_cross_entropy(logits, y, WEFT_REDUCTION_MEAN, &loss);
+    }
+    if (st == WEFT_OK) {
+        st = weft_backward(loss, NULL, 0);
+    }
+    if (st == WEFT_OK) {
+        *loss_p = ((const float *)weft_tensor_data(loss))[0];
+    }
+    weft_tensor_release(loss);
+    weft_tensor_release(logits);
+    weft_tensor_release(x);
+    weft_tensor_release(y);
+    return st;
+}
+
 void mnist_epoch_shard(uint64_t seed, int epoch, int64_t n, int part, int parts, int64_t *perm,
                        int64_t *shard, int64_t shard_n)
 {
-    weft_rng_t rng;
-
-    weft_rng_init(&rng, seed, 1000 + (uint64_t)epoch);
-    for (int64_t i = 0; i < n; i++) {
-        perm[i] = i;
-    }
-    for (int64_t i = n - 1; i > 0; i--) {
-        int64_t j = (int64_t)weft_rng_below(&rng, (uint64_t)i + 1);
-        int64_t t = perm[i];
-        perm[i] = perm[j];
-        perm[j] = t;
-    }
+    ex_epoch_perm(seed, epoch, n, perm);
     for (int64_t i = 0; i < shard_n; i++) {
         shard[i] = perm[(part + i * parts) % n];
     }

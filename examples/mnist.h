@@ -14,6 +14,8 @@
 
 /** Number of classes the labels may take (0..9). */
 #define MNIST_CLASSES 10
+/** Where Debian's dataset-fashion-mnist puts the IDX files: --data's default. */
+#define MNIST_DEFAULT_DIR "/usr/share/datasets/fashion-mnist"
 
 /** One split: @c count images of @c rows x @c cols bytes and their labels. */
 typedef struct {
@@ -44,10 +46,8 @@ weft_status_t mnist_load(const char *dir, const char *prefix, mnist_set_t *set_p
  */
 int mnist_load_splits(const char *prog, const char *dir, mnist_set_t *train_p, mnist_set_t *test_p);
 
-/** Parses a whole decimal integer in [min, max] into *v_p; -1 (nothing set) otherwise. */
-int parse_int_arg(const char *s, int64_t min, int64_t max, int64_t *v_p);
-/** Parses a whole number in [min, max] into *v_p; -1 (nothing set) otherwise. */
-int parse_double_arg(const char *s, double min, double max, double *v_p);
+/** The data directory without --data: $WEFT_DATA_DIR if set, else MNIST_DEFAULT_DIR. */
+const char *mnist_default_dir(void);
 
 /** Frees what mnist_load filled in; leaves @p set empty. */
 void mnist_free(mnist_set_t *set);
@@ -56,6 +56,12 @@ void mnist_free(mnist_set_t *set);
  * deviation) and labels [k] (i64) of samples idx[0..k) of @p set. Caller releases both. */
 weft_status_t mnist_batch(const mnist_set_t *set, const int64_t *idx, int64_t k,
                           weft_tensor_t **x_p, weft_tensor_t **y_p);
+
+/* One training step's forward and backward: the mean cross-entropy of @p mlp on samples idx[0..k)
+ * of @p set, its gradient accumulated into the parameters' gradients (the caller zeroes them
+ * first), its value into @p loss_p. The step's graph is released. */
+weft_status_t mnist_loss_backward(const mnist_set_t *set, weft_nn_mlp_t *mlp, const int64_t *idx,
+                                  int64_t k, double *loss_p);
 
 /* Epoch @p epoch's samples for part @p part of @p parts (torch's DistributedSampler): a
  * permutation of 0..n-1 drawn from @p seed and the epoch (into @p perm, n entries), then the

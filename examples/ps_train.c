@@ -35,8 +35,10 @@
  * worker's; weft_ps_table_stats). --eval-every N scores the same way every N steps too ("step N:
  * test accuracy X%, training T s"; bench/run_train.py takes time to target from these lines).
  *
- * Checkpoints: with --checkpoint-dir every worker calls weft_ps_save after the same step (every
- * --checkpoint-every steps, else at the end of each epoch, and at the end of training). --resume
+ * Checkpoints: with --checkpoint-dir every worker calls weft_ps_save after the same step: every
+ * --checkpoint-every steps and/or once --checkpoint-seconds of wall clock have passed since the
+ * last checkpoint (whichever comes first; worker 0's clock decides for all, see ck_timer_t),
+ * else at the end of each epoch; and at the end of training. --resume
  * DIR loads such a checkpoint into the new tables (weft_ps_load) and goes on from its step (the
  * restored weft_ps_worker_clock) until --epochs: the step gives the epoch and the position in it,
  * and the shuffle of an epoch depends only on the seed, so a resumed sync run ends with the very
@@ -48,26 +50,23 @@
  * not fit, 1 for any other failure (including parameters that differ between workers).
  */
 #include <errno.h>
-#include <getopt.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <weft/weft.h>
 
+#include "common.h"
 #include "mnist.h"
 
-#define DEFAULT_DATA_DIR    "/usr/share/datasets/fashion-mnist"
-#define NCLASS              MNIST_CLASSES
-#define MAX_LAYERS          8
-#define MAX_PARAMS          (2 * MAX_LAYERS)
-#define SHUTDOWN_TIMEOUT_MS 30000
-#define EXIT_USAGE          2
-#define META_FILE           "ps_train.meta"
+#define PROG       "ps_train"
+#define NCLASS     MNIST_CLASSES
+#define MAX_PARAMS (2 * EX_MAX_LAYERS)
+#define EXIT_USAGE EX_EXIT_USAGE
+#define META_FILE  "ps_train.meta"
+#define CK_LAG_MAX 16 /* steps a decision of --checkpoint-seconds may lag (ck_timer_t) */
 
 /* ---------------------------------------------------------- configuration */
 
@@ -78,8 +77,7 @@ typedef struct {
     double momentum;
     double weight_decay;
     int nesterov;
-    int n_hidden;
-    int64_t hidden[MAX_LAYERS];
+    ex_sizes_t hidden;
     uint64_t seed;
     int64_t limit; /* 0: all training samples */
     weft_ps_consistency_t mode;
@@ -87,8 +85,9 @@ typedef struct {
     int staleness_set;
     int64_t chunk_bytes;
     const char *checkpoint_dir;
-    int64_t checkpoint_every; /* steps; 0: at the end of each epoch */
-    int64_t eval_every;       /* steps; 0: after each epoch only */
+    int64_t checkpoint_every;  /* steps; 0: none by step */
+    double checkpoint_seconds; /* 0: none by time; without either, at the end of each epoch */
+    int64_t eval_every;        /* steps; 0: after each epoch only */
     const char *resume_dir;
     double target;
     int json;
@@ -97,223 +96,98 @@ typedef struct {
     const char *data_dir;
 } config_t;
 
-static const char *mode_name(weft_ps_consistency_t mode)
-{
-    return mode == WEFT_PS_SYNC ? "sync" : mode == WEFT_PS_ASYNC ? "async" : "bounded";
-}
-
 static void usage(FILE *out)
 {
-    fprintf(out,
-            "usage: weftrun -n N --servers S ps_train [options]\n"
-            "  --mode M           sync, async or bounded (default sync)\n"
-            "  --staleness S      bounded mode: steps a worker may run ahead (default 2)\n"
-            "  --epochs N         passes over the training set (default 3)\n"
-            "  --batch N          minibatch size per worker (default 64)\n"
-            "  --lr X             SGD learning rate on the servers (default 0.02)\n"
-            "  --momentum X       SGD momentum (default 0.9)\n"
-            "  --nesterov         Nesterov momentum\n"
-            "  --weight-decay X   L2 weight decay (default 0)\n"
-            "  --hidden N[,N...]  hidden layer sizes (default 256: MLP 784-256-10)\n"
-            "  --seed N           initialisation and shuffling seed (default 1)\n"
-            "  --limit N          train on the first N training samples only\n"
-            "  --chunk-bytes N    bytes per table chunk placed on a server (default 65536)\n"
-            "  --checkpoint-dir D write checkpoints to D (weft_ps_save)\n"
-            "  --checkpoint-every N  steps between checkpoints (default: each epoch's end)\n"
-            "  --resume D         go on from the checkpoint in D until --epochs\n"
-            "  --target X         test accuracy the final line compares with (default 0.85)\n"
-            "  --eval-every N     also measure test accuracy every N steps (default: per epoch)\n"
-            "  --threads N        BLAS threads per worker (default 1)\n"
-            "  --json             print a JSON summary line at the end (first worker)\n"
-            "  --verbose          print the servers' counters at the end\n"
-            "  --data DIR         Fashion-MNIST IDX files (default $WEFT_DATA_DIR, else\n"
-            "                     " DEFAULT_DATA_DIR ")\n");
-}
-
-static int parse_hidden(const char *s, config_t *cfg)
-{
-    char buf[256];
-    char *save = NULL;
-    int n = 0;
-
-    if (strlen(s) >= sizeof(buf)) {
-        return -1;
-    }
-    strcpy(buf, s);
-    for (char *tok = strtok_r(buf, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
-        if (n == MAX_LAYERS - 1 || parse_int_arg(tok, 1, 1 << 16, &cfg->hidden[n]) != 0) {
-            return -1;
-        }
-        n++;
-    }
-    if (n == 0) {
-        return -1;
-    }
-    cfg->n_hidden = n;
-    return 0;
-}
-
-static int parse_mode(const char *s, weft_ps_consistency_t *mode_p)
-{
-    if (strcmp(s, "sync") == 0) {
-        *mode_p = WEFT_PS_SYNC;
-    } else if (strcmp(s, "async") == 0) {
-        *mode_p = WEFT_PS_ASYNC;
-    } else if (strcmp(s, "bounded") == 0) {
-        *mode_p = WEFT_PS_BOUNDED;
-    } else {
-        return -1;
-    }
-    return 0;
+    fprintf(
+        out,
+        "usage: weftrun -n N --servers S ps_train [options]\n"
+        "  --mode M           sync, async or bounded (default sync)\n"
+        "  --staleness S      bounded mode: steps a worker may run ahead (default 2)\n"
+        "  --epochs N         passes over the training set (default 3)\n"
+        "  --batch N          minibatch size per worker (default 64)\n"
+        "  --lr X             SGD learning rate on the servers (default 0.02)\n"
+        "  --momentum X       SGD momentum (default 0.9)\n"
+        "  --nesterov         Nesterov momentum\n"
+        "  --weight-decay X   L2 weight decay (default 0)\n"
+        "  --hidden N[,N...]  hidden layer sizes (default 256: MLP 784-256-10)\n"
+        "  --seed N           initialisation and shuffling seed (default 1)\n"
+        "  --limit N          train on the first N training samples only\n"
+        "  --chunk-bytes N    bytes per table chunk placed on a server (default 65536)\n"
+        "  --checkpoint-dir D write checkpoints to D (weft_ps_save)\n"
+        "  --checkpoint-every N    steps between checkpoints\n"
+        "  --checkpoint-seconds T  seconds (wall clock, worker 0's) between checkpoints; with\n"
+        "                          both, whichever comes first (without either: each epoch's end)\n"
+        "  --resume D         go on from the checkpoint in D until --epochs\n"
+        "  --target X         test accuracy the final line compares with (default 0.85)\n"
+        "  --eval-every N     also measure test accuracy every N steps (default: per epoch)\n"
+        "  --threads N        BLAS threads per worker (default 1)\n"
+        "  --json             print a JSON summary line at the end (first worker)\n"
+        "  --verbose          print the servers' counters at the end\n"
+        "  --data DIR         Fashion-MNIST IDX files (default $WEFT_DATA_DIR, else\n"
+        "                     " MNIST_DEFAULT_DIR ")\n");
 }
 
 /* Returns 0, 1 after --help, or EXIT_USAGE after a message. */
 static int parse_args(int argc, char **argv, config_t *cfg)
 {
-    static const struct option longopts[] = {
-        {"epochs", required_argument, NULL, 'e'},
-        {"batch", required_argument, NULL, 'b'},
-        {"lr", required_argument, NULL, 'l'},
-        {"momentum", required_argument, NULL, 'm'},
-        {"nesterov", no_argument, NULL, 'N'},
-        {"weight-decay", required_argument, NULL, 'w'},
-        {"hidden", required_argument, NULL, 'H'},
-        {"seed", required_argument, NULL, 's'},
-        {"limit", required_argument, NULL, 'n'},
-        {"mode", required_argument, NULL, 'M'},
-        {"staleness", required_argument, NULL, 'A'},
-        {"chunk-bytes", required_argument, NULL, 'C'},
-        {"checkpoint-dir", required_argument, NULL, 'c'},
-        {"checkpoint-every", required_argument, NULL, 'k'},
-        {"resume", required_argument, NULL, 'r'},
-        {"target", required_argument, NULL, 't'},
-        {"eval-every", required_argument, NULL, 'E'},
-        {"threads", required_argument, NULL, 'T'},
-        {"json", no_argument, NULL, 'j'},
-        {"verbose", no_argument, NULL, 'v'},
-        {"data", required_argument, NULL, 'd'},
-        {"help", no_argument, NULL, 'h'},
-        {NULL, 0, NULL, 0},
+    const ex_opt_t opts[] = {
+        EX_INT("epochs", &cfg->epochs, 1, 100000),
+        EX_INT("batch", &cfg->batch, 1, 1 << 20),
+        EX_DOUBLE("lr", &cfg->lr, 0.0, 1e6),
+        EX_DOUBLE("momentum", &cfg->momentum, 0.0, 0.999999),
+        EX_FLAG("nesterov", &cfg->nesterov),
+        EX_DOUBLE("weight-decay", &cfg->weight_decay, 0.0, 1e6),
+        EX_SIZES("hidden", &cfg->hidden),
+        EX_U64("seed", &cfg->seed, 0, INT64_MAX),
+        EX_I64("limit", &cfg->limit, 1, INT64_MAX),
+        EX_MODE("mode", &cfg->mode),
+        {"staleness", EX_OPT_I64, &cfg->staleness, 0, 1000000, 0, 0, &cfg->staleness_set},
+        EX_I64("chunk-bytes", &cfg->chunk_bytes, 4, INT32_MAX),
+        EX_STR("checkpoint-dir", &cfg->checkpoint_dir),
+        EX_I64("checkpoint-every", &cfg->checkpoint_every, 1, INT64_MAX),
+        EX_DOUBLE("checkpoint-seconds", &cfg->checkpoint_seconds, 0.001, 1e9),
+        EX_STR("resume", &cfg->resume_dir),
+        EX_DOUBLE("target", &cfg->target, 0.0, 1.0),
+        EX_I64("eval-every", &cfg->eval_every, 1, INT64_MAX),
+        EX_INT("threads", &cfg->threads, 1, 256),
+        EX_FLAG("json", &cfg->json),
+        EX_FLAG("verbose", &cfg->verbose),
+        EX_STR("data", &cfg->data_dir),
     };
-    const char *env = weft_config_str("WEFT_DATA_DIR"); /* its default is DEFAULT_DATA_DIR */
-    int64_t iv = 0;
-    int index = 0;
-    int c;
+    int rc;
 
     memset(cfg, 0, sizeof(*cfg));
     cfg->epochs = 3;
     cfg->batch = 64;
     cfg->lr = 0.02;
     cfg->momentum = 0.9;
-    cfg->n_hidden = 1;
-    cfg->hidden[0] = 256;
+    cfg->hidden.n = 1;
+    cfg->hidden.v[0] = 256;
     cfg->seed = 1;
     cfg->mode = WEFT_PS_SYNC;
     cfg->staleness = 2;
     cfg->chunk_bytes = 64 * 1024;
     cfg->target = 0.85;
     cfg->threads = 1;
-    cfg->data_dir = env != NULL && *env != '\0' ? env : DEFAULT_DATA_DIR;
-
-    while ((c = getopt_long(argc, argv, "h", longopts, &index)) != -1) {
-        int bad = 0;
-        switch (c) {
-        case 'e':
-            bad = parse_int_arg(optarg, 1, 100000, &iv);
-            cfg->epochs = (int)iv;
-            break;
-        case 'b':
-            bad = parse_int_arg(optarg, 1, 1 << 20, &iv);
-            cfg->batch = (int)iv;
-            break;
-        case 'l':
-            bad = parse_double_arg(optarg, 0.0, 1e6, &cfg->lr);
-            break;
-        case 'm':
-            bad = parse_double_arg(optarg, 0.0, 0.999999, &cfg->momentum);
-            break;
-        case 'N':
-            cfg->nesterov = 1;
-            break;
-        case 'w':
-            bad = parse_double_arg(optarg, 0.0, 1e6, &cfg->weight_decay);
-            break;
-        case 'H':
-            bad = parse_hidden(optarg, cfg);
-            break;
-        case 's':
-            bad = parse_int_arg(optarg, 0, INT64_MAX, &iv);
-            cfg->seed = (uint64_t)iv;
-            break;
-        case 'n':
-            bad = parse_int_arg(optarg, 1, INT64_MAX, &cfg->limit);
-            break;
-        case 'M':
-            bad = parse_mode(optarg, &cfg->mode);
-            break;
-        case 'A':
-            bad = parse_int_arg(optarg, 0, 1000000, &cfg->staleness);
-            cfg->staleness_set = 1;
-            break;
-        case 'C':
-            bad = parse_int_arg(optarg, 4, INT32_MAX, &cfg->chunk_bytes);
-            break;
-        case 'c':
-            cfg->checkpoint_dir = optarg;
-            break;
-        case 'k':
-            bad = parse_int_arg(optarg, 1, INT64_MAX, &cfg->checkpoint_every);
-            break;
-        case 'r':
-            cfg->resume_dir = optarg;
-            break;
-        case 't':
-            bad = parse_double_arg(optarg, 0.0, 1.0, &cfg->target);
-            break;
-        case 'E':
-            bad = parse_int_arg(optarg, 1, INT64_MAX, &cfg->eval_every);
-            break;
-        case 'T':
-            bad = parse_int_arg(optarg, 1, 256, &iv);
-            cfg->threads = (int)iv;
-            break;
-        case 'j':
-            cfg->json = 1;
-            break;
-        case 'v':
-            cfg->verbose = 1;
-            break;
-        case 'd':
-            cfg->data_dir = optarg;
-            break;
-        case 'h':
-            usage(stdout);
-            return 1;
-        default:
-            usage(stderr);
-            return EXIT_USAGE;
-        }
-        if (bad != 0) {
-            fprintf(stderr, "ps_train: bad value '%s' for --%s\n", optarg, longopts[index].name);
-            usage(stderr);
-            return EXIT_USAGE;
-        }
-    }
-    if (optind != argc) {
-        fprintf(stderr, "ps_train: unexpected argument '%s'\n", argv[optind]);
-        usage(stderr);
-        return EXIT_USAGE;
+    cfg->data_dir = mnist_default_dir();
+    rc = ex_parse_opts(PROG, argc, argv, opts, sizeof(opts) / sizeof(opts[0]), usage);
+    if (rc != 0) {
+        return rc;
     }
     if (cfg->nesterov && cfg->momentum == 0.0) {
-        fprintf(stderr, "ps_train: --nesterov needs a momentum above 0\n");
+        fprintf(stderr, PROG ": --nesterov needs a momentum above 0\n");
         return EXIT_USAGE;
     }
     if (cfg->staleness_set && cfg->mode != WEFT_PS_BOUNDED) {
-        fprintf(stderr, "ps_train: --staleness is for --mode bounded\n");
+        fprintf(stderr, PROG ": --staleness is for --mode bounded\n");
         return EXIT_USAGE;
     }
     if (cfg->checkpoint_every > 0 && cfg->checkpoint_dir == NULL) {
-        fprintf(stderr, "ps_train: --checkpoint-every needs --checkpoint-dir\n");
+        fprintf(stderr, PROG ": --checkpoint-every needs --checkpoint-dir\n");
+        return EXIT_USAGE;
+    }
+    if (cfg->checkpoint_seconds > 0 && cfg->checkpoint_dir == NULL) {
+        fprintf(stderr, PROG ": --checkpoint-seconds needs --checkpoint-dir\n");
         return EXIT_USAGE;
     }
     return 0;
@@ -323,7 +197,7 @@ static int parse_args(int argc, char **argv, config_t *cfg)
 
 typedef struct {
     int n_sizes;
-    int64_t sizes[MAX_LAYERS + 1];
+    int64_t sizes[EX_MAX_LAYERS + 1];
     int n;                          /* tables: weight and bias of each layer */
     char names[MAX_PARAMS][32];     /* weft_nn_mlp's parameter names */
     weft_ps_table_t *t[MAX_PARAMS]; /* owned by the PS */
@@ -332,12 +206,7 @@ typedef struct {
 static void layer_sizes(const config_t *cfg, int64_t inputs, tables_t *tb)
 {
     memset(tb, 0, sizeof(*tb));
-    tb->n_sizes = cfg->n_hidden + 2;
-    tb->sizes[0] = inputs;
-    for (int l = 0; l < cfg->n_hidden; l++) {
-        tb->sizes[l + 1] = cfg->hidden[l];
-    }
-    tb->sizes[tb->n_sizes - 1] = NCLASS;
+    tb->n_sizes = ex_mlp_sizes(&cfg->hidden, inputs, NCLASS, tb->sizes);
     tb->n = 2 * (tb->n_sizes - 1);
 }
 
@@ -346,25 +215,10 @@ static void layer_sizes(const config_t *cfg, int64_t inputs, tables_t *tb)
 static int tables_create(weft_ps_t *ps, const config_t *cfg, tables_t *tb)
 {
     for (int i = 0; i < tb->n; i++) {
-        int l = i / 2;
-        double bound = 1.0 / sqrt((double)tb->sizes[l]);
         weft_ps_table_spec_t spec;
-        weft_status_t st;
 
-        snprintf(tb->names[i], sizeof(tb->names[i]), "fc%d.%s", l + 1,
-                 i % 2 == 0 ? "weight" : "bias");
-        weft_ps_table_spec_init(&spec, tb->names[i], WEFT_PS_DENSE);
-        if (i % 2 == 0) {
-            spec.ndim = 2;
-            spec.shape[0] = tb->sizes[l + 1];
-            spec.shape[1] = tb->sizes[l];
-        } else {
-            spec.ndim = 1;
-            spec.shape[0] = tb->sizes[l + 1];
-        }
-        spec.init = WEFT_PS_UNIFORM;
-        spec.init_a = -bound;
-        spec.init_b = bound;
+        ex_linear_name(i, tb->names[i], sizeof(tb->names[i]));
+        ex_ps_linear_spec(tb->sizes, i, tb->names[i], &spec);
         spec.seed = cfg->seed;
         spec.optimizer = WEFT_PS_SGD;
         spec.sgd.lr = cfg->lr;
@@ -374,10 +228,7 @@ static int tables_create(weft_ps_t *ps, const config_t *cfg, tables_t *tb)
         spec.consistency = cfg->mode;
         spec.staleness = cfg->mode == WEFT_PS_BOUNDED ? cfg->staleness : 0;
         spec.chunk_bytes = (uint64_t)cfg->chunk_bytes;
-        st = weft_ps_table_create(ps, &spec, 0, &tb->t[i]);
-        if (st != WEFT_OK) {
-            fprintf(stderr, "ps_train: table %s: %s: %s\n", tb->names[i], weft_status_name(st),
-                    weft_last_error());
+        if (ex_ps_table_create(PROG, ps, &spec, &tb->t[i]) != 0) {
             return -1;
         }
     }
@@ -413,34 +264,21 @@ static void model_free(model_t *m)
 
 static weft_status_t model_init(model_t *m, const config_t *cfg, const tables_t *tb)
 {
-    weft_rng_t rng;
     int64_t off = 0;
     weft_status_t st;
 
     memset(m, 0, sizeof(*m));
-    weft_rng_init(&rng, cfg->seed, 0);
-    st = weft_nn_mlp_create(tb->n_sizes, tb->sizes, NULL, &rng, &m->mlp);
+    st = ex_mlp_for_tables(PROG, tb->n_sizes, tb->sizes, cfg->seed, &m->mlp);
     if (st != WEFT_OK) {
         return st;
     }
     m->params = weft_nn_mlp_params(m->mlp);
     m->n = weft_param_list_size(m->params);
     m->numel = weft_param_list_numel(m->params);
-    if (m->n != tb->n) {
-        fprintf(stderr, "ps_train: the MLP has %d parameters, the tables are %d\n", m->n, tb->n);
-        model_free(m);
-        return WEFT_ERR_INVALID_STATE;
-    }
     st = weft_tensor_create(WEFT_F32, 1, &m->numel, &m->grad);
     for (int i = 0; st == WEFT_OK && i < m->n; i++) {
         weft_tensor_t *p = weft_param_list_get(m->params, i);
 
-        if (strcmp(weft_param_list_name(m->params, i), tb->names[i]) != 0) {
-            fprintf(stderr, "ps_train: parameter %d is %s, its table %s\n", i,
-                    weft_param_list_name(m->params, i), tb->names[i]);
-            st = WEFT_ERR_INVALID_STATE;
-            break;
-        }
         /* The region is borrowed from m->grad, which outlives the parameters' use of it. */
         st = weft_tensor_wrap(WEFT_F32, weft_tensor_ndim(p), weft_tensor_shape(p),
                               (float *)weft_tensor_data(m->grad) + off, weft_tensor_nbytes(p),
@@ -455,18 +293,6 @@ static weft_status_t model_init(model_t *m, const config_t *cfg, const tables_t 
     }
     return st;
 }
-
-static uint64_t fnv1a(uint64_t h, const void *p, size_t n)
-{
-    const unsigned char *c = p;
-
-    for (size_t i = 0; i < n; i++) {
-        h = (h ^ c[i]) * 0x100000001b3ULL;
-    }
-    return h;
-}
-
-/* ------------------------------------------------------------------- data */
 
 /* ------------------------------------------------------------------ train */
 
@@ -484,42 +310,14 @@ typedef struct {
     uint64_t hist[WEFT_PS_STALENESS_BUCKETS];
 } job_t;
 
-static double now_s(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static void fail(const char *what, weft_status_t st)
 {
-    fprintf(stderr, "ps_train: %s: %s: %s\n", what, weft_status_name(st), weft_last_error());
+    ex_fail(PROG, what, st);
 }
 
-/* Waits for @p n futures and releases them; on a failure prints the first failed one's error. */
 static int wait_all(weft_future_t **fs, int n, const char *what)
 {
-    weft_status_t st = weft_future_wait_all(fs, (size_t)n, 0);
-    int rc = 0;
-
-    for (int i = 0; i < n; i++) {
-        weft_status_t fst = weft_future_status(fs[i]);
-
-        if (rc == 0 && (st != WEFT_OK || fst != WEFT_OK)) {
-            if (fst != WEFT_OK) {
-                fprintf(stderr, "ps_train: %s: %s: %s\n", what, weft_status_name(fst),
-                        weft_future_error(fs[i]));
-                rc = -1;
-            }
-        }
-        weft_future_release(fs[i]);
-    }
-    if (st != WEFT_OK && rc == 0) {
-        fprintf(stderr, "ps_train: %s: %s\n", what, weft_status_name(st));
-        rc = -1;
-    }
-    return rc;
+    return ex_wait_all(PROG, fs, n, what);
 }
 
 /* Every table into the model's parameters, all pulls in flight at once. */
@@ -634,21 +432,6 @@ static int staleness_since(job_t *job, double *mean_p, int *max_p, uint64_t *pul
     return 0;
 }
 
-static void progress(const job_t *job, int epoch, int64_t step, double loss, double rate, int tty)
-{
-    char bar[31];
-    int fill = (int)(30 * (step + 1) / job->steps);
-
-    for (int i = 0; i < 30; i++) {
-        bar[i] = i < fill ? '#' : '.';
-    }
-    bar[30] = '\0';
-    printf("%sepoch %d/%d [%s] %lld/%lld loss %.4f %.0f samples/s%s", tty ? "\r" : "", epoch + 1,
-           job->cfg->epochs, bar, (long long)(step + 1), (long long)job->steps, loss, rate,
-           tty ? "" : "\n");
-    fflush(stdout);
-}
-
 /* What a checkpoint's step means: the sharding of the training set. */
 static void meta_text(const job_t *job, char *buf, size_t n)
 {
@@ -668,7 +451,7 @@ static int meta_write(const job_t *job, const char *dir)
     snprintf(tmp, sizeof(tmp), "%s/" META_FILE ".tmp", dir);
     f = fopen(tmp, "w");
     if (f == NULL || fputs(text, f) == EOF || fclose(f) != 0 || rename(tmp, path) != 0) {
-        fprintf(stderr, "ps_train: %s: %s\n", path, strerror(errno));
+        fprintf(stderr, PROG ": %s: %s\n", path, strerror(errno));
         return -1;
     }
     return 0;
@@ -688,8 +471,8 @@ static int meta_check(const job_t *job, const char *dir)
     if (f == NULL) {
         if (job->w == 0) {
             fprintf(stderr,
-                    "ps_train: no %s: assuming the same --batch, --limit, --seed and "
-                    "workers as the run that wrote the checkpoint\n",
+                    PROG ": no %s: assuming the same --batch, --limit, --seed and "
+                         "workers as the run that wrote the checkpoint\n",
                     path);
         }
         return 0;
@@ -701,8 +484,8 @@ static int meta_check(const job_t *job, const char *dir)
     if (strcmp(have, want) != 0) {
         have[strcspn(have, "\n")] = '\0';
         want[strcspn(want, "\n")] = '\0';
-        fprintf(stderr, "ps_train: the checkpoint in %s was written with %s, this run has %s\n",
-                dir, have, want);
+        fprintf(stderr, PROG ": the checkpoint in %s was written with %s, this run has %s\n", dir,
+                have, want);
         return -1;
     }
     return 0;
@@ -711,7 +494,7 @@ static int meta_check(const job_t *job, const char *dir)
 static int checkpoint(const job_t *job, int64_t step)
 {
     const char *dir = job->cfg->checkpoint_dir;
-    double t0 = now_s();
+    double t0 = ex_now();
     weft_status_t st = weft_ps_save(job->ps, dir, 0);
 
     if (st != WEFT_OK) {
@@ -722,49 +505,151 @@ static int checkpoint(const job_t *job, int64_t step)
         if (meta_write(job, dir) != 0) {
             return -1;
         }
-        printf("checkpoint at step %lld in %s (%.2f s)\n", (long long)step, dir, now_s() - t0);
+        printf("checkpoint at step %lld in %s (%.2f s)\n", (long long)step, dir, ex_now() - t0);
     }
     return 0;
 }
 
-/* Compares every worker's parameters with worker 0's, bit for bit. */
-static int params_identical(const job_t *job, const model_t *m, int *same_p, uint64_t *hash_p)
+/*
+ * --checkpoint-seconds T: when a checkpoint is due by time. weft_ps_save is collective over the
+ * workers, so they must all checkpoint after the same step, and their clocks do not agree on when
+ * T seconds have passed: worker 0's clock decides, and the workers' group carries its decision.
+ * After every step each worker issues one broadcast from worker 0 (asynchronous: it travels while
+ * the next steps run), in which worker 0 sends the number of checkpoints written so far if T
+ * seconds have passed since the last one ended (or since training started), else -1. The
+ * broadcast issued after step k is waited for after step k + lag, and every worker checkpoints
+ * there if it names the number of checkpoints written so far (one written meanwhile, by
+ * --checkpoint-every, makes it stale rather than doubling it). Every worker issues the same
+ * broadcasts in the same order, one per step, and a group runs its operations in the order they
+ * were issued, so all take the same decision after the same step, and none waits for a broadcast
+ * that another does not issue. The lag is how far a worker may run ahead of the slowest before a
+ * decision holds it back: 1 step in sync mode (the workers are in step anyway), the staleness
+ * bound + 1 in bounded mode, CK_LAG_MAX at most (async mode); a checkpoint comes that many steps
+ * after T.
+ */
+typedef struct {
+    double seconds; /* 0: off */
+    int lag;
+    int lead;        /* worker 0, whose clock decides */
+    double last;     /* worker 0: when the last checkpoint ended, or training started */
+    int64_t written; /* checkpoints written so far, by time or by step */
+    int64_t asked;   /* worker 0: the count it last asked a checkpoint for; -1: none */
+    int head;        /* the oldest broadcast in flight */
+    int pending;     /* broadcasts in flight */
+    weft_tensor_t *msg[CK_LAG_MAX]; /* i64 [1] each */
+    weft_future_t *work[CK_LAG_MAX];
+} ck_timer_t;
+
+static void ck_timer_free(ck_timer_t *ck)
 {
-    int64_t n = m->numel;
+    for (; ck->pending > 0; ck->pending--, ck->head = (ck->head + 1) % ck->lag) {
+        /* The tensor is borrowed by the broadcast until it completes (by its deadline). */
+        weft_future_wait(ck->work[ck->head], 0);
+        weft_future_release(ck->work[ck->head]);
+    }
+    for (int i = 0; i < CK_LAG_MAX; i++) {
+        weft_tensor_release(ck->msg[i]);
+    }
+    memset(ck, 0, sizeof(*ck));
+}
+
+static int ck_timer_init(ck_timer_t *ck, const job_t *job)
+{
+    const config_t *cfg = job->cfg;
     int64_t one = 1;
-    weft_tensor_t *mine = NULL;
-    weft_tensor_t *copy = NULL;
-    weft_tensor_t *flag = NULL;
+    int64_t lag = cfg->mode == WEFT_PS_SYNC      ? 1
+                  : cfg->mode == WEFT_PS_BOUNDED ? cfg->staleness + 1
+                                                 : CK_LAG_MAX;
+
+    memset(ck, 0, sizeof(*ck));
+    ck->seconds = cfg->checkpoint_seconds;
+    ck->lag = (int)(lag < CK_LAG_MAX ? lag : CK_LAG_MAX);
+    ck->lead = job->w == 0;
+    ck->last = ex_now();
+    ck->asked = -1;
+    for (int i = 0; ck->seconds > 0 && i < ck->lag; i++) {
+        weft_status_t st = weft_tensor_create(WEFT_I64, 1, &one, &ck->msg[i]);
+
+        if (st != WEFT_OK) {
+            fail("checkpoint timer", st);
+            ck_timer_free(ck);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Waits for the oldest decision in flight: @p due_p gets whether it asks for a checkpoint now. */
+static int ck_timer_take(ck_timer_t *ck, int *due_p)
+{
+    int i = ck->head;
+    weft_status_t st = weft_future_wait(ck->work[i], 0);
+
+    if (st != WEFT_OK) {
+        fprintf(stderr, PROG ": checkpoint timer: %s: %s\n", weft_status_name(st),
+                weft_future_error(ck->work[i]));
+    }
+    weft_future_release(ck->work[i]);
+    ck->head = (i + 1) % ck->lag;
+    ck->pending--;
+    if (st != WEFT_OK) {
+        return -1;
+    }
+    *due_p = ((const int64_t *)weft_tensor_data(ck->msg[i]))[0] == ck->written;
+    return 0;
+}
+
+/* After a step: whether worker 0's decision of lag steps ago asks for a checkpoint now. */
+static int ck_timer_due(ck_timer_t *ck, int *due_p)
+{
+    *due_p = 0;
+    if (ck->seconds == 0 || ck->pending < ck->lag) {
+        return 0;
+    }
+    return ck_timer_take(ck, due_p);
+}
+
+/* After a step's checkpoint, if any: worker 0's decision goes out. */
+static int ck_timer_post(ck_timer_t *ck, const job_t *job)
+{
+    int i = (ck->head + ck->pending) % ck->lag;
+    int64_t *v;
     weft_status_t st;
 
-    st = weft_tensor_empty(WEFT_F32, 1, &n, &mine);
-    if (st == WEFT_OK) {
-        st = weft_param_list_pack(m->params, mine);
+    if (ck->seconds == 0) {
+        return 0;
     }
-    if (st == WEFT_OK) {
-        st = weft_tensor_clone(mine, &copy);
+    v = weft_tensor_data(ck->msg[i]);
+    *v = -1;
+    if (ck->lead && ck->asked != ck->written && ex_now() - ck->last >= ck->seconds) {
+        *v = ck->written;
+        ck->asked = ck->written;
     }
-    if (st == WEFT_OK) {
-        st = weft_coll_broadcast(job->wpg, copy, 0, NULL);
-    }
-    if (st == WEFT_OK) {
-        st = weft_tensor_create(WEFT_I32, 1, &one, &flag);
-    }
-    if (st == WEFT_OK) {
-        ((int32_t *)weft_tensor_data(flag))[0] =
-            memcmp(weft_tensor_data(copy), weft_tensor_data(mine), weft_tensor_nbytes(copy)) == 0;
-        st = weft_coll_all_reduce(job->wpg, flag, WEFT_MIN, NULL);
-    }
-    if (st == WEFT_OK) {
-        *same_p = ((int32_t *)weft_tensor_data(flag))[0];
-        *hash_p = fnv1a(0xcbf29ce484222325ULL, weft_tensor_data(mine), weft_tensor_nbytes(mine));
-    }
-    weft_tensor_release(mine);
-    weft_tensor_release(copy);
-    weft_tensor_release(flag);
+    st = weft_coll_broadcast(job->wpg, ck->msg[i], 0, &ck->work[i]);
     if (st != WEFT_OK) {
-        fail("parameter check", st);
+        fail("checkpoint timer", st);
         return -1;
+    }
+    ck->pending++;
+    return 0;
+}
+
+/* A checkpoint was written (after the same step on every worker). */
+static void ck_timer_saved(ck_timer_t *ck)
+{
+    ck->written++;
+    ck->last = ex_now();
+}
+
+/* The end of training: the decisions still in flight are waited for and dropped. */
+static int ck_timer_drain(ck_timer_t *ck)
+{
+    while (ck->pending > 0) {
+        int due = 0;
+
+        if (ck_timer_take(ck, &due) != 0) {
+            return -1;
+        }
     }
     return 0;
 }
@@ -779,6 +664,7 @@ static int train(job_t *job)
     int64_t *perm = malloc((size_t)job->used * sizeof(*perm));
     int64_t *shard = malloc((size_t)shard_n * sizeof(*shard));
     model_t m;
+    ck_timer_t ckt;
     int64_t clock0 = 0;
     int64_t last_saved = -1;
     double train_time = 0;
@@ -797,28 +683,23 @@ static int train(job_t *job)
     weft_status_t st;
     int rc = 1;
 
+    memset(&ckt, 0, sizeof(ckt));
+    memset(&m, 0, sizeof(m));
     if (perm == NULL || shard == NULL) {
-        fprintf(stderr, "ps_train: out of memory\n");
-        free(perm);
-        free(shard);
-        return 1;
+        fprintf(stderr, PROG ": out of memory\n");
+        goto out;
     }
     st = model_init(&m, cfg, job->tb);
     if (st != WEFT_OK) {
         fail("model", st);
-        free(perm);
-        free(shard);
-        return 1;
+        goto out;
     }
     if (lead) {
-        printf("MLP %lld", (long long)job->tb->sizes[0]);
-        for (int l = 1; l < job->tb->n_sizes; l++) {
-            printf("-%lld", (long long)job->tb->sizes[l]);
-        }
+        ex_print_mlp(job->tb->n_sizes, job->tb->sizes);
         printf(" (%lld parameters) on %lld Fashion-MNIST images, %zu servers, %d workers, "
                "batch %d per worker, %s",
                (long long)m.numel, (long long)job->used, weft_ps_num_servers(job->ps), job->nw,
-               cfg->batch, mode_name(cfg->mode));
+               cfg->batch, ex_mode_name(cfg->mode));
         if (cfg->mode == WEFT_PS_BOUNDED) {
             printf(" (staleness %lld)", (long long)cfg->staleness);
         }
@@ -850,6 +731,9 @@ static int train(job_t *job)
             }
         }
     }
+    if (ck_timer_init(&ckt, job) != 0) {
+        goto out;
+    }
 
     for (int epoch = (int)(clock0 / steps); epoch < cfg->epochs; epoch++) {
         double t_epoch = 0;
@@ -861,39 +745,22 @@ static int train(job_t *job)
         for (int64_t s = epoch == clock0 / steps ? clock0 % steps : 0; s < steps; s++) {
             int64_t k = s + 1 < steps ? cfg->batch : shard_n - s * cfg->batch;
             int64_t clock;
-            weft_tensor_t *x = NULL;
-            weft_tensor_t *y = NULL;
-            weft_tensor_t *logits = NULL;
-            weft_tensor_t *loss = NULL;
-            double t0 = now_s();
+            int due = 0; /* a checkpoint after this step */
+            double loss = 0;
+            double t0 = ex_now();
 
             if (!fresh && pull_all(job, &m) != 0) {
                 goto out;
             }
             fresh = 0;
-            st = mnist_batch(job->train, shard + s * cfg->batch, k, &x, &y);
-            if (st == WEFT_OK) {
-                st = weft_nn_mlp_forward(m.mlp, x, &logits);
-            }
-            if (st == WEFT_OK) {
-                st = weft_op_cross_entropy(logits, y, WEFT_REDUCTION_MEAN, &loss);
-            }
-            if (st == WEFT_OK) {
-                memset(weft_tensor_data(m.grad), 0, weft_tensor_nbytes(m.grad));
-                st = weft_backward(loss, NULL, 0);
-            }
-            if (st == WEFT_OK) {
-                loss_sum += ((float *)weft_tensor_data(loss))[0];
-                loss_n++;
-            }
-            weft_tensor_release(loss);
-            weft_tensor_release(logits);
-            weft_tensor_release(x);
-            weft_tensor_release(y);
+            memset(weft_tensor_data(m.grad), 0, weft_tensor_nbytes(m.grad));
+            st = mnist_loss_backward(job->train, m.mlp, shard + s * cfg->batch, k, &loss);
             if (st != WEFT_OK) {
                 fail("training step", st);
                 goto out;
             }
+            loss_sum += loss;
+            loss_n++;
             if (push_all(job, &m) != 0) {
                 goto out;
             }
@@ -902,17 +769,24 @@ static int train(job_t *job)
                 fail("clock", st);
                 goto out;
             }
-            t_epoch += now_s() - t0;
+            t_epoch += ex_now() - t0;
             samples += k * job->nw;
             step_total++;
             clock = weft_ps_worker_clock(job->ps);
             if (lead &&
                 (tty || (s + 1) % (steps / 10 > 0 ? steps / 10 : 1) == 0 || s + 1 == steps)) {
-                progress(job, epoch, s, loss_sum / (double)loss_n,
-                         (double)samples / (train_time + t_epoch), tty);
+                ex_progress(epoch, cfg->epochs, s, steps, loss_sum / (double)loss_n,
+                            (double)samples / (train_time + t_epoch), tty);
             }
-            if (cfg->checkpoint_dir != NULL &&
-                (cfg->checkpoint_every > 0 ? clock % cfg->checkpoint_every == 0 : s + 1 == steps)) {
+            if (ck_timer_due(&ckt, &due) != 0) {
+                goto out;
+            }
+            if (cfg->checkpoint_every > 0) {
+                due = due || clock % cfg->checkpoint_every == 0;
+            } else if (cfg->checkpoint_seconds == 0) {
+                due = s + 1 == steps; /* neither option: at the end of each epoch */
+            }
+            if (cfg->checkpoint_dir != NULL && due) {
                 if (lead && tty) {
                     printf("\n");
                 }
@@ -920,6 +794,10 @@ static int train(job_t *job)
                     goto out;
                 }
                 last_saved = clock;
+                ck_timer_saved(&ckt);
+            }
+            if (ck_timer_post(&ckt, job) != 0) {
+                goto out;
             }
             if (cfg->eval_every > 0 && clock % cfg->eval_every == 0 && s + 1 < steps) {
                 /* Between epochs too (the training clock stops meanwhile): the workers meet,
@@ -955,6 +833,9 @@ static int train(job_t *job)
                    stale_max == WEFT_PS_STALENESS_BUCKETS - 1 ? "+" : "");
         }
     }
+    if (ck_timer_drain(&ckt) != 0) {
+        goto out;
+    }
     if (epochs_run == 0 && sync_and_evaluate(job, &m, &acc) != 0) {
         goto out; /* nothing left to train: score the checkpoint */
     }
@@ -963,7 +844,7 @@ static int train(job_t *job)
             goto out;
         }
     }
-    if (params_identical(job, &m, &same, &hash) != 0) {
+    if (ex_params_identical(PROG, job->wpg, m.params, &same, &hash) != 0) {
         goto out;
     }
     if (lead) {
@@ -971,7 +852,7 @@ static int train(job_t *job)
 
         printf("final test accuracy %.2f%%; %s %.0f%% after %lld steps (%s, %.0f samples/s)\n",
                100.0 * acc, acc >= cfg->target ? "reached" : "did not reach", 100.0 * cfg->target,
-               (long long)weft_ps_worker_clock(job->ps), mode_name(cfg->mode), rate);
+               (long long)weft_ps_worker_clock(job->ps), ex_mode_name(cfg->mode), rate);
         printf("parameters bit-identical on all %d workers (fnv1a64 %016llx)\n", job->nw,
                (unsigned long long)hash);
         if (!same) {
@@ -989,15 +870,17 @@ static int train(job_t *job)
                    "\"batch\":%d,\"lr\":%g,\"momentum\":%g,\"hidden\":%lld,\"epochs_run\":%d,"
                    "\"steps\":%lld,\"samples_per_s\":%.1f,\"final_acc\":%.4f,"
                    "\"train_loss\":%.4f,\"staleness_mean\":%.3f,\"params_identical\":%s}\n",
-                   mode_name(cfg->mode), weft_ps_num_servers(job->ps), job->nw, cfg->batch, cfg->lr,
-                   cfg->momentum, (long long)cfg->hidden[0], epochs_run, (long long)step_total,
-                   rate, acc, loss_avg, stale_pulls > 0 ? stale_sum / (double)stale_pulls : 0.0,
+                   ex_mode_name(cfg->mode), weft_ps_num_servers(job->ps), job->nw, cfg->batch,
+                   cfg->lr, cfg->momentum, (long long)cfg->hidden.v[0], epochs_run,
+                   (long long)step_total, rate, acc, loss_avg,
+                   stale_pulls > 0 ? stale_sum / (double)stale_pulls : 0.0,
                    same ? "true" : "false");
         }
     }
     rc = same ? 0 : 1;
 
 out:
+    ck_timer_free(&ckt);
     model_free(&m);
     free(perm);
     free(shard);
@@ -1043,8 +926,8 @@ static int workers_group(weft_agent_t *a, weft_ps_t *ps, weft_pg_t **wpg_p)
         }
     }
     if (st == WEFT_OK && (size_t)n != weft_ps_num_workers(ps)) {
-        fprintf(stderr, "ps_train: %d ranks say they work, the parameter server has %zu workers\n",
-                n, weft_ps_num_workers(ps));
+        fprintf(stderr, PROG ": %d ranks say they work, the parameter server has %zu workers\n", n,
+                weft_ps_num_workers(ps));
         st = WEFT_ERR_INVALID_STATE;
     }
     if (st == WEFT_OK) {
@@ -1066,14 +949,11 @@ int main(int argc, char **argv)
     config_t cfg;
     mnist_set_t train_set = {0};
     mnist_set_t test_set = {0};
-    weft_agent_opts_t opts;
-    weft_ps_opts_t ps_opts;
     weft_agent_t *a = NULL;
     weft_ps_t *ps = NULL;
     weft_pg_t *wpg = NULL;
     tables_t tb;
     job_t job;
-    weft_status_t st;
     int rc;
 
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -1084,24 +964,12 @@ int main(int argc, char **argv)
     weft_op_set_threads(cfg.threads);
     /* Data first, on every rank: a missing or corrupt file ends the run before any rank waits
      * for it. The servers do not keep it. */
-    if (mnist_load_splits("ps_train", cfg.data_dir, &train_set, &test_set) != 0) {
+    if (mnist_load_splits(PROG, cfg.data_dir, &train_set, &test_set) != 0) {
         return EXIT_USAGE;
     }
     layer_sizes(&cfg, (int64_t)train_set.rows * train_set.cols, &tb);
 
-    weft_agent_opts_init(&opts);
-    opts.handler_threads = 2; /* a server answers pushes while pulls wait for a step */
-    st = weft_agent_create(&opts, &a);
-    if (st == WEFT_OK) {
-        /* Before the join: the servers' function must exist when the first request comes. */
-        weft_ps_opts_init(&ps_opts); /* roles from WEFT_PS_SERVERS (weftrun --servers) */
-        st = weft_ps_create(a, &ps_opts, &ps);
-    }
-    if (st == WEFT_OK) {
-        st = weft_agent_join(a);
-    }
-    if (st != WEFT_OK) {
-        fail("cannot start the parameter server", st);
+    if (ex_ps_start(PROG, &a, &ps) != 0) {
         rc = 1;
         goto out;
     }
@@ -1128,20 +996,11 @@ int main(int argc, char **argv)
         job.steps = ((job.used + job.nw - 1) / job.nw + cfg.batch - 1) / cfg.batch;
         rc = train(&job);
     }
-    /* Servers serve until every worker is done; workers say they are. */
-    st = weft_ps_finish(ps, 0);
-    if (st != WEFT_OK) {
-        fail("finish", st);
-        rc = rc != 0 ? rc : 1;
-    }
+    rc = ex_ps_finish(PROG, ps, rc);
 
 out_shutdown:
     weft_pg_free(wpg);
-    st = weft_agent_shutdown(a, SHUTDOWN_TIMEOUT_MS);
-    if (st != WEFT_OK) {
-        fail("shutdown", st);
-        rc = rc != 0 ? rc : 1;
-    }
+    rc = ex_agent_shutdown(PROG, a, rc);
 out:
     weft_agent_free(a);
     mnist_free(&train_set);

@@ -33,24 +33,22 @@
  * dataset-fashion-mnist). Exit status: 0 on success, 2 for bad options or
  * missing or corrupt data, 1 for any other failure.
  */
-#include <getopt.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include <weft/weft.h>
 
+#include "common.h"
 #include "mnist.h"
 
-#define DEFAULT_DATA_DIR    "/usr/share/datasets/fashion-mnist"
-#define NCLASS              MNIST_CLASSES
-#define CALL_TIMEOUT_MS     60000
-#define SHUTDOWN_TIMEOUT_MS 30000
-#define EXIT_USAGE          2
+#define PROG            "rpc_train"
+#define NCLASS          MNIST_CLASSES
+#define CALL_TIMEOUT_MS 60000
+#define EXIT_USAGE      EX_EXIT_USAGE
 
 /* ---------------------------------------------------------- configuration */
 
@@ -75,27 +73,21 @@ static void usage(FILE *out)
             "  --limit N      train on the first N training samples only\n"
             "  --seed N       shuffling seed (default 1)\n"
             "  --data DIR     Fashion-MNIST IDX files (default $WEFT_DATA_DIR, else\n"
-            "                 " DEFAULT_DATA_DIR ")\n");
+            "                 " MNIST_DEFAULT_DIR ")\n");
 }
 
 /* Returns 0, 1 after --help, or EXIT_USAGE after a message. */
 static int parse_args(int argc, char **argv, config_t *cfg)
 {
-    static const struct option longopts[] = {
-        {"epochs", required_argument, NULL, 'e'},
-        {"batch", required_argument, NULL, 'b'},
-        {"lr", required_argument, NULL, 'l'},
-        {"momentum", required_argument, NULL, 'm'},
-        {"limit", required_argument, NULL, 'n'},
-        {"seed", required_argument, NULL, 's'},
-        {"data", required_argument, NULL, 'd'},
-        {"help", no_argument, NULL, 'h'},
-        {NULL, 0, NULL, 0},
+    const ex_opt_t opts[] = {
+        EX_INT("epochs", &cfg->epochs, 1, 100000),
+        EX_INT("batch", &cfg->batch, 1, 1 << 20),
+        EX_DOUBLE("lr", &cfg->lr, 0.0, 1e6),
+        EX_DOUBLE("momentum", &cfg->momentum, 0.0, 0.999999),
+        EX_I64("limit", &cfg->limit, 1, INT64_MAX),
+        EX_U64("seed", &cfg->seed, 0, INT64_MAX),
+        EX_STR("data", &cfg->data_dir),
     };
-    const char *env = weft_config_str("WEFT_DATA_DIR"); /* its default is DEFAULT_DATA_DIR */
-    int64_t iv = 0;
-    int index = 0;
-    int c;
 
     cfg->epochs = 3;
     cfg->batch = 64;
@@ -103,54 +95,8 @@ static int parse_args(int argc, char **argv, config_t *cfg)
     cfg->momentum = 0.9;
     cfg->limit = 0;
     cfg->seed = 1;
-    cfg->data_dir = env != NULL && *env != '\0' ? env : DEFAULT_DATA_DIR;
-
-    while ((c = getopt_long(argc, argv, "h", longopts, &index)) != -1) {
-        int bad = 0;
-        switch (c) {
-        case 'e':
-            bad = parse_int_arg(optarg, 1, 100000, &iv);
-            cfg->epochs = (int)iv;
-            break;
-        case 'b':
-            bad = parse_int_arg(optarg, 1, 1 << 20, &iv);
-            cfg->batch = (int)iv;
-            break;
-        case 'l':
-            bad = parse_double_arg(optarg, 0.0, 1e6, &cfg->lr);
-            break;
-        case 'm':
-            bad = parse_double_arg(optarg, 0.0, 0.999999, &cfg->momentum);
-            break;
-        case 'n':
-            bad = parse_int_arg(optarg, 1, INT64_MAX, &cfg->limit);
-            break;
-        case 's':
-            bad = parse_int_arg(optarg, 0, INT64_MAX, &iv);
-            cfg->seed = (uint64_t)iv;
-            break;
-        case 'd':
-            cfg->data_dir = optarg;
-            break;
-        case 'h':
-            usage(stdout);
-            return 1;
-        default:
-            usage(stderr);
-            return EXIT_USAGE;
-        }
-        if (bad != 0) {
-            fprintf(stderr, "rpc_train: bad value '%s' for --%s\n", optarg, longopts[index].name);
-            usage(stderr);
-            return EXIT_USAGE;
-        }
-    }
-    if (optind != argc) {
-        fprintf(stderr, "rpc_train: unexpected argument '%s'\n", argv[optind]);
-        usage(stderr);
-        return EXIT_USAGE;
-    }
-    return 0;
+    cfg->data_dir = mnist_default_dir();
+    return ex_parse_opts(PROG, argc, argv, opts, sizeof(opts) / sizeof(opts[0]), usage);
 }
 
 /* ------------------------------------------------------------------ model */
@@ -270,19 +216,15 @@ static double accuracy(const model_t *m, const mnist_set_t *set, float *x)
     return (double)right / (double)set->count;
 }
 
-/* FNV-1a over the bytes of W and b: equal checksums mean bit-identical parameters. */
+/* FNV-1a over the bytes of W and b: equal checksums mean bit-identical parameters. It starts
+ * from 1469598103934665603 rather than FNV's offset basis (a digit short), as it always has: the
+ * checksums it prints stay comparable with earlier runs'. */
 static uint64_t model_checksum(const model_t *m)
 {
-    uint64_t h = 1469598103934665603ull;
-    const uint8_t *parts[2] = {(const uint8_t *)m->w, (const uint8_t *)m->b};
-    size_t lens[2] = {(size_t)NCLASS * (size_t)m->d * sizeof(float), NCLASS * sizeof(float)};
+    uint64_t h =
+        ex_fnv1a(1469598103934665603ull, m->w, (size_t)NCLASS * (size_t)m->d * sizeof(float));
 
-    for (int p = 0; p < 2; p++) {
-        for (size_t i = 0; i < lens[p]; i++) {
-            h = (h ^ parts[p][i]) * 1099511628211ull;
-        }
-    }
-    return h;
+    return ex_fnv1a(h, m->b, NCLASS * sizeof(float));
 }
 
 /* splitmix64: a small seedable generator for the shuffles. */
@@ -670,14 +612,6 @@ static void fn_verify(weft_call_t *call, void *arg)
 
 /* --------------------------------------------------------------- worker */
 
-static double now_s(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* Copies W and b out of a params/step reply into @p m. */
 static int take_params(const weft_value_t *res, model_t *m)
 {
@@ -687,7 +621,7 @@ static int take_params(const weft_value_t *res, model_t *m)
     if (w == NULL || b == NULL || weft_tensor_dtype(w) != WEFT_F32 ||
         weft_tensor_dtype(b) != WEFT_F32 || weft_tensor_numel(w) != (int64_t)NCLASS * m->d ||
         weft_tensor_numel(b) != NCLASS) {
-        fprintf(stderr, "rpc_train: rank 0 sent parameters of the wrong shape\n");
+        fprintf(stderr, PROG ": rank 0 sent parameters of the wrong shape\n");
         return -1;
     }
     memcpy(m->w, weft_tensor_data(w), weft_tensor_nbytes(w));
@@ -727,7 +661,7 @@ static int train(const job_t *job)
     shard = malloc((size_t)(shard_n > 0 ? shard_n : 1) * sizeof(*shard));
     x = malloc((size_t)d * sizeof(float));
     if (shard == NULL || x == NULL || model_alloc(&m, d) != 0) {
-        fprintf(stderr, "rpc_train: out of memory\n");
+        fprintf(stderr, PROG ": out of memory\n");
         goto out;
     }
     for (int64_t i = 0; i < shard_n; i++) {
@@ -758,14 +692,14 @@ static int train(const job_t *job)
         st = weft_value_set_payload(query, job->run, sizeof(*job->run));
     }
     if (st != WEFT_OK) {
-        fprintf(stderr, "rpc_train: %s\n", weft_last_error());
+        fprintf(stderr, PROG ": %s\n", weft_last_error());
         goto out;
     }
 
     /* The initial parameters; rank 0 checks that we run its configuration. */
     st = weft_rpc_sync(job->a, 0, "params", query, CALL_TIMEOUT_MS, &res);
     if (st != WEFT_OK) {
-        fprintf(stderr, "rpc_train: params: %s: %s\n", weft_status_name(st), weft_last_error());
+        fprintf(stderr, PROG ": params: %s: %s\n", weft_status_name(st), weft_last_error());
         goto out;
     }
     if (take_params(res, &m) != 0) {
@@ -775,7 +709,7 @@ static int train(const job_t *job)
     res = NULL;
 
     for (int epoch = 0; epoch < cfg->epochs; epoch++) {
-        double t0 = now_s();
+        double t0 = ex_now();
         double loss_sum = 0.0;
         int64_t samples = 0;
 
@@ -797,14 +731,14 @@ static int train(const job_t *job)
                 st = weft_rpc_sync(job->a, 0, "step", args, CALL_TIMEOUT_MS, &res);
             }
             if (st != WEFT_OK) {
-                fprintf(stderr, "rpc_train: step %lld: %s: %s\n", (long long)msg.step,
+                fprintf(stderr, PROG ": step %lld: %s: %s\n", (long long)msg.step,
                         weft_status_name(st), weft_last_error());
                 goto out;
             }
             total = weft_value_payload(res, &len);
             if (total == NULL || len != sizeof(*total) || total->step != msg.step ||
                 take_params(res, &m) != 0) {
-                fprintf(stderr, "rpc_train: step %lld: malformed reply\n", (long long)msg.step);
+                fprintf(stderr, PROG ": step %lld: malformed reply\n", (long long)msg.step);
                 goto out;
             }
             loss_sum += total->loss_sum;
@@ -814,7 +748,7 @@ static int train(const job_t *job)
         }
 
         if (rank == 0) {
-            double secs = now_s() - t0;
+            double secs = ex_now() - t0;
             acc = accuracy(&m, job->test, x);
             printf("epoch %d/%d: train loss %.4f, %.0f samples/s, test accuracy %.2f%%\n",
                    epoch + 1, cfg->epochs, samples > 0 ? loss_sum / (double)samples : 0.0,
@@ -836,12 +770,12 @@ static int train(const job_t *job)
             st = weft_rpc_sync(job->a, 0, "verify", query, CALL_TIMEOUT_MS, &res);
         }
         if (st != WEFT_OK) {
-            fprintf(stderr, "rpc_train: verify: %s: %s\n", weft_status_name(st), weft_last_error());
+            fprintf(stderr, PROG ": verify: %s: %s\n", weft_status_name(st), weft_last_error());
             goto out;
         }
         vr = weft_value_payload(res, &len);
         if (vr == NULL || len != sizeof(*vr)) {
-            fprintf(stderr, "rpc_train: verify: malformed reply\n");
+            fprintf(stderr, PROG ": verify: malformed reply\n");
             goto out;
         }
         printf("parameters identical on all ranks: %s (%d of %d match checksum %016llx)\n",
@@ -888,7 +822,7 @@ int main(int argc, char **argv)
         return rc == 1 ? 0 : rc;
     }
     /* Data first: a missing or corrupt file ends the run before any rank waits for it. */
-    if (mnist_load_splits("rpc_train", cfg.data_dir, &train_set, &test_set) != 0) {
+    if (mnist_load_splits(PROG, cfg.data_dir, &train_set, &test_set) != 0) {
         return EXIT_USAGE;
     }
     d = train_set.rows * train_set.cols;
@@ -897,7 +831,7 @@ int main(int argc, char **argv)
     weft_agent_opts_init(&opts);
     st = weft_agent_create(&opts, &a);
     if (st != WEFT_OK) {
-        fprintf(stderr, "rpc_train: cannot start the agent: %s: %s\n", weft_status_name(st),
+        fprintf(stderr, PROG ": cannot start the agent: %s: %s\n", weft_status_name(st),
                 weft_last_error());
         rc = 1;
         goto err_free_data;
@@ -905,7 +839,7 @@ int main(int argc, char **argv)
     world = weft_agent_world_size(a);
     rank = weft_agent_rank(a);
     if (used < world) {
-        fprintf(stderr, "rpc_train: %lld training samples cannot feed %d ranks\n", (long long)used,
+        fprintf(stderr, PROG ": %lld training samples cannot feed %d ranks\n", (long long)used,
                 world);
         rc = EXIT_USAGE;
         goto err_free_agent;
@@ -924,7 +858,7 @@ int main(int argc, char **argv)
     /* Rank 0 serves the parameters; its functions exist before anyone can call. */
     if (rank == 0) {
         if (server_init(&server, world, d, &run) != 0) {
-            fprintf(stderr, "rpc_train: out of memory\n");
+            fprintf(stderr, PROG ": out of memory\n");
             rc = 1;
             server_free(&server);
             goto err_free_agent;
@@ -933,14 +867,14 @@ int main(int argc, char **argv)
         if (weft_rpc_register(a, "params", fn_params, &server) != WEFT_OK ||
             weft_rpc_register(a, "step", fn_step, &server) != WEFT_OK ||
             weft_rpc_register(a, "verify", fn_verify, &server) != WEFT_OK) {
-            fprintf(stderr, "rpc_train: register: %s\n", weft_last_error());
+            fprintf(stderr, PROG ": register: %s\n", weft_last_error());
             rc = 1;
             goto err_free_agent;
         }
     }
     st = weft_agent_join(a);
     if (st != WEFT_OK) {
-        fprintf(stderr, "rpc_train: join: %s: %s\n", weft_status_name(st), weft_last_error());
+        fprintf(stderr, PROG ": join: %s: %s\n", weft_status_name(st), weft_last_error());
         rc = 1;
         goto err_free_agent;
     }
@@ -959,11 +893,7 @@ int main(int argc, char **argv)
     job.used = used;
     rc = train(&job);
 
-    st = weft_agent_shutdown(a, SHUTDOWN_TIMEOUT_MS);
-    if (st != WEFT_OK) {
-        fprintf(stderr, "rpc_train: shutdown: %s: %s\n", weft_status_name(st), weft_last_error());
-        rc = 1;
-    }
+    rc = ex_agent_shutdown(PROG, a, rc);
 
 err_free_agent:
     /* The agent goes first: no handler can run on the server after this. */

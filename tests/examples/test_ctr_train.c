@@ -8,60 +8,19 @@
 
 #include <criterion/criterion.h>
 
-#include "run.h"
+#include "example.h"
 
 #include <errno.h>
 #include <math.h>
-#include <stdbool.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
-#define DEADLINE_S 60.0
-#define MAX_ARGS   32
-#define LEAD       "[rank 2] " /* the first worker */
+#define LEAD "[rank 2] " /* the first worker */
 
-typedef run_result_t result_t;
+static const example_t CTR_TRAIN = {.ranks = "4", .servers = "2", .prog_env = "CTR_TRAIN"};
 
-#define result_free run_result_free
-
-/* Runs weftrun -n 4 --servers 2 ctr_train with the NULL-terminated arguments. */
-static void run_ctr_args(result_t *r, const char *const *args)
-{
-    static const char *const keep[] = {"WEFT_LOG=", NULL};
-    const char *argv[MAX_ARGS + 2];
-    int nargs = 0;
-
-    argv[nargs++] = run_path_from_env("WEFTRUN");
-    argv[nargs++] = "-n";
-    argv[nargs++] = "4";
-    argv[nargs++] = "--servers";
-    argv[nargs++] = "2";
-    argv[nargs++] = run_path_from_env("CTR_TRAIN");
-    for (int i = 0; args[i] != NULL; i++) {
-        cr_assert(nargs < MAX_ARGS);
-        argv[nargs++] = args[i];
-    }
-    argv[nargs] = NULL;
-    run_opts_t o = {.argv = argv, .keep = keep, .deadline_s = DEADLINE_S};
-    run_capture(&o, r);
-}
-
-#define run_ctr(r, ...)                                                                            \
-    do {                                                                                           \
-        const char *const args_[] = {__VA_ARGS__, NULL};                                           \
-        run_ctr_args((r), args_);                                                                  \
-    } while (0)
-
-#define assert_exit(r, want)                                                                       \
-    cr_assert_eq((r)->code, (want), "exit %d\nstdout:\n%s\nstderr:\n%s", (r)->code, (r)->out,      \
-                 (r)->err)
-
-#define assert_line_prefix(r, want)                                                                \
-    cr_assert(run_find_line((r)->out, (want), true) != NULL,                                       \
-              "missing line starting with: %s\nstdout:\n%s\nstderr:\n%s", (want), (r)->out,        \
-              (r)->err)
+/* Runs weftrun -n 4 --servers 2 ctr_train with the arguments. */
+#define run_ctr(r, ...) example_run_with((r), &CTR_TRAIN, __VA_ARGS__)
 
 /* A valid line: label, 13 integers, 26 categories; @p i varies the values, and some fields are
  * left empty as in Criteo's files. */
@@ -143,12 +102,12 @@ static void write_criteo(const char *path)
 
 Test(ctr_train, loads_criteo_tsv, .timeout = 120)
 {
-    char dir[] = "/tmp/weft_ctr_XXXXXX";
+    char dir[128];
     char path[256];
     char want[512];
     result_t r;
 
-    cr_assert(mkdtemp(dir) != NULL);
+    example_tmp_dir(dir, sizeof(dir), "ctr");
     snprintf(path, sizeof(path), "%s/day_0.tsv", dir);
     write_criteo(path);
     run_ctr(&r, "--data", path, "--epochs", "1", "--batch", "8", "--rows", "1000", "--json");
@@ -174,11 +133,10 @@ Test(ctr_train, loads_criteo_tsv, .timeout = 120)
     run_ctr(&r, "--data", path);
     assert_exit(&r, 2);
     snprintf(want, sizeof(want), "ctr_train: %s: no valid Criteo line (2 skipped)", path);
-    cr_assert(strstr(r.err, want) != NULL, "stderr:\n%s", r.err);
+    assert_stderr_has(&r, want);
     result_free(&r);
 
-    unlink(path);
-    rmdir(dir);
+    example_remove_dir(dir);
 }
 
 Test(ctr_train, missing_file_exits_2, .timeout = 90)
@@ -187,15 +145,13 @@ Test(ctr_train, missing_file_exits_2, .timeout = 90)
 
     run_ctr(&r, "--data", "/nonexistent/day_0.tsv");
     assert_exit(&r, 2);
-    cr_assert(strstr(r.err, "ctr_train: cannot read Criteo data: /nonexistent/day_0.tsv: No such "
-                            "file or directory") != NULL,
-              "stderr:\n%s", r.err);
+    assert_stderr_has(&r, "ctr_train: cannot read Criteo data: /nonexistent/day_0.tsv: No such "
+                          "file or directory");
     result_free(&r);
 
     run_ctr(&r, "--mode", "eventual");
     assert_exit(&r, 2);
-    cr_assert(strstr(r.err, "ctr_train: bad value 'eventual' for --mode") != NULL, "stderr:\n%s",
-              r.err);
+    assert_stderr_has(&r, "ctr_train: bad value 'eventual' for --mode");
     result_free(&r);
 }
 

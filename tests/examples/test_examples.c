@@ -6,65 +6,19 @@
 
 #include <criterion/criterion.h>
 
-#include "run.h"
+#include "example.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-#include <stdarg.h>
-#include <stdbool.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <sys/types.h>
-#include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
 
-extern char **environ;
-
-#define DEADLINE_S       60.0
-#define MAX_ARGS         32
-#define MAX_ENV          512
-#define DEFAULT_DATA_DIR "/usr/share/datasets/fashion-mnist"
-
-typedef run_result_t result_t;
-
-/* Runs weftrun with the NULL-terminated arguments; kills it at the deadline. */
-static void run_weftrun(result_t *r, ...)
-{
-    static const char *const keep[] = {"WEFT_DATA_DIR=", "WEFT_LOG=", NULL};
-    const char *argv[MAX_ARGS + 2];
-    int nargs = 0;
-    va_list ap;
-    const char *a;
-
-    argv[nargs++] = run_path_from_env("WEFTRUN");
-    va_start(ap, r);
-    while ((a = va_arg(ap, const char *)) != NULL) {
-        cr_assert(nargs < MAX_ARGS);
-        argv[nargs++] = a;
-    }
-    va_end(ap);
-    argv[nargs] = NULL;
-    run_opts_t o = {.argv = argv, .keep = keep, .deadline_s = DEADLINE_S};
-    run_capture(&o, r);
-}
-
-#define result_free   run_result_free
-#define find_line     run_find_line
-#define path_from_env run_path_from_env
-
-#define assert_line(r, want)                                                                       \
-    cr_assert(find_line((r)->out, (want), false) != NULL,                                          \
-              "missing line: %s\nstdout:\n%s\nstderr:\n%s", (want), (r)->out, (r)->err)
-
-#define assert_line_prefix(r, want)                                                                \
-    cr_assert(find_line((r)->out, (want), true) != NULL,                                           \
-              "missing line starting with: %s\nstdout:\n%s\nstderr:\n%s", (want), (r)->out,        \
-              (r)->err)
+/* Runs weftrun -n NRANKS with the example that variable ENV names and its arguments (NULL: none).
+ */
+#define run_example(r, nranks, env, ...)                                                           \
+    do {                                                                                           \
+        const example_t ex_ = {.ranks = (nranks), .prog_env = (env)};                              \
+        example_run_with((r), &ex_, __VA_ARGS__);                                                  \
+    } while (0)
 
 /* ------------------------------------------------------------- rpc_basics */
 
@@ -73,8 +27,8 @@ Test(examples, rpc_basics_on_three_ranks, .timeout = 90)
     result_t r;
     const char *line;
 
-    run_weftrun(&r, "-n", "3", path_from_env("RPC_BASICS"), NULL);
-    cr_assert_eq(r.code, 0, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    run_example(&r, "3", "RPC_BASICS", NULL);
+    assert_exit(&r, 0);
     assert_line(&r, "[rank 0] rpc_sync add on worker1 -> [11, 22, 33]");
     assert_line(&r, "[rank 0] rpc_async square on worker1 -> [1, 4, 9]");
     assert_line(&r, "[rank 0] rpc_async square on worker2 -> [16, 25, 36]");
@@ -98,24 +52,13 @@ Test(examples, rpc_basics_wants_three_ranks, .timeout = 90)
 {
     result_t r;
 
-    run_weftrun(&r, "-n", "2", path_from_env("RPC_BASICS"), NULL);
-    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
-    cr_assert(strstr(r.err, "needs 3 ranks") != NULL, "stderr:\n%s", r.err);
+    run_example(&r, "2", "RPC_BASICS", NULL);
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "needs 3 ranks");
     result_free(&r);
 }
 
 /* -------------------------------------------------------------- rpc_train */
-
-static bool have_data(void)
-{
-    const char *dir = getenv("WEFT_DATA_DIR");
-    char path[4096];
-    struct stat sb;
-
-    snprintf(path, sizeof(path), "%s/train-images-idx3-ubyte.gz",
-             dir != NULL && *dir != '\0' ? dir : DEFAULT_DATA_DIR);
-    return stat(path, &sb) == 0;
-}
 
 Test(examples, rpc_train_learns_on_two_ranks, .timeout = 120)
 {
@@ -123,12 +66,9 @@ Test(examples, rpc_train_learns_on_two_ranks, .timeout = 120)
     const char *line;
     double acc = 0.0;
 
-    if (!have_data()) {
-        cr_skip_test("Fashion-MNIST is not installed (package dataset-fashion-mnist)");
-    }
-    run_weftrun(&r, "-n", "2", path_from_env("RPC_TRAIN"), "--epochs", "1", "--limit", "6000",
-                NULL);
-    cr_assert_eq(r.code, 0, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    SKIP_WITHOUT_FASHION_MNIST();
+    run_example(&r, "2", "RPC_TRAIN", "--epochs", "1", "--limit", "6000");
+    assert_exit(&r, 0);
     assert_line_prefix(&r, "[rank 0] epoch 1/1: train loss ");
     line = find_line(r.out, "[rank 0] final test accuracy: ", true);
     cr_assert(line != NULL, "no final accuracy\nstdout:\n%s\nstderr:\n%s", r.out, r.err);
@@ -143,11 +83,9 @@ Test(examples, rpc_train_missing_data_exits_2, .timeout = 90)
 {
     result_t r;
 
-    run_weftrun(&r, "-n", "2", path_from_env("RPC_TRAIN"), "--data", "/nonexistent", NULL);
-    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
-    cr_assert(strstr(r.err, "cannot load Fashion-MNIST: /nonexistent/train-images-idx3-ubyte") !=
-                  NULL,
-              "stderr:\n%s", r.err);
+    run_example(&r, "2", "RPC_TRAIN", "--data", "/nonexistent");
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "cannot load Fashion-MNIST: /nonexistent/train-images-idx3-ubyte");
     cr_assert(strstr(r.err, "dataset-fashion-mnist") != NULL, "says what to install:\n%s", r.err);
     result_free(&r);
 }
@@ -169,21 +107,21 @@ Test(examples, corrupt_data_exits_2, .timeout = 90)
     static const unsigned char bad_magic[] = {0, 0, 8, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0};
     static const unsigned char images[] = {0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 1, 7};
     static const unsigned char labels[] = {0, 0, 8, 1, 0, 0, 0, 2, 3, 4};
-    char dir[] = "/tmp/weft_examples_XXXXXX";
+    char dir[128];
     char path[256];
     result_t r;
 
-    cr_assert(mkdtemp(dir) != NULL);
+    example_tmp_dir(dir, sizeof(dir), "idx");
     snprintf(path, sizeof(path), "%s/train-images-idx3-ubyte", dir);
     write_file(path, bad_magic, sizeof(bad_magic));
     snprintf(path, sizeof(path), "%s/train-labels-idx1-ubyte", dir);
     write_file(path, labels, sizeof(labels));
-    run_weftrun(&r, "-n", "1", path_from_env("RPC_TRAIN"), "--data", dir, NULL);
-    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
-    cr_assert(strstr(r.err, "bad magic number") != NULL, "stderr:\n%s", r.err);
+    run_example(&r, "1", "RPC_TRAIN", "--data", dir);
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "bad magic number");
     result_free(&r);
-    run_weftrun(&r, "-n", "2", path_from_env("DP_TRAIN"), "--data", dir, NULL);
-    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    run_example(&r, "2", "DP_TRAIN", "--data", dir);
+    assert_exit(&r, 2);
     cr_assert(strstr(r.err, "dp_train: cannot load Fashion-MNIST: ") != NULL &&
                   strstr(r.err, "bad magic number") != NULL,
               "stderr:\n%s", r.err);
@@ -191,16 +129,12 @@ Test(examples, corrupt_data_exits_2, .timeout = 90)
 
     snprintf(path, sizeof(path), "%s/train-images-idx3-ubyte", dir);
     write_file(path, images, sizeof(images)); /* 2 images of 1x1 announced, 1 byte present */
-    run_weftrun(&r, "-n", "1", path_from_env("RPC_TRAIN"), "--data", dir, NULL);
-    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
-    cr_assert(strstr(r.err, "truncated") != NULL, "stderr:\n%s", r.err);
+    run_example(&r, "1", "RPC_TRAIN", "--data", dir);
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "truncated");
     result_free(&r);
 
-    snprintf(path, sizeof(path), "%s/train-images-idx3-ubyte", dir);
-    unlink(path);
-    snprintf(path, sizeof(path), "%s/train-labels-idx1-ubyte", dir);
-    unlink(path);
-    rmdir(dir);
+    example_remove_dir(dir);
 }
 
 /* --------------------------------------------------------------- dp_train */
@@ -214,9 +148,8 @@ static void dp_train_run(const char *ranks, const char *limit, double min_acc)
     const char *line;
     double acc = 0.0;
 
-    run_weftrun(&r, "-n", ranks, path_from_env("DP_TRAIN"), "--epochs", "1", "--limit", limit,
-                "--json", NULL);
-    cr_assert_eq(r.code, 0, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    run_example(&r, ranks, "DP_TRAIN", "--epochs", "1", "--limit", limit, "--json");
+    assert_exit(&r, 0);
     assert_line_prefix(&r, "[rank 0] MLP 784-256-10 (203530 parameters)");
     assert_line_prefix(&r, "[rank 0] epoch 1: train loss ");
     line = find_line(r.out, "[rank 0] final test accuracy ", true);
@@ -233,17 +166,13 @@ static void dp_train_run(const char *ranks, const char *limit, double min_acc)
 
 Test(examples, dp_train_learns_on_two_ranks, .timeout = 120)
 {
-    if (!have_data()) {
-        cr_skip_test("Fashion-MNIST is not installed (package dataset-fashion-mnist)");
-    }
+    SKIP_WITHOUT_FASHION_MNIST();
     dp_train_run("2", "6000", 70.0);
 }
 
 Test(examples, dp_train_runs_on_one_and_four_ranks, .timeout = 180)
 {
-    if (!have_data()) {
-        cr_skip_test("Fashion-MNIST is not installed (package dataset-fashion-mnist)");
-    }
+    SKIP_WITHOUT_FASHION_MNIST();
     dp_train_run("1", "3000", 60.0);
     dp_train_run("4", "6000", 60.0);
 }
@@ -252,16 +181,14 @@ Test(examples, dp_train_bad_input_exits_2, .timeout = 90)
 {
     result_t r;
 
-    run_weftrun(&r, "-n", "2", path_from_env("DP_TRAIN"), "--data", "/nonexistent", NULL);
-    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
-    cr_assert(strstr(r.err, "cannot load Fashion-MNIST: /nonexistent/train-images-idx3-ubyte") !=
-                  NULL,
-              "stderr:\n%s", r.err);
+    run_example(&r, "2", "DP_TRAIN", "--data", "/nonexistent");
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "cannot load Fashion-MNIST: /nonexistent/train-images-idx3-ubyte");
     cr_assert(strstr(r.err, "dataset-fashion-mnist") != NULL, "says what to install:\n%s", r.err);
     result_free(&r);
 
-    run_weftrun(&r, "-n", "1", path_from_env("DP_TRAIN"), "--hidden", "256,x", NULL);
-    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
-    cr_assert(strstr(r.err, "bad value '256,x' for --hidden") != NULL, "stderr:\n%s", r.err);
+    run_example(&r, "1", "DP_TRAIN", "--hidden", "256,x");
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "bad value '256,x' for --hidden");
     result_free(&r);
 }

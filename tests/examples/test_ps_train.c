@@ -7,85 +7,19 @@
 
 #include <criterion/criterion.h>
 
-#include "run.h"
+#include "example.h"
 
 #include <signal.h>
-#include <stdbool.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
-#define DEADLINE_S       60.0
-#define MAX_ARGS         32
-#define DEFAULT_DATA_DIR "/usr/share/datasets/fashion-mnist"
-#define LEAD             "[rank 2] " /* the first worker */
+#define LEAD "[rank 2] " /* the first worker */
 
-typedef run_result_t result_t;
+static const example_t PS_TRAIN = {.ranks = "4", .servers = "2", .prog_env = "PS_TRAIN"};
 
-#define result_free run_result_free
-
-/* Runs weftrun -n 4 --servers 2 ps_train with the NULL-terminated arguments; kills it at the
- * deadline. With @p sig, sends it to weftrun once stdout holds @p sig_when. */
-static void run_ps_train_sig(result_t *r, int sig, const char *sig_when, const char *const *args)
-{
-    static const char *const keep[] = {"WEFT_DATA_DIR=", "WEFT_LOG=", NULL};
-    const char *argv[MAX_ARGS + 2];
-    int nargs = 0;
-
-    argv[nargs++] = run_path_from_env("WEFTRUN");
-    argv[nargs++] = "-n";
-    argv[nargs++] = "4";
-    argv[nargs++] = "--servers";
-    argv[nargs++] = "2";
-    argv[nargs++] = run_path_from_env("PS_TRAIN");
-    for (int i = 0; args[i] != NULL; i++) {
-        cr_assert(nargs < MAX_ARGS);
-        argv[nargs++] = args[i];
-    }
-    argv[nargs] = NULL;
-    run_opts_t o = {.argv = argv,
-                    .keep = keep,
-                    .deadline_s = DEADLINE_S,
-                    .sig = sig,
-                    .sig_when = sig_when,
-                    .sig_when_count = 1};
-    run_capture(&o, r);
-}
-
-#define run_ps_train(r, ...)                                                                       \
-    do {                                                                                           \
-        const char *const args_[] = {__VA_ARGS__, NULL};                                           \
-        run_ps_train_sig((r), 0, NULL, args_);                                                     \
-    } while (0)
-
-#define assert_exit(r, want)                                                                       \
-    cr_assert_eq((r)->code, (want), "exit %d\nstdout:\n%s\nstderr:\n%s", (r)->code, (r)->out,      \
-                 (r)->err)
-
-#define assert_line_prefix(r, want)                                                                \
-    cr_assert(run_find_line((r)->out, (want), true) != NULL,                                       \
-              "missing line starting with: %s\nstdout:\n%s\nstderr:\n%s", (want), (r)->out,        \
-              (r)->err)
-
-static bool have_data(void)
-{
-    const char *dir = getenv("WEFT_DATA_DIR");
-    char path[4096];
-    struct stat sb;
-
-    snprintf(path, sizeof(path), "%s/train-images-idx3-ubyte.gz",
-             dir != NULL && *dir != '\0' ? dir : DEFAULT_DATA_DIR);
-    return stat(path, &sb) == 0;
-}
-
-#define SKIP_WITHOUT_DATA()                                                                        \
-    do {                                                                                           \
-        if (!have_data()) {                                                                        \
-            cr_skip_test("Fashion-MNIST is not installed (package dataset-fashion-mnist)");        \
-        }                                                                                          \
-    } while (0)
+/* Runs weftrun -n 4 --servers 2 ps_train with the arguments. */
+#define run_ps_train(r, ...) example_run_with((r), &PS_TRAIN, __VA_ARGS__)
 
 /* What the lead worker printed at the end of epoch @p epoch. */
 typedef struct {
@@ -152,20 +86,6 @@ static long long last_checkpoint(const result_t *r)
     return step;
 }
 
-static void tmp_dir(char *dir, size_t n, const char *what)
-{
-    snprintf(dir, n, "/tmp/weft_ps_train_%s_XXXXXX", what);
-    cr_assert(mkdtemp(dir) != NULL);
-}
-
-static void remove_dir(const char *dir)
-{
-    char cmd[512];
-
-    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-    cr_assert_eq(system(cmd), 0);
-}
-
 /* ------------------------------------------------------------------ training */
 
 Test(ps_train, sync_learns_with_two_servers_and_two_workers, .timeout = 120)
@@ -174,7 +94,7 @@ Test(ps_train, sync_learns_with_two_servers_and_two_workers, .timeout = 120)
     epoch_line_t e1, e2;
     double acc;
 
-    SKIP_WITHOUT_DATA();
+    SKIP_WITHOUT_FASHION_MNIST();
     run_ps_train(&r, "--epochs", "2", "--limit", "6000", "--json");
     assert_exit(&r, 0);
     assert_line_prefix(&r, LEAD "MLP 784-256-10 (203530 parameters) on 6000 Fashion-MNIST images, "
@@ -204,7 +124,7 @@ Test(ps_train, bounded_staleness_stays_within_its_bound, .timeout = 120)
     result_t r;
     epoch_line_t e1;
 
-    SKIP_WITHOUT_DATA();
+    SKIP_WITHOUT_FASHION_MNIST();
     run_ps_train(&r, "--mode", "bounded", "--staleness", "1", "--epochs", "1", "--limit", "6000");
     assert_exit(&r, 0);
     assert_line_prefix(&r, LEAD "MLP 784-256-10 (203530 parameters) on 6000 Fashion-MNIST images, "
@@ -222,7 +142,7 @@ Test(ps_train, async_trains, .timeout = 120)
     result_t r;
     epoch_line_t e1;
 
-    SKIP_WITHOUT_DATA();
+    SKIP_WITHOUT_FASHION_MNIST();
     run_ps_train(&r, "--mode", "async", "--epochs", "1", "--limit", "6000");
     assert_exit(&r, 0);
     epoch_line(&r, 1, &e1);
@@ -245,8 +165,8 @@ Test(ps_train, resume_goes_on_from_the_checkpointed_step, .timeout = 180)
     unsigned long long whole, resumed;
     epoch_line_t e2;
 
-    SKIP_WITHOUT_DATA();
-    tmp_dir(dir, sizeof(dir), "ck");
+    SKIP_WITHOUT_FASHION_MNIST();
+    example_tmp_dir(dir, sizeof(dir), "ck");
     run_ps_train(&r, "--epochs", "2", "--limit", "6000");
     assert_exit(&r, 0);
     whole = final_hash(&r);
@@ -274,11 +194,10 @@ Test(ps_train, resume_goes_on_from_the_checkpointed_step, .timeout = 180)
     /* A checkpoint whose steps mean other samples is refused. */
     run_ps_train(&r, "--epochs", "2", "--limit", "6000", "--batch", "32", "--resume", dir);
     assert_exit(&r, 2);
-    cr_assert(strstr(r.err, "was written with batch 64 samples 6000 workers 2 seed 1, this run "
-                            "has batch 32") != NULL,
-              "stderr:\n%s", r.err);
+    assert_stderr_has(&r, "was written with batch 64 samples 6000 workers 2 seed 1, this run "
+                          "has batch 32");
     result_free(&r);
-    remove_dir(dir);
+    example_remove_dir(dir);
 }
 
 /* A job killed (SIGTERM to weftrun) once it has saved step 50 or later, resumed from whatever
@@ -292,8 +211,8 @@ Test(ps_train, a_killed_job_resumes_mid_epoch, .timeout = 180)
     long long saved, step = -1, epoch = -1, pos = -1, per = -1;
     const char *line;
 
-    SKIP_WITHOUT_DATA();
-    tmp_dir(dir, sizeof(dir), "kill");
+    SKIP_WITHOUT_FASHION_MNIST();
+    example_tmp_dir(dir, sizeof(dir), "kill");
     run_ps_train(&r, "--epochs", "2", "--limit", "30000");
     assert_exit(&r, 0);
     whole = final_hash(&r);
@@ -303,7 +222,11 @@ Test(ps_train, a_killed_job_resumes_mid_epoch, .timeout = 180)
         const char *const args[] = {
             "--epochs",           "2",  "--limit", "30000", "--checkpoint-dir", dir,
             "--checkpoint-every", "25", NULL};
-        run_ps_train_sig(&r, SIGTERM, LEAD "checkpoint at step 50 in ", args);
+        example_t ex = PS_TRAIN;
+
+        ex.sig = SIGTERM;
+        ex.sig_when = LEAD "checkpoint at step 50 in ";
+        example_run(&r, &ex, args);
     }
     saved = last_checkpoint(&r);
     cr_assert(saved >= 50, "no checkpoint at step 50 or later\nstdout:\n%s\nstderr:\n%s", r.out,
@@ -325,7 +248,100 @@ Test(ps_train, a_killed_job_resumes_mid_epoch, .timeout = 180)
     resumed = final_hash(&r);
     cr_assert_eq(resumed, whole, "resumed %016llx, uninterrupted %016llx", resumed, whole);
     result_free(&r);
-    remove_dir(dir);
+    example_remove_dir(dir);
+}
+
+/* How many "checkpoint at step N in DIR" lines the lead worker printed; the first step in @p
+ * first_p. */
+static int checkpoints(const result_t *r, long long *first_p)
+{
+    int n = 0;
+
+    *first_p = -1;
+    for (const char *at = strstr(r->out, LEAD "checkpoint at step "); at != NULL;
+         at = strstr(at + 1, LEAD "checkpoint at step ")) {
+        if (n++ == 0) {
+            cr_assert(sscanf(at, LEAD "checkpoint at step %lld in ", first_p) == 1, "%.200s", at);
+        }
+    }
+    return n;
+}
+
+static bool file_exists(const char *dir, const char *name)
+{
+    char path[256];
+    struct stat sb;
+
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+
+/* --checkpoint-seconds far below a step's time: worker 0 finds after every step that it is due,
+ * and every worker checkpoints after the next one (sync mode: its decision lags one step). Without
+ * --checkpoint-every those are the only checkpoints before the one at the end of training (none
+ * at the end of epoch 1). The checkpoints change nothing: the parameters are those of an
+ * uninterrupted run, and so are those of a job killed once it has written two checkpoints and
+ * resumed from whatever it left. */
+Test(ps_train, checkpoints_by_time_and_resumes_from_them, .timeout = 180)
+{
+    char dir[128];
+    char want[256];
+    result_t r;
+    unsigned long long whole, resumed;
+    long long first = -1, saved, step = -1;
+    const char *line;
+    int n;
+
+    SKIP_WITHOUT_FASHION_MNIST();
+    example_tmp_dir(dir, sizeof(dir), "cksec");
+    run_ps_train(&r, "--epochs", "2", "--limit", "3000");
+    assert_exit(&r, 0);
+    whole = final_hash(&r);
+    result_free(&r);
+
+    run_ps_train(&r, "--epochs", "2", "--limit", "3000", "--checkpoint-dir", dir,
+                 "--checkpoint-seconds", "0.001");
+    assert_exit(&r, 0);
+    assert_line_prefix(&r, LEAD "MLP 784-256-10 (203530 parameters) on 3000 Fashion-MNIST images, "
+                                "2 servers, 2 workers, batch 64 per worker, sync, SGD lr 0.02 "
+                                "momentum 0.9 on the servers, 24 steps per epoch");
+    n = checkpoints(&r, &first);
+    /* The first decision goes out after step 1 and is taken after step 2. */
+    cr_assert(n >= 2 && first >= 2 && first < 48, "%d checkpoints, the first at step %lld\n%s", n,
+              first, r.out);
+    cr_assert_eq(last_checkpoint(&r), 48, "%s", r.out);
+    cr_assert(file_exists(dir, "MANIFEST") && file_exists(dir, "ps_train.meta"), "%s", dir);
+    cr_assert_eq(final_hash(&r), whole, "checkpoints by time changed the parameters");
+    result_free(&r);
+    example_remove_dir(dir);
+
+    example_tmp_dir(dir, sizeof(dir), "cksec");
+    {
+        const char *const args[] = {
+            "--epochs", "2", "--limit", "3000", "--checkpoint-dir", dir, "--checkpoint-seconds",
+            "0.001",    NULL};
+        example_t ex = PS_TRAIN;
+
+        ex.sig = SIGTERM;
+        ex.sig_when = LEAD "checkpoint at step ";
+        ex.sig_when_count = 2;
+        example_run(&r, &ex, args);
+    }
+    saved = last_checkpoint(&r);
+    cr_assert(saved >= 2, "no checkpoint\nstdout:\n%s\nstderr:\n%s", r.out, r.err);
+    result_free(&r);
+    cr_assert(file_exists(dir, "MANIFEST"), "%s", dir);
+
+    run_ps_train(&r, "--epochs", "2", "--limit", "3000", "--resume", dir);
+    assert_exit(&r, 0);
+    line = run_find_line(r.out, LEAD "resumed at step ", true);
+    cr_assert(line != NULL, "stdout:\n%s\nstderr:\n%s", r.out, r.err);
+    snprintf(want, sizeof(want), LEAD "resumed at step %%lld from %s: ", dir);
+    cr_assert(sscanf(line, want, &step) == 1 && step >= saved, "%.300s (saved %lld)", line, saved);
+    resumed = final_hash(&r);
+    cr_assert_eq(resumed, whole, "resumed %016llx, uninterrupted %016llx", resumed, whole);
+    result_free(&r);
+    example_remove_dir(dir);
 }
 
 /* ------------------------------------------------------------------ bad input */
@@ -336,19 +352,26 @@ Test(ps_train, bad_options_exit_2, .timeout = 90)
 
     run_ps_train(&r, "--mode", "eventual");
     assert_exit(&r, 2);
-    cr_assert(strstr(r.err, "ps_train: bad value 'eventual' for --mode") != NULL, "stderr:\n%s",
-              r.err);
+    assert_stderr_has(&r, "ps_train: bad value 'eventual' for --mode");
     result_free(&r);
 
     run_ps_train(&r, "--staleness", "1");
     assert_exit(&r, 2);
-    cr_assert(strstr(r.err, "ps_train: --staleness is for --mode bounded") != NULL, "stderr:\n%s",
-              r.err);
+    assert_stderr_has(&r, "ps_train: --staleness is for --mode bounded");
+    result_free(&r);
+
+    run_ps_train(&r, "--checkpoint-seconds", "60");
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "ps_train: --checkpoint-seconds needs --checkpoint-dir");
+    result_free(&r);
+
+    run_ps_train(&r, "--checkpoint-seconds", "0", "--checkpoint-dir", "/tmp");
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "ps_train: bad value '0' for --checkpoint-seconds");
     result_free(&r);
 
     run_ps_train(&r, "--data", "/nonexistent");
     assert_exit(&r, 2);
-    cr_assert(strstr(r.err, "ps_train: cannot load Fashion-MNIST: /nonexistent/") != NULL,
-              "stderr:\n%s", r.err);
+    assert_stderr_has(&r, "ps_train: cannot load Fashion-MNIST: /nonexistent/");
     result_free(&r);
 }

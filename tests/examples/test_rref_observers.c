@@ -8,45 +8,17 @@
 
 #include <criterion/criterion.h>
 
-#include "run.h"
+#include "example.h"
 
-#include <stdbool.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#define DEADLINE_S 60.0
-
-typedef run_result_t result_t;
-
-/* Runs `weftrun -n NPROC rref_observers [ARGS...]`; kills it at the deadline. */
+/* Runs `weftrun -n NPROC rref_observers [ARGS...]` (@p args NULL-terminated, or NULL). */
 static void run_observers(result_t *r, const char *nproc, const char *const *args)
 {
-    static const char *const keep[] = {"WEFT_LOG=", NULL};
-    const char *argv[16];
-    int n = 0;
+    const example_t ex = {.ranks = nproc, .prog_env = "RREF_OBSERVERS"};
 
-    argv[n++] = run_path_from_env("WEFTRUN");
-    argv[n++] = "-n";
-    argv[n++] = nproc;
-    argv[n++] = run_path_from_env("RREF_OBSERVERS");
-    for (; args != NULL && *args != NULL; args++) {
-        cr_assert(n < 15);
-        argv[n++] = *args;
-    }
-    argv[n] = NULL;
-    run_opts_t o = {.argv = argv, .keep = keep, .deadline_s = DEADLINE_S};
-    run_capture(&o, r);
-}
-
-#define find_line run_find_line
-
-static void assert_lines(const result_t *r, const char *const *want)
-{
-    for (; *want != NULL; want++) {
-        cr_assert(find_line(r->out, *want, false) != NULL,
-                  "missing line: %s\nstdout:\n%s\nstderr:\n%s", *want, r->out, r->err);
-    }
+    example_run(r, &ex, args);
 }
 
 Test(rref_observers, seeded_rewards_on_four_ranks, .timeout = 90)
@@ -78,8 +50,8 @@ Test(rref_observers, seeded_rewards_on_four_ranks, .timeout = 90)
     result_t r;
 
     run_observers(&r, "4", NULL);
-    cr_assert_eq(r.code, 0, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
-    assert_lines(&r, want);
+    assert_exit(&r, 0);
+    example_assert_lines(&r, want);
     for (int i = 1; i <= 3; i++) {
         char freed[64];
         const char *p = r.out;
@@ -105,7 +77,7 @@ Test(rref_observers, summary_adds_up_on_three_ranks, .timeout = 90)
     int total = 0;
 
     run_observers(&r, "3", args);
-    cr_assert_eq(r.code, 0, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    assert_exit(&r, 0);
     for (int ep = 1; ep <= 2; ep++) {
         char prefix[64];
         const char *line;
@@ -128,16 +100,16 @@ Test(rref_observers, summary_adds_up_on_three_ranks, .timeout = 90)
                  "[rank 0] observer%d on worker%d: total reward %d over 2 "
                  "episodes",
                  i, i, per_ob[i]);
-        assert_lines(&r, (const char *const[]){want, NULL});
+        example_assert_lines(&r, (const char *const[]){want, NULL});
         total += per_ob[i];
     }
     char want[128];
     snprintf(want, sizeof(want), "[rank 0] total reward %d (2 observers x 2 episodes x 9 steps)",
              total);
-    assert_lines(&r, (const char *const[]){
-                         want,
-                         "[rank 0] rewards reported to the agent match the observers' returns: yes",
-                         "[rank 0] done", "[rank 1] done", "[rank 2] done", NULL});
+    example_assert_lines(
+        &r, (const char *const[]){
+                want, "[rank 0] rewards reported to the agent match the observers' returns: yes",
+                "[rank 0] done", "[rank 1] done", "[rank 2] done", NULL});
     run_result_free(&r);
 }
 
@@ -146,7 +118,7 @@ Test(rref_observers, wants_two_ranks, .timeout = 60)
     result_t r;
 
     run_observers(&r, "1", NULL);
-    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
-    cr_assert(strstr(r.err, "needs 2 ranks") != NULL, "stderr:\n%s", r.err);
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "needs 2 ranks");
     run_result_free(&r);
 }

@@ -8,47 +8,17 @@
 
 #include <criterion/criterion.h>
 
-#include "run.h"
+#include "example.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-#include <stdbool.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <sys/types.h>
-#include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
 
-extern char **environ;
-
-#define DEADLINE_S 120.0
-#define MAX_ENV    512
-
-typedef run_result_t result_t;
-
-/* Runs `weftrun -n NPROC collectives_tour`; kills it at the deadline. */
+/* Runs `weftrun -n NPROC collectives_tour`, with a 120 s deadline. */
 static void run_tour(result_t *r, const char *nproc)
 {
-    static const char *const keep[] = {"WEFT_LOG=", NULL};
-    const char *argv[] = {run_path_from_env("WEFTRUN"), "-n", nproc, run_path_from_env("TOUR"),
-                          NULL};
-    run_opts_t o = {.argv = argv, .keep = keep, .deadline_s = DEADLINE_S};
-    run_capture(&o, r);
-}
+    const example_t ex = {.ranks = nproc, .prog_env = "TOUR", .deadline_s = 120.0};
 
-#define result_free run_result_free
-#define find_line   run_find_line
-
-static void assert_lines(const result_t *r, const char *const *want)
-{
-    for (; *want != NULL; want++) {
-        cr_assert(find_line(r->out, *want, false) != NULL,
-                  "missing line: %s\nstdout:\n%s\nstderr:\n%s", *want, r->out, r->err);
-    }
+    example_run(r, &ex, NULL);
 }
 
 static void check_seed_000_collectives(const result_t *r)
@@ -99,7 +69,7 @@ static void check_seed_000_collectives(const result_t *r)
         NULL,
     };
 
-    assert_lines(r, want);
+    example_assert_lines(r, want);
 }
 
 static void check_seed_000_p2p(const result_t *r)
@@ -127,7 +97,7 @@ static void check_seed_000_p2p(const result_t *r)
         NULL,
     };
 
-    assert_lines(r, want);
+    example_assert_lines(r, want);
 }
 
 static void check_seed_001_primitives(const result_t *r)
@@ -145,7 +115,7 @@ static void check_seed_001_primitives(const result_t *r)
         NULL,
     };
 
-    assert_lines(r, want);
+    example_assert_lines(r, want);
 }
 
 static void check_seed_002_three_ranks(const result_t *r)
@@ -177,7 +147,7 @@ static void check_seed_002_three_ranks(const result_t *r)
         NULL,
     };
 
-    assert_lines(r, want);
+    example_assert_lines(r, want);
     /* The barrier after sleeps of 0, 1 and 2 s: everyone leaves it after about 2 s. */
     for (int rank = 0; rank < 3; rank++) {
         char want_prefix[64];
@@ -231,7 +201,7 @@ static void check_seed_003_int64(const result_t *r)
         NULL,
     };
 
-    assert_lines(r, want);
+    example_assert_lines(r, want);
 }
 
 static void check_seed_004_lecture(const result_t *r)
@@ -254,7 +224,7 @@ static void check_seed_004_lecture(const result_t *r)
         NULL,
     };
 
-    assert_lines(r, want);
+    example_assert_lines(r, want);
 }
 
 /* One run of the tour on 4 ranks; every seed example's lines are checked in it. */
@@ -263,7 +233,7 @@ Test(tour, four_ranks, .timeout = 150)
     result_t r;
 
     run_tour(&r, "4");
-    cr_assert_eq(r.code, 0, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
+    assert_exit(&r, 0);
     check_seed_000_collectives(&r);
     check_seed_000_p2p(&r);
     check_seed_001_primitives(&r);
@@ -278,7 +248,7 @@ Test(tour, wants_four_ranks, .timeout = 150)
     result_t r;
 
     run_tour(&r, "2");
-    cr_assert_eq(r.code, 2, "exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.out, r.err);
-    cr_assert(strstr(r.err, "needs 4 ranks") != NULL, "stderr:\n%s", r.err);
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "needs 4 ranks");
     result_free(&r);
 }

@@ -1,0 +1,436 @@
+/* What the example programs share (common.h). */
+#include "common.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MAX_OPTS 64
+#define OPT_BASE 256 /* getopt_long's value of row i: OPT_BASE + i, clear of '?' and 'h' */
+#define MAX_SIZE (1 << 16)
+
+/* ------------------------------------------------------------------ options */
+
+int ex_parse_int(const char *s, int64_t min, int64_t max, int64_t *v_p)
+{
+    char *end = NULL;
+    long long v;
+
+    errno = 0;
+    v = strtoll(s, &end, 10);
+    if (errno != 0 || end == s || *end != '\0' || v < min || v > max) {
+        return -1;
+    }
+    *v_p = (int64_t)v;
+    return 0;
+}
+
+int ex_parse_double(const char *s, double min, double max, double *v_p)
+{
+    char *end = NULL;
+    double v;
+
+    errno = 0;
+    v = strtod(s, &end);
+    if (errno != 0 || end == s || *end != '\0' || !isfinite(v) || v < min || v > max) {
+        return -1;
+    }
+    *v_p = v;
+    return 0;
+}
+
+static int parse_sizes(const char *s, ex_sizes_t *sizes_p)
+{
+    ex_sizes_t sizes = {0};
+    char buf[256];
+    char *save = NULL;
+
+    if (strlen(s) >= sizeof(buf)) {
+        return -1;
+    }
+    strcpy(buf, s);
+    for (char *tok = strtok_r(buf, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
+        if (sizes.n == EX_MAX_LAYERS - 1 ||
+            ex_parse_int(tok, 1, MAX_SIZE, &sizes.v[sizes.n]) != 0) {
+            return -1;
+        }
+        sizes.n++;
+    }
+    if (sizes.n == 0) {
+        return -1;
+    }
+    *sizes_p = sizes;
+    return 0;
+}
+
+static int parse_mode(const char *s, weft_ps_consistency_t *mode_p)
+{
+    if (strcmp(s, "sync") == 0) {
+        *mode_p = WEFT_PS_SYNC;
+    } else if (strcmp(s, "async") == 0) {
+        *mode_p = WEFT_PS_ASYNC;
+    } else if (strcmp(s, "bounded") == 0) {
+        *mode_p = WEFT_PS_BOUNDED;
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+/* Stores @p arg as @p o says. @return 0, or -1 for a bad value (nothing set). */
+static int opt_set(const ex_opt_t *o, const char *arg)
+{
+    int64_t iv = 0;
+
+    switch (o->kind) {
+    case EX_OPT_FLAG:
+        *(int *)o->dst = 1;
+        return 0;
+    case EX_OPT_INT:
+    case EX_OPT_I64:
+    case EX_OPT_U64:
+        if (ex_parse_int(arg, o->min, o->max, &iv) != 0) {
+            return -1;
+        }
+        if (o->kind == EX_OPT_INT) {
+            *(int *)o->dst = (int)iv;
+        } else if (o->kind == EX_OPT_I64) {
+            *(int64_t *)o->dst = iv;
+        } else {
+            *(uint64_t *)o->dst = (uint64_t)iv;
+        }
+        return 0;
+    case EX_OPT_DOUBLE:
+        return ex_parse_double(arg, o->fmin, o->fmax, o->dst);
+    case EX_OPT_STR:
+        *(const char **)o->dst = arg;
+        return 0;
+    case EX_OPT_SIZES:
+        return parse_sizes(arg, o->dst);
+    case EX_OPT_MODE:
+        return parse_mode(arg, o->dst);
+    }
+    return -1;
+}
+
+int ex_parse_opts(const char *prog, int argc, char **argv, const ex_opt_t *opts, size_t n,
+                  void (*usage)(FILE *out))
+{
+    struct option longopts[MAX_OPTS + 2];
+    int c;
+
+    if (n > MAX_OPTS) {
+        fprintf(stderr, "%s: %zu options, at most %d\n", prog, n, MAX_OPTS);
+        return EX_EXIT_USAGE;
+    }
+    for (size_t i = 0; i < n; i++) {
+        longopts[i].name = opts[i].name;
+        longopts[i].has_arg = opts[i].kind == EX_OPT_FLAG ? no_argument : required_argument;
+        longopts[i].flag = NULL;
+        longopts[i].val = OPT_BASE + (int)i;
+    }
+    longopts[n] = (struct option){"help", no_argument, NULL, 'h'};
+    longopts[n + 1] = (struct option){NULL, 0, NULL, 0};
+
+    while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+        const ex_opt_t *o;
+
+        if (c == 'h') {
+            usage(stdout);
+            return 1;
+        }
+        if (c < OPT_BASE || c >= OPT_BASE + (int)n) {
+            usage(stderr); /* getopt_long said what is wrong */
+            return EX_EXIT_USAGE;
+        }
+        o = &opts[c - OPT_BASE];
+        if (opt_set(o, optarg) != 0) {
+            fprintf(stderr, "%s: bad value '%s' for --%s\n", prog, optarg, o->name);
+            usage(stderr);
+            return EX_EXIT_USAGE;
+        }
+        if (o->given != NULL) {
+            *o->given = 1;
+        }
+    }
+    if (optind != argc) {
+        fprintf(stderr, "%s: unexpected argument '%s'\n", prog, argv[optind]);
+        usage(stderr);
+        return EX_EXIT_USAGE;
+    }
+    return 0;
+}
+
+const char *ex_mode_name(weft_ps_consistency_t mode)
+{
+    return mode == WEFT_PS_SYNC ? "sync" : mode == WEFT_PS_ASYNC ? "async" : "bounded";
+}
+
+/* ------------------------------------------------------------------ running */
+
+double ex_now(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+void ex_fail(const char *prog, const char *what, weft_status_t st)
+{
+    fprintf(stderr, "%s: %s: %s: %s\n", prog, what, weft_status_name(st), weft_last_error());
+}
+
+int ex_wait_all(const char *prog, weft_future_t **fs, int n, const char *what)
+{
+    weft_status_t st = n > 0 ? weft_future_wait_all(fs, (size_t)n, 0) : WEFT_OK;
+    int rc = 0;
+
+    for (int i = 0; i < n; i++) {
+        weft_status_t fst = weft_future_status(fs[i]);
+
+        if (rc == 0 && fst != WEFT_OK) {
+            fprintf(stderr, "%s: %s: %s: %s\n", prog, what, weft_status_name(fst),
+                    weft_future_error(fs[i]));
+            rc = -1;
+        }
+        weft_future_release(fs[i]);
+    }
+    if (st != WEFT_OK && rc == 0) {
+        fprintf(stderr, "%s: %s: %s\n", prog, what, weft_status_name(st));
+        rc = -1;
+    }
+    return rc;
+}
+
+int ex_ps_start(const char *prog, weft_agent_t **a_p, weft_ps_t **ps_p)
+{
+    weft_agent_opts_t opts;
+    weft_ps_opts_t ps_opts;
+    weft_agent_t *a = NULL;
+    weft_ps_t *ps = NULL;
+    weft_status_t st;
+
+    weft_agent_opts_init(&opts);
+    opts.handler_threads = 2; /* a server answers pushes while pulls wait for a step */
+    st = weft_agent_create(&opts, &a);
+    if (st == WEFT_OK) {
+        /* Before the join: the servers' function must exist when the first request comes. */
+        weft_ps_opts_init(&ps_opts); /* roles from WEFT_PS_SERVERS (weftrun --servers) */
+        st = weft_ps_create(a, &ps_opts, &ps);
+    }
+    if (st == WEFT_OK) {
+        st = weft_agent_join(a);
+    }
+    if (st != WEFT_OK) {
+        ex_fail(prog, "cannot start the parameter server", st);
+        weft_agent_free(a);
+        return -1;
+    }
+    *a_p = a;
+    *ps_p = ps;
+    return 0;
+}
+
+int ex_ps_finish(const char *prog, weft_ps_t *ps, int rc)
+{
+    weft_status_t st = weft_ps_finish(ps, 0);
+
+    if (st != WEFT_OK) {
+        ex_fail(prog, "finish", st);
+        return rc != 0 ? rc : 1;
+    }
+    return rc;
+}
+
+int ex_agent_shutdown(const char *prog, weft_agent_t *a, int rc)
+{
+    weft_status_t st = weft_agent_shutdown(a, EX_SHUTDOWN_TIMEOUT_MS);
+
+    if (st != WEFT_OK) {
+        ex_fail(prog, "shutdown", st);
+        return rc != 0 ? rc : 1;
+    }
+    return rc;
+}
+
+/* ------------------------------------------------------------------ training */
+
+void ex_progress(int epoch, int epochs, int64_t step, int64_t steps, double loss, double rate,
+                 int tty)
+{
+    char bar[31];
+    int fill = (int)(30 * (step + 1) / steps);
+
+    for (int i = 0; i < 30; i++) {
+        bar[i] = i < fill ? '#' : '.';
+    }
+    bar[30] = '\0';
+    printf("%sepoch %d/%d [%s] %lld/%lld loss %.4f %.0f samples/s%s", tty ? "\r" : "", epoch + 1,
+           epochs, bar, (long long)(step + 1), (long long)steps, loss, rate, tty ? "" : "\n");
+    fflush(stdout);
+}
+
+void ex_epoch_perm(uint64_t seed, int epoch, int64_t n, int64_t *perm)
+{
+    weft_rng_t rng;
+
+    weft_rng_init(&rng, seed, 1000 + (uint64_t)epoch);
+    for (int64_t i = 0; i < n; i++) {
+        perm[i] = i;
+    }
+    for (int64_t i = n - 1; i > 0; i--) {
+        int64_t j = (int64_t)weft_rng_below(&rng, (uint64_t)i + 1);
+        int64_t t = perm[i];
+
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+}
+
+uint64_t ex_fnv1a(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *c = p;
+
+    for (size_t i = 0; i < n; i++) {
+        h = (h ^ c[i]) * 0x100000001b3ULL;
+    }
+    return h;
+}
+
+int ex_params_identical(const char *prog, weft_pg_t *pg, const weft_param_list_t *params,
+                        int *same_p, uint64_t *hash_p)
+{
+    int64_t n = weft_param_list_numel(params);
+    int64_t one = 1;
+    weft_tensor_t *mine = NULL;
+    weft_tensor_t *copy = NULL;
+    weft_tensor_t *flag = NULL;
+    weft_status_t st;
+
+    st = weft_tensor_empty(WEFT_F32, 1, &n, &mine);
+    if (st == WEFT_OK) {
+        st = weft_param_list_pack(params, mine);
+    }
+    if (st == WEFT_OK) {
+        st = weft_tensor_clone(mine, &copy);
+    }
+    if (st == WEFT_OK) {
+        st = weft_coll_broadcast(pg, copy, 0, NULL);
+    }
+    if (st == WEFT_OK) {
+        st = weft_tensor_create(WEFT_I32, 1, &one, &flag);
+    }
+    if (st == WEFT_OK) {
+        ((int32_t *)weft_tensor_data(flag))[0] =
+            memcmp(weft_tensor_data(copy), weft_tensor_data(mine), weft_tensor_nbytes(copy)) == 0;
+        st = weft_coll_all_reduce(pg, flag, WEFT_MIN, NULL);
+    }
+    if (st == WEFT_OK) {
+        *same_p = ((int32_t *)weft_tensor_data(flag))[0];
+        *hash_p = ex_fnv1a(EX_FNV1A_BASIS, weft_tensor_data(mine), weft_tensor_nbytes(mine));
+    }
+    weft_tensor_release(mine);
+    weft_tensor_release(copy);
+    weft_tensor_release(flag);
+    if (st != WEFT_OK) {
+        ex_fail(prog, "parameter check", st);
+        return -1;
+    }
+    return 0;
+}
+
+int ex_mlp_sizes(const ex_sizes_t *hidden, int64_t in, int64_t out, int64_t *sizes)
+{
+    sizes[0] = in;
+    for (int l = 0; l < hidden->n; l++) {
+        sizes[l + 1] = hidden->v[l];
+    }
+    sizes[hidden->n + 1] = out;
+    return hidden->n + 2;
+}
+
+int ex_ps_table_create(const char *prog, weft_ps_t *ps, const weft_ps_table_spec_t *spec,
+                       weft_ps_table_t **t_p)
+{
+    weft_status_t st = weft_ps_table_create(ps, spec, 0, t_p);
+
+    if (st != WEFT_OK) {
+        fprintf(stderr, "%s: table %s: %s: %s\n", prog, spec->name, weft_status_name(st),
+                weft_last_error());
+        return -1;
+    }
+    return 0;
+}
+
+void ex_print_mlp(int n_sizes, const int64_t *sizes)
+{
+    printf("MLP %lld", (long long)sizes[0]);
+    for (int l = 1; l < n_sizes; l++) {
+        printf("-%lld", (long long)sizes[l]);
+    }
+}
+
+void ex_linear_name(int i, char *name, size_t cap)
+{
+    snprintf(name, cap, "fc%d.%s", i / 2 + 1, i % 2 == 0 ? "weight" : "bias");
+}
+
+void ex_ps_linear_spec(const int64_t *sizes, int i, const char *table, weft_ps_table_spec_t *spec)
+{
+    int l = i / 2;
+    double bound = 1.0 / sqrt((double)sizes[l]);
+
+    weft_ps_table_spec_init(spec, table, WEFT_PS_DENSE);
+    if (i % 2 == 0) {
+        spec->ndim = 2;
+        spec->shape[0] = sizes[l + 1];
+        spec->shape[1] = sizes[l];
+    } else {
+        spec->ndim = 1;
+        spec->shape[0] = sizes[l + 1];
+    }
+    spec->init = WEFT_PS_UNIFORM; /* torch's nn.Linear: uniform(+-1/sqrt(fan_in)) */
+    spec->init_a = -bound;
+    spec->init_b = bound;
+}
+
+weft_status_t ex_mlp_for_tables(const char *prog, int n_sizes, const int64_t *sizes, uint64_t seed,
+                                weft_nn_mlp_t **mlp_p)
+{
+    const weft_param_list_t *params;
+    weft_nn_mlp_t *mlp = NULL;
+    weft_rng_t rng;
+    weft_status_t st;
+    int n;
+
+    weft_rng_init(&rng, seed, 0);
+    st = weft_nn_mlp_create(n_sizes, sizes, NULL, &rng, &mlp);
+    if (st != WEFT_OK) {
+        return st;
+    }
+    params = weft_nn_mlp_params(mlp);
+    n = weft_param_list_size(params);
+    if (n != 2 * (n_sizes - 1)) {
+        fprintf(stderr, "%s: the MLP has %d parameters, the tables are %d\n", prog, n,
+                2 * (n_sizes - 1));
+        weft_nn_mlp_free(mlp);
+        return WEFT_ERR_INVALID_STATE;
+    }
+    for (int i = 0; i < n; i++) {
+        char name[32];
+
+        ex_linear_name(i, name, sizeof(name));
+        if (strcmp(weft_param_list_name(params, i), name) != 0) {
+            fprintf(stderr, "%s: parameter %d is %s, its table %s\n", prog, i,
+                    weft_param_list_name(params, i), name);
+            weft_nn_mlp_free(mlp);
+            return WEFT_ERR_INVALID_STATE;
+        }
+    }
+    *mlp_p = mlp;
+    return WEFT_OK;
+}

@@ -1,0 +1,213 @@
+/*
+ * What the example programs share: their command lines (a table of options over getopt_long),
+ * the parameter server's start-up and end, and the pieces of their training loops (the clock, the
+ * progress bar, the epoch's shuffle, waiting for futures, the workers' bit-for-bit parameter
+ * check, the MLP's dense tables). Functions are ex_-prefixed; @p prog is the program's name for
+ * messages ("PROG: ..." on stderr).
+ */
+#ifndef WEFT_EXAMPLES_COMMON_H
+#define WEFT_EXAMPLES_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include <weft/weft.h>
+
+/** Exit status for bad options (and, by the examples' convention, data that cannot be read). */
+#define EX_EXIT_USAGE 2
+/** Layers of an MLP at most: EX_MAX_LAYERS - 1 hidden ones. */
+#define EX_MAX_LAYERS 8
+/** How long weft_agent_shutdown may wait for the other ranks. */
+#define EX_SHUTDOWN_TIMEOUT_MS 30000
+/** FNV-1a's offset basis: ex_fnv1a's @p h for the first bytes. */
+#define EX_FNV1A_BASIS 0xcbf29ce484222325ULL
+
+/* ------------------------------------------------------------------ options */
+
+/** Parses a whole decimal integer in [min, max] into *v_p. @return 0, or -1 (nothing set). */
+int ex_parse_int(const char *s, int64_t min, int64_t max, int64_t *v_p);
+/** Parses a whole finite number in [min, max] into *v_p. @return 0, or -1 (nothing set). */
+int ex_parse_double(const char *s, double min, double max, double *v_p);
+
+/** Hidden layer sizes, from a comma list ("256" or "512,256"), each in [1, 65536]. */
+typedef struct {
+    int n;
+    int64_t v[EX_MAX_LAYERS - 1];
+} ex_sizes_t;
+
+/** What an option's argument sets (see ex_opt_t). */
+typedef enum {
+    EX_OPT_FLAG,   /**< no argument: *(int *)dst = 1 */
+    EX_OPT_INT,    /**< *(int *)dst, a whole number in [min, max] */
+    EX_OPT_I64,    /**< *(int64_t *)dst, in [min, max] */
+    EX_OPT_U64,    /**< *(uint64_t *)dst, in [min, max] (min >= 0) */
+    EX_OPT_DOUBLE, /**< *(double *)dst, finite, in [fmin, fmax] */
+    EX_OPT_STR,    /**< *(const char **)dst = the argument, borrowed from argv */
+    EX_OPT_SIZES,  /**< *(ex_sizes_t *)dst, a comma list of sizes */
+    EX_OPT_MODE,   /**< *(weft_ps_consistency_t *)dst: sync, async or bounded */
+} ex_opt_kind_t;
+
+/** One long option "--name" of a command line. Build them with the EX_* macros below. */
+typedef struct {
+    const char *name;
+    ex_opt_kind_t kind;
+    void *dst;
+    int64_t min, max;
+    double fmin, fmax;
+    int *given; /**< if not NULL, set to 1 when the option is given */
+} ex_opt_t;
+
+/* The table's rows; each checks at compile time that @p p points to the type its kind sets. */
+#define EX_FLAG(name, p)                                                                           \
+    {                                                                                              \
+        (name), EX_OPT_FLAG, (void *)(1 ? (p) : (int *)0), 0, 0, 0, 0, NULL                        \
+    }
+#define EX_INT(name, p, lo, hi)                                                                    \
+    {                                                                                              \
+        (name), EX_OPT_INT, (void *)(1 ? (p) : (int *)0), (lo), (hi), 0, 0, NULL                   \
+    }
+#define EX_I64(name, p, lo, hi)                                                                    \
+    {                                                                                              \
+        (name), EX_OPT_I64, (void *)(1 ? (p) : (int64_t *)0), (lo), (hi), 0, 0, NULL               \
+    }
+#define EX_U64(name, p, lo, hi)                                                                    \
+    {                                                                                              \
+        (name), EX_OPT_U64, (void *)(1 ? (p) : (uint64_t *)0), (lo), (hi), 0, 0, NULL              \
+    }
+#define EX_DOUBLE(name, p, lo, hi)                                                                 \
+    {                                                                                              \
+        (name), EX_OPT_DOUBLE, (void *)(1 ? (p) : (double *)0), 0, 0, (lo), (hi), NULL             \
+    }
+#define EX_STR(name, p)                                                                            \
+    {                                                                                              \
+        (name), EX_OPT_STR, (void *)(1 ? (p) : (const char **)0), 0, 0, 0, 0, NULL                 \
+    }
+#define EX_SIZES(name, p)                                                                          \
+    {                                                                                              \
+        (name), EX_OPT_SIZES, (void *)(1 ? (p) : (ex_sizes_t *)0), 0, 0, 0, 0, NULL                \
+    }
+#define EX_MODE(name, p)                                                                           \
+    {                                                                                              \
+        (name), EX_OPT_MODE, (void *)(1 ? (p) : (weft_ps_consistency_t *)0), 0, 0, 0, 0, NULL      \
+    }
+
+/**
+ * Parses @p argv's long options against @p opts (@p n of them, at most 64; "--help" and "-h" are
+ * added), storing each argument as its row says. A bad value prints "PROG: bad value 'V' for
+ * --NAME" and @p usage on stderr; an unknown option (getopt_long's message) and a stray argument
+ * ("PROG: unexpected argument 'A'") print @p usage on stderr too; --help prints it on stdout.
+ * Defaults are the caller's: set them before.
+ * @return 0; 1 after --help; EX_EXIT_USAGE after a message.
+ */
+int ex_parse_opts(const char *prog, int argc, char **argv, const ex_opt_t *opts, size_t n,
+                  void (*usage)(FILE *out));
+
+/** "sync", "async" or "bounded". */
+const char *ex_mode_name(weft_ps_consistency_t mode);
+
+/* ------------------------------------------------------------------ running */
+
+/** Seconds of CLOCK_MONOTONIC. */
+double ex_now(void);
+
+/** Prints "PROG: WHAT: STATUS: weft_last_error()" on stderr. */
+void ex_fail(const char *prog, const char *what, weft_status_t st);
+
+/**
+ * Waits for @p n futures and releases them all; on a failure prints the first failed one's
+ * error ("PROG: WHAT: STATUS: text"). @return 0, or -1 if any failed.
+ */
+int ex_wait_all(const char *prog, weft_future_t **fs, int n, const char *what);
+
+/**
+ * Creates the agent (2 handler threads: a server answers pushes while pulls wait for a step) and
+ * the parameter server, before the join so that the servers' function exists when the first
+ * request comes (roles from WEFT_PS_SERVERS, which weftrun --servers sets), and joins. On failure
+ * prints "PROG: cannot start the parameter server: ..." and frees what it made.
+ * @param[out] a_p, ps_p set on success; the caller shuts the agent down and frees it (which
+ *             frees the PS).
+ * @return 0, or -1 after the message.
+ */
+int ex_ps_start(const char *prog, weft_agent_t **a_p, weft_ps_t **ps_p);
+
+/**
+ * weft_ps_finish: servers serve until every worker is done; workers say they are.
+ * @return @p rc, or 1 if it was 0 and the finish failed (after a message).
+ */
+int ex_ps_finish(const char *prog, weft_ps_t *ps, int rc);
+
+/**
+ * weft_agent_shutdown with EX_SHUTDOWN_TIMEOUT_MS.
+ * @return @p rc, or 1 if it was 0 and the shutdown failed (after a message).
+ */
+int ex_agent_shutdown(const char *prog, weft_agent_t *a, int rc);
+
+/* ------------------------------------------------------------------ training */
+
+/**
+ * Prints the progress line of step @p step (0-based) of @p steps in epoch @p epoch (0-based) of
+ * @p epochs: "epoch E/N [###...] S/T loss L R samples/s", over itself (\r) on a terminal
+ * (@p tty), one line each otherwise.
+ */
+void ex_progress(int epoch, int epochs, int64_t step, int64_t steps, double loss, double rate,
+                 int tty);
+
+/**
+ * Epoch @p epoch's order of @p n samples: a permutation of 0..n-1 (into @p perm) drawn from
+ * @p seed and the epoch alone, so the same on every rank.
+ */
+void ex_epoch_perm(uint64_t seed, int epoch, int64_t n, int64_t *perm);
+
+/** FNV-1a 64 of @p n bytes, going on from @p h (EX_FNV1A_BASIS for the first bytes). */
+uint64_t ex_fnv1a(uint64_t h, const void *p, size_t n);
+
+/**
+ * Compares every member's parameters @p params with group rank 0's, bit for bit (a broadcast and
+ * an all_reduce MIN over @p pg; every member calls it). @p same_p gets 1 if all match, @p hash_p
+ * the FNV-1a 64 of this member's packed parameters.
+ * @return 0, or -1 after a message ("PROG: parameter check: ...").
+ */
+int ex_params_identical(const char *prog, weft_pg_t *pg, const weft_param_list_t *params,
+                        int *same_p, uint64_t *hash_p);
+
+/**
+ * The layer sizes of an MLP @p in -> @p hidden -> @p out into @p sizes (EX_MAX_LAYERS + 1
+ * entries). @return how many there are (hidden->n + 2).
+ */
+int ex_mlp_sizes(const ex_sizes_t *hidden, int64_t in, int64_t out, int64_t *sizes);
+
+/**
+ * weft_ps_table_create (no timeout; every rank creates every table, in the same order).
+ * @return 0, or -1 after a message ("PROG: table NAME: STATUS: text").
+ */
+int ex_ps_table_create(const char *prog, weft_ps_t *ps, const weft_ps_table_spec_t *spec,
+                       weft_ps_table_t **t_p);
+
+/** Prints "MLP 784-256-10" (no newline). */
+void ex_print_mlp(int n_sizes, const int64_t *sizes);
+
+/** The name of parameter @p i of an MLP in weft_nn_mlp's order: fc1.weight, fc1.bias, fc2.weight...
+ */
+void ex_linear_name(int i, char *name, size_t cap);
+
+/**
+ * Sets up @p spec for a dense table named @p table (borrowed: the spec points to it) that holds
+ * parameter @p i (see ex_linear_name) of the MLP of layer sizes @p sizes: weft_ps_table_spec_init,
+ * the shape ([out, in] or [out]) and the initializer, uniform(-1/sqrt(in), 1/sqrt(in)) for weights
+ * and biases, torch's nn.Linear distribution. The caller sets the optimizer, seed, consistency
+ * and chunk size.
+ */
+void ex_ps_linear_spec(const int64_t *sizes, int i, const char *table, weft_ps_table_spec_t *spec);
+
+/**
+ * A worker's copy of the MLP of @p n_sizes layer sizes @p sizes (weft_nn_mlp, random stream
+ * (@p seed, 0)), whose parameters the pulls overwrite; checks that its parameters are those of
+ * ex_linear_name, in that order (the tables').
+ * @param[out] mlp_p set on success; caller frees with weft_nn_mlp_free.
+ * @return WEFT_ERR_INVALID_STATE after a message if they are not; weft_nn_mlp_create's errors.
+ */
+weft_status_t ex_mlp_for_tables(const char *prog, int n_sizes, const int64_t *sizes, uint64_t seed,
+                                weft_nn_mlp_t **mlp_p);
+
+#endif
