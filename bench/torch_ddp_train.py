@@ -61,7 +61,8 @@ def parse_args():
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--hidden", default="256", help="hidden sizes, N[,N...] (784-N-...-10)")
+    p.add_argument("--limit", type=int, default=0, help="train on the first N samples only")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=100, help="optimizer steps between evaluations (0: epoch ends only)")
     p.add_argument("--target", type=float, default=0.85)
@@ -71,8 +72,14 @@ def parse_args():
     p.add_argument("--verbose", action="store_true", help="print every evaluation on stderr")
     p.add_argument("--timeout", type=float, default=900.0)
     a = p.parse_args()
-    if a.world < 1 or a.batch < 1 or a.epochs < 1 or a.hidden < 1 or a.eval_every < 0:
-        p.error("WORLD, --batch, --epochs, --hidden must be >= 1 and --eval-every >= 0")
+    try:
+        a.hidden_sizes = [int(h) for h in str(a.hidden).split(",")]
+    except ValueError:
+        p.error("--hidden is N[,N...]")
+    a.hidden = a.hidden_sizes[0]
+    if (a.world < 1 or a.batch < 1 or a.epochs < 1 or min(a.hidden_sizes) < 1 or a.eval_every < 0
+            or a.limit < 0):
+        p.error("WORLD, --batch, --epochs, --hidden must be >= 1, --eval-every and --limit >= 0")
     return a
 
 
@@ -144,10 +151,15 @@ def rank_main(a, rank, port):
         xte, yte = load(a.data, "t10k")
 
     torch.manual_seed(a.seed)
-    model = nn.Sequential(nn.Linear(784, a.hidden), nn.ReLU(), nn.Linear(a.hidden, 10))
+    layers, prev = [], 784
+    for h in a.hidden_sizes:
+        layers += [nn.Linear(prev, h), nn.ReLU()]
+        prev = h
+    model = nn.Sequential(*layers, nn.Linear(prev, 10))
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=a.lr, momentum=a.momentum)
-    sampler = DistributedSampler(range(xtr.shape[0]), num_replicas=W, rank=rank, shuffle=True,
+    n_train = a.limit if 0 < a.limit < xtr.shape[0] else xtr.shape[0]
+    sampler = DistributedSampler(range(n_train), num_replicas=W, rank=rank, shuffle=True,
                                  seed=a.seed, drop_last=False)
 
     def evaluate():
@@ -226,6 +238,7 @@ def rank_main(a, rank, port):
         res = {"system": SYSTEM, "world": W, "batch": a.batch, "lr": a.lr, "momentum": a.momentum,
                "hidden": a.hidden, "epochs_run": epochs_run, "steps": steps,
                "samples_per_s": round(total / slowest, 1) if slowest > 0 else None,
+               "step_ms": round(1e3 * slowest / steps, 3) if steps > 0 else None,
                "time_to_target_s": None if t_target is None else round(t_target, 4),
                "target": a.target, "final_acc": evals[-1][2] if evals else None,
                "peak_rss_mb_max": round(max(rss), 1), "peak_rss_mb_sum": round(sum(rss), 1),

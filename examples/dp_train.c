@@ -56,6 +56,9 @@ typedef struct {
     int json;
     int threads;
     const char *data_dir;
+    const char *reducer;  /* "ddp" (bucketed, overlapping backward) or "flat" (one all_reduce) */
+    double bucket_mb;     /* ddp bucket cap */
+    const char *compress; /* ddp: "none", "fp16", "bf16" */
 } config_t;
 
 static void usage(FILE *out)
@@ -75,6 +78,10 @@ static void usage(FILE *out)
             "  --target X         test accuracy whose first crossing is timed (default 0.85)\n"
             "  --stop-at-target   stop as soon as the test accuracy reaches the target\n"
             "  --threads N        BLAS threads per rank (default 1)\n"
+            "  --reducer R        ddp: the bucketed DDP reducer, all_reduces overlapping backward\n"
+            "                     (default); flat: one all_reduce of all gradients after backward\n"
+            "  --bucket-mb X      ddp bucket cap in MiB (default 25; the first bucket 1 MiB)\n"
+            "  --compress C       ddp: none (default), fp16 or bf16 gradients on the wire\n"
             "  --json             print a JSON summary line at the end (rank 0)\n"
             "  --data DIR         Fashion-MNIST IDX files (default $WEFT_DATA_DIR, else\n"
             "                     " MNIST_DEFAULT_DIR ")\n");
@@ -99,6 +106,9 @@ static int parse_args(int argc, char **argv, config_t *cfg)
         EX_INT("threads", &cfg->threads, 1, 256),
         EX_FLAG("json", &cfg->json),
         EX_STR("data", &cfg->data_dir),
+        EX_STR("reducer", &cfg->reducer),
+        EX_DOUBLE("bucket-mb", &cfg->bucket_mb, 0.001, 65536),
+        EX_STR("compress", &cfg->compress),
     };
     int rc;
 
@@ -113,12 +123,28 @@ static int parse_args(int argc, char **argv, config_t *cfg)
     cfg->target = 0.85;
     cfg->threads = 1;
     cfg->data_dir = mnist_default_dir();
+    cfg->reducer = "ddp";
+    cfg->bucket_mb = 25;
+    cfg->compress = "none";
     rc = ex_parse_opts(PROG, argc, argv, opts, sizeof(opts) / sizeof(opts[0]), usage);
     if (rc != 0) {
         return rc;
     }
     if (cfg->nesterov && cfg->momentum == 0.0) {
         fprintf(stderr, PROG ": --nesterov needs a momentum above 0\n");
+        return EXIT_USAGE;
+    }
+    if (strcmp(cfg->reducer, "ddp") != 0 && strcmp(cfg->reducer, "flat") != 0) {
+        fprintf(stderr, PROG ": --reducer is ddp or flat, not '%s'\n", cfg->reducer);
+        return EXIT_USAGE;
+    }
+    if (strcmp(cfg->compress, "none") != 0 && strcmp(cfg->compress, "fp16") != 0 &&
+        strcmp(cfg->compress, "bf16") != 0) {
+        fprintf(stderr, PROG ": --compress is none, fp16 or bf16, not '%s'\n", cfg->compress);
+        return EXIT_USAGE;
+    }
+    if (strcmp(cfg->compress, "none") != 0 && strcmp(cfg->reducer, "ddp") != 0) {
+        fprintf(stderr, PROG ": --compress needs --reducer ddp\n");
         return EXIT_USAGE;
     }
     return 0;
@@ -138,12 +164,14 @@ typedef struct {
     weft_nn_mlp_t *mlp;
     const weft_param_list_t *params; /* borrowed from the MLP */
     int64_t numel;
-    weft_tensor_t *grad;
+    weft_tensor_t *grad; /* --reducer flat: every gradient, a region each */
+    weft_ddp_t *ddp;     /* --reducer ddp */
     weft_optimizer_t *opt;
 } model_t;
 
 static void model_free(model_t *m)
 {
+    weft_ddp_free(m->ddp);
     weft_optimizer_free(m->opt);
     weft_nn_mlp_free(m->mlp);
     weft_tensor_release(m->grad);
@@ -166,8 +194,10 @@ static weft_status_t model_init(model_t *m, const config_t *cfg, int64_t inputs)
     }
     m->params = weft_nn_mlp_params(m->mlp);
     m->numel = weft_param_list_numel(m->params);
-    st = weft_tensor_create(WEFT_F32, 1, &m->numel, &m->grad);
-    for (int i = 0; st == WEFT_OK && i < weft_param_list_size(m->params); i++) {
+    if (strcmp(cfg->reducer, "flat") == 0) {
+        st = weft_tensor_create(WEFT_F32, 1, &m->numel, &m->grad);
+    }
+    for (int i = 0; st == WEFT_OK && m->grad != NULL && i < weft_param_list_size(m->params); i++) {
         weft_tensor_t *p = weft_param_list_get(m->params, i);
         weft_tensor_t *g = NULL;
 
@@ -194,11 +224,24 @@ static weft_status_t model_init(model_t *m, const config_t *cfg, int64_t inputs)
     return st;
 }
 
-/* Every parameter of rank 0 on every rank. */
-static weft_status_t model_broadcast(const model_t *m, weft_pg_t *pg)
+/* Every parameter of rank 0 on every rank: the DDP reducer broadcasts them as it is made (and
+ * checks the model is the same everywhere); the flat path broadcasts them one by one. */
+static weft_status_t model_broadcast(model_t *m, const config_t *cfg, weft_pg_t *pg)
 {
     weft_status_t st = WEFT_OK;
 
+    if (m->grad == NULL) {
+        weft_ddp_opts_t o;
+        weft_ddp_opts_init(&o);
+        o.bucket_cap_bytes = (size_t)(cfg->bucket_mb * 1048576.0);
+        if (o.first_bucket_bytes > o.bucket_cap_bytes) {
+            o.first_bucket_bytes = o.bucket_cap_bytes;
+        }
+        o.compress = strcmp(cfg->compress, "fp16") == 0   ? WEFT_DDP_COMPRESS_FP16
+                     : strcmp(cfg->compress, "bf16") == 0 ? WEFT_DDP_COMPRESS_BF16
+                                                          : WEFT_DDP_COMPRESS_NONE;
+        return weft_ddp_create(pg, m->params, &o, &m->ddp);
+    }
     for (int i = 0; st == WEFT_OK && i < weft_param_list_size(m->params); i++) {
         st = weft_coll_broadcast(pg, weft_param_list_get(m->params, i), 0, NULL);
     }
@@ -293,6 +336,8 @@ static int train(const job_t *job)
     int epochs_run = 0;
     int reached = 0;
     int same = 0;
+    double comm_us = 0;    /* ddp: communication time, summed over steps */
+    double exposed_us = 0; /* ... of which after backward ended */
     weft_status_t st;
     int rc = 1;
 
@@ -307,7 +352,7 @@ static int train(const job_t *job)
         goto out;
     }
     /* Rank 0's initial parameters everywhere. */
-    st = model_broadcast(&m, job->pg);
+    st = model_broadcast(&m, cfg, job->pg);
     if (st != WEFT_OK) {
         fail("broadcast", st);
         goto out;
@@ -331,13 +376,28 @@ static int train(const job_t *job)
             double loss = 0;
             double t0 = ex_now();
 
-            memset(weft_tensor_data(m.grad), 0, weft_tensor_nbytes(m.grad));
-            st = mnist_loss_backward(job->train, m.mlp, shard + s * cfg->batch, k, &loss);
+            if (m.ddp != NULL) {
+                /* Backward with the buckets' all_reduces overlapping it, averaged in place. */
+                weft_param_list_zero_grad(m.params);
+                st = mnist_loss_backward(job->train, m.mlp, shard + s * cfg->batch, k, m.ddp,
+                                         &loss);
+                if (st == WEFT_OK) {
+                    weft_ddp_stats_t ds;
+                    weft_ddp_stats(m.ddp, &ds);
+                    comm_us += ds.comm_us;
+                    exposed_us += ds.exposed_us;
+                }
+            } else {
+                memset(weft_tensor_data(m.grad), 0, weft_tensor_nbytes(m.grad));
+                st = mnist_loss_backward(job->train, m.mlp, shard + s * cfg->batch, k, NULL, &loss);
+                if (st == WEFT_OK) {
+                    /* Average the gradients of every rank: one all_reduce over the flat buffer. */
+                    st = weft_coll_all_reduce(job->pg, m.grad, WEFT_AVG, NULL);
+                }
+            }
             if (st == WEFT_OK) {
                 loss_sum += loss;
                 loss_n++;
-                /* Average the gradients of every rank: one all_reduce over the flat buffer. */
-                st = weft_coll_all_reduce(job->pg, m.grad, WEFT_AVG, NULL);
             }
             if (st == WEFT_OK) {
                 st = weft_optimizer_step(m.opt);
@@ -392,6 +452,16 @@ static int train(const job_t *job)
                reached ? time_to_target : train_time);
         printf("parameters %s on all %d ranks (fnv1a64 %016llx)\n",
                same ? "bit-identical" : "DIFFER", job->world, (unsigned long long)hash);
+        if (m.ddp != NULL && step_total > 0) {
+            weft_ddp_stats_t ds;
+            weft_ddp_stats(m.ddp, &ds);
+            printf("ddp: %d bucket%s%s, %.2f MiB a step on the wire, %.0f%% of the "
+                   "communication hidden behind backward (%.2f ms of %.2f ms a step exposed)\n",
+                   ds.buckets, ds.buckets == 1 ? "" : "s", ds.rebuilt ? " (rebuilt)" : "",
+                   (double)ds.bytes / 1048576.0,
+                   comm_us > 0 ? 100.0 * (1.0 - exposed_us / comm_us) : 0.0,
+                   exposed_us / 1e3 / (double)step_total, comm_us / 1e3 / (double)step_total);
+        }
         if (cfg->json) {
             printf("{\"system\":\"weft\",\"world\":%d,\"batch\":%d,\"lr\":%g,\"momentum\":%g,"
                    "\"hidden\":%lld,\"epochs_run\":%d,\"steps\":%lld,\"samples_per_s\":%.1f,"
@@ -404,8 +474,16 @@ static int train(const job_t *job)
                 printf("null");
             }
             printf(",\"target\":%g,\"final_acc\":%.4f,\"train_loss\":%.4f,\"peak_rss_mb_max\":%.1f,"
-                   "\"peak_rss_mb_sum\":%.1f,\"params_identical\":%s}\n",
-                   cfg->target, acc, loss_avg, rss_max, rss_sum, same ? "true" : "false");
+                   "\"peak_rss_mb_sum\":%.1f,\"params_identical\":%s,\"reducer\":\"%s\","
+                   "\"compress\":\"%s\",\"step_ms\":%.3f,\"comm_hidden\":",
+                   cfg->target, acc, loss_avg, rss_max, rss_sum, same ? "true" : "false",
+                   cfg->reducer, cfg->compress,
+                   step_total > 0 ? 1e3 * train_time / (double)step_total : 0.0);
+            if (m.ddp != NULL && comm_us > 0) {
+                printf("%.3f}\n", 1.0 - exposed_us / comm_us);
+            } else {
+                printf("null}\n");
+            }
         }
     }
     rc = same ? 0 : 1;

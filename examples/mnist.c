@@ -290,7 +290,7 @@ weft_status_t mnist_batch(const mnist_set_t *set, const int64_t *idx, int64_t k,
 }
 
 weft_status_t mnist_loss_backward(const mnist_set_t *set, weft_nn_mlp_t *mlp, const int64_t *idx,
-                                  int64_t k, double *loss_p)
+                                  int64_t k, weft_ddp_t *ddp, double *loss_p)
 {
     weft_tensor_t *x = NULL;
     weft_tensor_t *y = NULL;
@@ -306,7 +306,7 @@ weft_status_t mnist_loss_backward(const mnist_set_t *set, weft_nn_mlp_t *mlp, co
         st = weft_op_cross_entropy(logits, y, WEFT_REDUCTION_MEAN, &loss);
     }
     if (st == WEFT_OK) {
-        st = weft_backward(loss, NULL, 0);
+        st = ddp != NULL ? weft_ddp_backward(ddp, loss, NULL) : weft_backward(loss, NULL, 0);
     }
     if (st == WEFT_OK) {
         *loss_p = ((const float *)weft_tensor_data(loss))[0];

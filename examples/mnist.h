@@ -7,6 +7,7 @@
 
 #include <weft/status.h>
 #include <weft/collectives.h>
+#include <weft/ddp.h>
 #include <weft/autograd.h>
 #include <weft/nn.h>
 #include <weft/ops.h>
@@ -59,9 +60,10 @@ weft_status_t mnist_batch(const mnist_set_t *set, const int64_t *idx, int64_t k,
 
 /* One training step's forward and backward: the mean cross-entropy of @p mlp on samples idx[0..k)
  * of @p set, its gradient accumulated into the parameters' gradients (the caller zeroes them
- * first), its value into @p loss_p. The step's graph is released. */
+ * first; with @p ddp, backward through the DDP reducer, which averages them over its group), its
+ * value into @p loss_p. The step's graph is released. */
 weft_status_t mnist_loss_backward(const mnist_set_t *set, weft_nn_mlp_t *mlp, const int64_t *idx,
-                                  int64_t k, double *loss_p);
+                                  int64_t k, weft_ddp_t *ddp, double *loss_p);
 
 /* Epoch @p epoch's samples for part @p part of @p parts (torch's DistributedSampler): a
  * permutation of 0..n-1 drawn from @p seed and the epoch (into @p perm, n entries), then the

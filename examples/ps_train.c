@@ -754,7 +754,7 @@ static int train(job_t *job)
             }
             fresh = 0;
             memset(weft_tensor_data(m.grad), 0, weft_tensor_nbytes(m.grad));
-            st = mnist_loss_backward(job->train, m.mlp, shard + s * cfg->batch, k, &loss);
+            st = mnist_loss_backward(job->train, m.mlp, shard + s * cfg->batch, k, NULL, &loss);
             if (st != WEFT_OK) {
                 fail("training step", st);
                 goto out;

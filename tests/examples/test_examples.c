@@ -192,3 +192,53 @@ Test(examples, dp_train_bad_input_exits_2, .timeout = 90)
     assert_stderr_has(&r, "bad value '256,x' for --hidden");
     result_free(&r);
 }
+
+/* The hash of the parameters dp_train ends with (its "bit-identical" line), into @p hash. */
+static void dp_train_hash(const char *reducer, const char *compress, char *hash, size_t n)
+{
+    result_t r;
+    run_example(&r, "2", "DP_TRAIN", "--epochs", "1", "--limit", "3000", "--reducer", reducer,
+                "--compress", compress, "--bucket-mb", "0.25");
+    assert_exit(&r, 0);
+    const char *line = find_line(r.out, "[rank 0] parameters bit-identical on all 2 ranks", true);
+    cr_assert(line != NULL, "replicas differ or no line\nstdout:\n%s\nstderr:\n%s", r.out, r.err);
+    const char *h = strstr(line, "fnv1a64 ");
+    cr_assert(h != NULL, "%s", line);
+    snprintf(hash, n, "%.16s", h + 8);
+    if (strcmp(reducer, "ddp") == 0) {
+        /* 203530 parameters in 0.25 MiB buckets (1 MiB first, capped at 0.25): several */
+        assert_line_prefix(&r, "[rank 0] ddp: ");
+        cr_assert(strstr(r.out, " buckets (rebuilt)") != NULL, "%s", r.out);
+    }
+    result_free(&r);
+}
+
+/* The DDP reducer's buckets average exactly what one flat all_reduce does: the same parameters,
+ * bit for bit; fp16 compression trains to other (close) values. */
+Test(examples, dp_train_ddp_reducer_equals_the_flat_all_reduce, .timeout = 180)
+{
+    SKIP_WITHOUT_FASHION_MNIST();
+    char flat[32], ddp[32], fp16[32];
+    dp_train_hash("flat", "none", flat, sizeof(flat));
+    dp_train_hash("ddp", "none", ddp, sizeof(ddp));
+    dp_train_hash("ddp", "fp16", fp16, sizeof(fp16));
+    cr_assert_str_eq(flat, ddp, "ddp %s, flat %s", ddp, flat);
+    cr_assert_str_neq(fp16, flat, "fp16 compression changed nothing");
+}
+
+Test(examples, dp_train_bad_reducer_options_exit_2, .timeout = 60)
+{
+    result_t r;
+    run_example(&r, "1", "DP_TRAIN", "--reducer", "ring");
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "--reducer is ddp or flat, not 'ring'");
+    result_free(&r);
+    run_example(&r, "1", "DP_TRAIN", "--compress", "int8");
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "--compress is none, fp16 or bf16, not 'int8'");
+    result_free(&r);
+    run_example(&r, "1", "DP_TRAIN", "--reducer", "flat", "--compress", "bf16");
+    assert_exit(&r, 2);
+    assert_stderr_has(&r, "--compress needs --reducer ddp");
+    result_free(&r);
+}
