@@ -480,9 +480,13 @@ static int train(const job_t *job)
                    cfg->reducer, cfg->compress,
                    step_total > 0 ? 1e3 * train_time / (double)step_total : 0.0);
             if (m.ddp != NULL && comm_us > 0) {
-                printf("%.3f}\n", 1.0 - exposed_us / comm_us);
+                weft_ddp_stats_t ds;
+                weft_ddp_stats(m.ddp, &ds);
+                printf("%.3f,\"wire_mib_per_step\":%.3f}\n", 1.0 - exposed_us / comm_us,
+                       (double)ds.bytes / 1048576.0);
             } else {
-                printf("null}\n");
+                printf("null,\"wire_mib_per_step\":%.3f}\n",
+                       (double)m.numel * 4.0 / 1048576.0);
             }
         }
     }
