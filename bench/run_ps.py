@@ -46,7 +46,8 @@ torch.optim.Adagrad, trainers deduplicating ids as weft's client does and callin
 get_rows / apply_grads. target 5.0 on sparse_rows. The mean distinct ids per batch rides along
 as "unique_ids".
 
-P3 sync step (bench_ps p3): a 4 MiB dense f32 table (SGD, SYNC) on 1 server, 2 and 4 workers; a
+P3 sync step (bench_ps p3): a 4 MiB dense f32 table (SGD, SYNC) on 1 server, 2 and 4 workers
+(and the same table spread over 2 servers in 2 MiB chunks: metrics ending in _s2); a
 step is push (waited), weft_ps_clock, pull; sync_step_fused_4MiB_w<W> is the same step as
 weft_ps_push_pull_async, weft_ps_clock, then the wait (one round trip less; same peers and
 target). 1 server because a 4 MiB table at the default 4 MiB
@@ -102,8 +103,11 @@ def all_reduce_as(system):
         if ln.get("op") != "all_reduce" or "time_us" not in ln:
             return []
         tail = "%s_w%d" % (size_label(ln["bytes"]), ln["world"])
-        return [("sync_step_" + tail, system, ln["time_us"], "us"),
-                ("sync_step_fused_" + tail, system, ln["time_us"], "us")]
+        out = []
+        for servers in ("", "_s2"):  # the table on 1 server, and spread over 2
+            out += [("sync_step_" + tail + servers, system, ln["time_us"], "us"),
+                    ("sync_step_fused_" + tail + servers, system, ln["time_us"], "us")]
+        return out
     return m
 
 
@@ -131,8 +135,12 @@ def plan(a, b, torch_python):
     iters, budget = ("30", "0.2") if a.quick else ("150", "1.0")
     for w in (2, 4):
         p3 = [bench("bench_ps"), "p3", "--servers", "1", "--workers", str(w), "--bytes", "4M", "--iters", iters]
+        p3s2 = [bench("bench_ps"), "p3", "--servers", "2", "--chunk", "2M", "--workers", str(w), "--bytes", "4M",
+                "--iters", iters]
         g = [("weft", p3, as_is),
              ("weft", p3 + ["--fused", "1"], as_is),
+             ("weft", p3s2, as_is),
+             ("weft", p3s2 + ["--fused", "1"], as_is),
              ("weft_all_reduce", [bench("bench_collectives"), str(w), "--ops", "all_reduce", "--sizes", "4M",
                                   "--budget", budget], all_reduce_as("weft_all_reduce"))]
         if torch_python:
