@@ -382,6 +382,33 @@ SIMD_KERNEL(bf16avx2_max, TARGET_AVX2, bf16x8_load, bf16x8_store, v_max, bf16_el
 SIMD_AVG(f16c_avg, TARGET_F16C, f16x8_load, f16x8_store, h2f, f2h)
 SIMD_AVG(bf16avx2_avg, TARGET_AVX2, bf16x8_load, bf16x8_store, bf2f, f2bf)
 
+/* Conversions to and from f32, 8 at a time (weft_reduce_widen, and weft_reduce_narrow of one
+ * contribution: the DDP reducer's compression, the accumulators of 16-bit reductions). */
+#define SIMD_CONVERT(widen_name, narrow_name, TARGET, LOAD, STORE, TOF, FROMF)                     \
+    TARGET static void widen_name(float *restrict d, const uint16_t *restrict h, size_t n)         \
+    {                                                                                              \
+        size_t i = 0;                                                                              \
+        for (; i + 8 <= n; i += 8) {                                                               \
+            _mm256_storeu_ps(d + i, LOAD(h + i));                                                  \
+        }                                                                                          \
+        for (; i < n; i++) {                                                                       \
+            d[i] = TOF(h[i]);                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    TARGET static void narrow_name(uint16_t *restrict h, const float *restrict f, size_t n)        \
+    {                                                                                              \
+        size_t i = 0;                                                                              \
+        for (; i + 8 <= n; i += 8) {                                                               \
+            STORE(h + i, _mm256_loadu_ps(f + i));                                                  \
+        }                                                                                          \
+        for (; i < n; i++) {                                                                       \
+            h[i] = FROMF(f[i]);                                                                    \
+        }                                                                                          \
+    }
+
+SIMD_CONVERT(f16c_widen, f16c_narrow, TARGET_F16C, f16x8_load, f16x8_store, h2f, f2h)
+SIMD_CONVERT(bf16avx2_widen, bf16avx2_narrow, TARGET_AVX2, bf16x8_load, bf16x8_store, bf2f, f2bf)
+
 #endif /* REDUCE_X86 */
 
 /* NULL where the op does not apply to the dtype (bool throughout). AVG reduces as SUM. */
@@ -618,6 +645,49 @@ AVG_HALF(avg_bf16, bf2f, f2bf, BF16_AVG_F32)
 NARROW_HALF(narrow_avg_f16, f2h, 0)
 NARROW_HALF(narrow_avg_bf16, f2bf, 1)
 
+#if REDUCE_X86
+/* narrow_avg_f16 / narrow_avg_bf16 for 1 < count < NARROW_AVG_F32, 8 at a time: the same f32
+ * quotient rounded once more; a bf16 block with a quotient in the f32 subnormals takes the exact
+ * path as the portable kernel does. */
+TARGET_F16C static void f16c_narrow_avg(uint16_t *restrict d, const float *restrict acc, size_t n,
+                                        int count)
+{
+    __m256 c = _mm256_set1_ps((float)count);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        f16x8_store(d + i, _mm256_div_ps(_mm256_loadu_ps(acc + i), c));
+    }
+    for (; i < n; i++) {
+        d[i] = f2h(acc[i] / (float)count);
+    }
+}
+
+TARGET_AVX2 static void bf16avx2_narrow_avg(uint16_t *restrict d, const float *restrict acc,
+                                            size_t n, int count)
+{
+    __m256 c = _mm256_set1_ps((float)count);
+    __m256i exp = _mm256_set1_epi32(0x7f800000), man = _mm256_set1_epi32(0x007fffff);
+    __m256i zero = _mm256_setzero_si256();
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 q = _mm256_div_ps(_mm256_loadu_ps(acc + i), c);
+        __m256i u = _mm256_castps_si256(q);
+        __m256i sub = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_and_si256(u, man), zero),
+                                          _mm256_cmpeq_epi32(_mm256_and_si256(u, exp), zero));
+        if (_mm256_movemask_epi8(sub) == 0) {
+            bf16x8_store(d + i, q);
+            continue;
+        }
+        for (size_t k = i; k < i + 8; k++) {
+            d[k] = f2bf(f32_round_odd((double)acc[k] / (double)count));
+        }
+    }
+    if (i < n) {
+        narrow_avg_bf16(d + i, acc + i, n - i, count);
+    }
+}
+#endif
+
 /* Integers: C division truncates toward zero; count >= 2 keeps INT_MIN / count in range. */
 #define AVG_INT(name, T, W)                                                                        \
     static void name(T *restrict d, size_t n, int count)                                           \
@@ -686,6 +756,17 @@ void weft_reduce_widen(float *dst, const void *src, size_t n, weft_dtype_t dtype
 {
     const uint16_t *h = src;
 
+#if REDUCE_X86
+    pthread_once(&active_once, active_init);
+    if (dtype == WEFT_F16 && simd_f16c) {
+        f16c_widen(dst, h, n);
+        return;
+    }
+    if (dtype == WEFT_BF16 && simd_avx2) {
+        bf16avx2_widen(dst, h, n);
+        return;
+    }
+#endif
     switch (dtype) {
     case WEFT_F16:
         LOOP(n, dst[i] = h2f(h[i]));
@@ -708,6 +789,27 @@ void weft_reduce_narrow(void *dst, const float *acc, size_t n, weft_dtype_t dtyp
 {
     int c = op == WEFT_AVG ? count : 1;
 
+#if REDUCE_X86
+    if (c < NARROW_AVG_F32) {
+        pthread_once(&active_once, active_init);
+        if (dtype == WEFT_F16 && simd_f16c) {
+            if (c <= 1) {
+                f16c_narrow(dst, acc, n);
+            } else {
+                f16c_narrow_avg(dst, acc, n, c);
+            }
+            return;
+        }
+        if (dtype == WEFT_BF16 && simd_avx2) {
+            if (c <= 1) {
+                bf16avx2_narrow(dst, acc, n);
+            } else {
+                bf16avx2_narrow_avg(dst, acc, n, c);
+            }
+            return;
+        }
+    }
+#endif
     switch (dtype) {
     case WEFT_F16:
         narrow_avg_f16(dst, acc, n, c);

@@ -1138,6 +1138,63 @@ Test(reduce, widen_is_exact)
     }
 }
 
+/* The vector conversions (F16C, AVX2, where the CPU has them) give the scalar conversions' bits
+ * for every f16 and bf16 value and for f32 values all over the range (NaNs: NaN). */
+static bool same_or_both_nan_f(float a, float b)
+{
+    return (a != a && b != b) || memcmp(&a, &b, sizeof(a)) == 0;
+}
+
+static bool same_or_both_nan_h(uint16_t a, uint16_t b, weft_dtype_t dt)
+{
+    uint16_t exp = dt == WEFT_F16 ? 0x7c00 : 0x7f80;
+    bool na = (a & exp) == exp && (a & (uint16_t)~(exp | 0x8000)) != 0;
+    bool nb = (b & exp) == exp && (b & (uint16_t)~(exp | 0x8000)) != 0;
+    return (na && nb) || a == b;
+}
+
+Test(reduce, vector_conversions_match_the_scalar_ones)
+{
+    enum { N = 65536 + 5 }; /* a tail the vector loop leaves */
+    uint16_t *h = malloc(N * sizeof(*h)), *back = malloc(N * sizeof(*back));
+    float *f = malloc(N * sizeof(*f));
+    cr_assert(h != NULL && back != NULL && f != NULL);
+    weft_dtype_t dts[2] = {WEFT_F16, WEFT_BF16};
+    for (int k = 0; k < 2; k++) {
+        weft_dtype_t dt = dts[k];
+        for (size_t i = 0; i < N; i++) {
+            h[i] = (uint16_t)i;
+        }
+        weft_reduce_widen(f, h, N, dt);
+        for (size_t i = 0; i < N; i++) {
+            float want = dt == WEFT_F16 ? weft_f16_to_f32(h[i]) : weft_bf16_to_f32(h[i]);
+            cr_assert(same_or_both_nan_f(f[i], want), "%s widen %04x: %a, want %a",
+                      weft_dtype_name(dt), h[i], (double)f[i], (double)want);
+        }
+        /* f32 bit patterns spread over every exponent, ties and subnormals included */
+        uint64_t x = 0x9E3779B97F4A7C15ull;
+        for (size_t i = 0; i < N; i++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            uint32_t u = (uint32_t)x;
+            if (i % 4 == 1) {
+                u = (u & 0xffff0000u) | 0x8000u; /* a tie for bf16 */
+            } else if (i % 4 == 2) {
+                u = (u & 0xffffe000u) | 0x1000u; /* a tie for f16 normals */
+            }
+            memcpy(&f[i], &u, sizeof(u));
+        }
+        weft_reduce_narrow(back, f, N, dt, WEFT_SUM, 1);
+        for (size_t i = 0; i < N; i++) {
+            uint16_t want = dt == WEFT_F16 ? weft_f32_to_f16(f[i]) : weft_f32_to_bf16(f[i]);
+            cr_assert(same_or_both_nan_h(back[i], want, dt), "%s narrow %a: %04x, want %04x",
+                      weft_dtype_name(dt), (double)f[i], back[i], want);
+        }
+    }
+    free(h);
+    free(back);
+    free(f);
+}
+
 /* ---- throughput (printed, not asserted) ------------------------------------------------------ */
 
 static double now_s(void)
