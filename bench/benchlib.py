@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -97,6 +98,30 @@ def run_one(cmd, timeout, verbose):
     """Runs one program in its own process group; returns (json lines, error text or None)."""
     out, _, err, _ = run_proc(cmd, timeout, verbose)
     return parse_lines(out), err
+
+
+RANK_PREFIX = re.compile(r"^\[rank (\d+)\] ")
+
+
+def rank0_results(out):
+    """The JSON result lines (objects with a "system") of a program run under weftrun: weftrun's
+    "[rank R] " prefix stripped, only rank 0's prefixed lines kept."""
+    lines = []
+    for ln in (out or "").splitlines():
+        m = RANK_PREFIX.match(ln)
+        if m:
+            if m.group(1) != "0":
+                continue
+            ln = ln[m.end():]
+        ln = ln.strip()
+        if ln.startswith("{"):
+            try:
+                d = json.loads(ln)
+            except ValueError:
+                continue
+            if isinstance(d, dict) and "system" in d:
+                lines.append(d)
+    return lines
 
 
 def parse_lines(out):

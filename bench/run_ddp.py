@@ -25,15 +25,12 @@ Python 3 standard library only.
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
-import time
 
-from benchlib import find_torch_python, run_proc
+from benchlib import find_torch_python, rank0_results, run_proc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PREFIX = re.compile(r"^\[rank (\d+)\] ")
 
 
 def parse_args():
@@ -55,21 +52,8 @@ def parse_args():
 
 
 def result_line(out):
-    for ln in (out or "").splitlines():
-        m = PREFIX.match(ln)
-        if m:
-            if m.group(1) != "0":
-                continue
-            ln = ln[m.end():]
-        ln = ln.strip()
-        if ln.startswith("{"):
-            try:
-                d = json.loads(ln)
-            except ValueError:
-                continue
-            if isinstance(d, dict) and "system" in d:
-                return d
-    return None
+    lines = rank0_results(out)
+    return lines[0] if lines else None
 
 
 def main():

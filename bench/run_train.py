@@ -83,7 +83,7 @@ import subprocess
 import sys
 import time
 
-from benchlib import fmt, jline, run_proc, say_done, torch_python_for
+from benchlib import RANK_PREFIX, fmt, jline, rank0_results, run_proc, say_done, torch_python_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ["weft", "torch_ddp"]
@@ -94,7 +94,7 @@ METRICS = [  # (key, unit, better)
     ("peak_rss_mb_sum", "MiB", "lower"),
     ("final_acc", "", "higher"),
 ]
-PREFIX = re.compile(r"^\[rank (\d+)\] ")
+PREFIX = RANK_PREFIX
 PS_SYSTEMS = ["weft", "torch_ps"]
 PS_METRICS = METRICS + [("steps_to_target", "steps", "lower")]  # the epoch the target fell in, per worker
 PS_TARGETS = {"time_to_target_s": 1.0, "peak_rss_mb_sum": 1.0}  # vs >= 1: weft's <= torch's
@@ -166,22 +166,7 @@ def machine_info(torch_python):
 
 def parse_output(out):
     """JSON lines of the output, weftrun's "[rank R] " prefix stripped; only rank 0's prefixed ones."""
-    lines = []
-    for ln in (out or "").splitlines():
-        m = PREFIX.match(ln)
-        if m:
-            if m.group(1) != "0":
-                continue
-            ln = ln[m.end():]
-        ln = ln.strip()
-        if ln.startswith("{"):
-            try:
-                d = json.loads(ln)
-            except ValueError:
-                continue
-            if isinstance(d, dict) and "system" in d:
-                lines.append(d)
-    return lines
+    return rank0_results(out)
 
 
 def run_cmd(cmd, timeout, verbose, env):
