@@ -16,6 +16,12 @@
 #define DDP_CAP_DEFAULT   ((size_t)25 << 20)
 #define DDP_FIRST_DEFAULT ((size_t)1 << 20)
 #define DDP_REC           11 /* i64 per parameter in the likeness check: name hash, dtype, ndim, shape */
+/* A bucket's bookkeeping after its gradients, averaged with them: [grads] a parameter of it got no
+ * gradient on some member; [grads + 1] backward failed on some member (the last bucket, launched
+ * after backward, carries it); then one per parameter: it had its gradient here. */
+#define BOOK_MISSING 0
+#define BOOK_FAILED  1
+#define BOOKS        2
 
 typedef struct weft_ddp weft_ddp_t;
 
@@ -37,8 +43,8 @@ typedef struct {
     weft_dtype_t dt;
     int *params; /* in bucket order */
     int n_params;
-    int64_t grads;  /* elements of gradients; then 1 (missing) + n_params (used) */
-    int64_t total;  /* grads + 1 + n_params */
+    int64_t grads;  /* elements of gradients; then the bookkeeping: BOOKS + n_params */
+    int64_t total;  /* grads + BOOKS + n_params */
     int first_pos;  /* where its first parameter stands in the order it was built from */
     weft_tensor_t *buf;
     weft_tensor_t *comm; /* compressed copy, or NULL */
@@ -46,7 +52,7 @@ typedef struct {
     bool launched;
     weft_future_t *work;
     uint64_t launch_ns;
-    _Atomic uint64_t done_ns;
+    struct ddp_clock *clock; /* when its reduction ended */
 } ddp_bucket_t;
 
 struct weft_ddp {
@@ -134,9 +140,12 @@ static void view_release(void *data, void *arg)
 
 /* ------------------------------------------------------------------ buckets */
 
+static void clock_release(struct ddp_clock *c);
+
 static void buckets_free(ddp_bucket_t *b, int nb)
 {
     for (int i = 0; b != NULL && i < nb; i++) {
+        clock_release(b[i].clock);
         weft_free(b[i].params);
         weft_tensor_release(b[i].buf);
         weft_tensor_release(b[i].comm);
@@ -148,7 +157,27 @@ static void buckets_free(ddp_bucket_t *b, int nb)
 /* Buckets for the parameters in @p order (the first to become ready first), by dtype, the first
  * of each dtype capped at first_bucket_bytes; views made, each gradient's values carried over
  * from what the parameter holds now. On failure nothing changes. */
-static weft_status_t buckets_build(weft_ddp_t *d, const int *order)
+/* Whether every member could do something (@p ok here): an all_reduce MIN of a flag. */
+static weft_status_t agree(weft_ddp_t *d, bool ok)
+{
+    int64_t one = 1;
+    weft_tensor_t *t = NULL;
+    weft_status_t st = weft_tensor_create(WEFT_I64, 1, &one, &t);
+    if (st != WEFT_OK) {
+        return st;
+    }
+    ((int64_t *)weft_tensor_data(t))[0] = ok ? 1 : 0;
+    st = weft_coll_all_reduce(d->pg, t, WEFT_MIN, NULL);
+    if (st == WEFT_OK && ((int64_t *)weft_tensor_data(t))[0] == 0) {
+        st = weft__set_error(WEFT_ERR_NO_MEMORY,
+                             "ddp: a member could not rebuild its buckets; every member keeps "
+                             "the buckets it had");
+    }
+    weft_tensor_release(t);
+    return st;
+}
+
+static weft_status_t buckets_build(weft_ddp_t *d, const int *order, bool collective)
 {
     int n = d->n, nb = 0;
     int *bucket_of = weft_alloc((size_t)n * sizeof(int));
@@ -159,7 +188,7 @@ static weft_status_t buckets_build(weft_ddp_t *d, const int *order)
     weft_status_t st = WEFT_OK;
     if (bucket_of == NULL || b == NULL || views == NULL || offs == NULL || slots == NULL) {
         st = weft__set_error(WEFT_ERR_NO_MEMORY, "ddp: no memory for buckets");
-        goto out;
+        goto decide;
     }
     /* The current bucket of each dtype, and how many that dtype has. */
     int cur[WEFT_DTYPE_COUNT], made[WEFT_DTYPE_COUNT];
@@ -186,7 +215,7 @@ static weft_status_t buckets_build(weft_ddp_t *d, const int *order)
             if (b[nb].params == NULL) {
                 st = weft__set_error(WEFT_ERR_NO_MEMORY, "ddp: no memory for buckets");
                 nb++;
-                goto out;
+                goto decide;
             }
             nb++;
             made[p->dt]++;
@@ -203,7 +232,7 @@ static weft_status_t buckets_build(weft_ddp_t *d, const int *order)
     /* Buckets are made in the order their first parameter comes: already sorted by first_pos. */
     for (int j = 0; j < nb && st == WEFT_OK; j++) {
         ddp_bucket_t *bk = &b[j];
-        bk->total = bk->grads + 1 + bk->n_params;
+        bk->total = bk->grads + BOOKS + bk->n_params;
         st = weft_tensor_create(bk->dt, 1, &bk->total, &bk->buf);
         if (st == WEFT_OK && d->o.comm_hook == NULL && d->o.compress != WEFT_DDP_COMPRESS_NONE &&
             bk->dt == WEFT_F32) {
@@ -227,6 +256,14 @@ static weft_status_t buckets_build(weft_ddp_t *d, const int *order)
         weft_tensor_t *g = weft_tensor_grad(p->param);
         if (g != NULL) {
             memcpy(at, weft_tensor_data(g), (size_t)p->numel * esz);
+        }
+    }
+decide:
+    if (collective) {
+        /* The new layout only if every member has it: otherwise all keep the old one. */
+        weft_status_t agreed = agree(d, st == WEFT_OK);
+        if (st == WEFT_OK) {
+            st = agreed;
         }
     }
     if (st != WEFT_OK) {
@@ -265,29 +302,49 @@ out:
 
 /* ------------------------------------------------------------------ reductions */
 
+/* When a bucket's reduction ended: written by its future's callback, which may still be running
+ * when a wait on the future returns; so the callback and the bucket each hold a reference. */
+typedef struct ddp_clock {
+    _Atomic uint64_t done_ns;
+    _Atomic int refs;
+} ddp_clock_t;
+
+static void clock_release(ddp_clock_t *c)
+{
+    if (c != NULL && atomic_fetch_sub(&c->refs, 1) == 1) {
+        weft_free(c);
+    }
+}
+
 static void bucket_done(weft_future_t *f, void *arg)
 {
     (void)f;
-    ddp_bucket_t *bk = arg;
-    atomic_store(&bk->done_ns, (uint64_t)weft__now_ns());
+    ddp_clock_t *c = arg;
+    atomic_store(&c->done_ns, (uint64_t)weft__now_ns());
+    clock_release(c);
 }
 
 /* Starts bucket @p j's reduction: its bookkeeping written (1 for a parameter that had its
- * gradient here, and the count of those that did not), then the hook, the compressed all_reduce
- * or the all_reduce AVG. */
-static weft_status_t bucket_launch(weft_ddp_t *d, int j)
+ * gradient here, whether one did not, whether backward failed here), then the hook, the
+ * compressed all_reduce or the all_reduce AVG. */
+static weft_status_t bucket_launch(weft_ddp_t *d, int j, bool failed)
 {
     ddp_bucket_t *bk = &d->b[j];
     int missing = 0;
     for (int k = 0; k < bk->n_params; k++) {
         bool ready = d->p[bk->params[k]].ready;
         missing += ready ? 0 : 1;
-        set_elem(bk->buf, bk->grads + 1 + k, ready ? 1.0 : 0.0);
+        set_elem(bk->buf, bk->grads + BOOKS + k, ready ? 1.0 : 0.0);
     }
-    set_elem(bk->buf, bk->grads, missing > 0 ? 1.0 : 0.0);
+    set_elem(bk->buf, bk->grads + BOOK_MISSING, missing > 0 ? 1.0 : 0.0);
+    set_elem(bk->buf, bk->grads + BOOK_FAILED, failed ? 1.0 : 0.0);
     bk->launched = true;
     bk->launch_ns = (uint64_t)weft__now_ns();
-    atomic_store(&bk->done_ns, 0);
+    clock_release(bk->clock);
+    bk->clock = weft_calloc(1, sizeof(*bk->clock));
+    if (bk->clock != NULL) {
+        atomic_init(&bk->clock->refs, 1);
+    }
     weft_future_release(bk->work);
     bk->work = NULL;
     weft_status_t st;
@@ -307,8 +364,9 @@ static weft_status_t bucket_launch(weft_ddp_t *d, int j)
         st = weft_coll_all_reduce(d->pg, bk->buf, WEFT_AVG, &bk->work);
         d->bytes += weft_tensor_nbytes(bk->buf);
     }
-    if (st == WEFT_OK) {
-        weft_future_then(bk->work, bucket_done, bk);
+    if (st == WEFT_OK && bk->clock != NULL) {
+        atomic_fetch_add(&bk->clock->refs, 1);
+        weft_future_then(bk->work, bucket_done, bk->clock);
     }
     return st;
 }
@@ -317,8 +375,9 @@ static weft_status_t bucket_launch(weft_ddp_t *d, int j)
 static weft_status_t launch_ready(weft_ddp_t *d)
 {
     weft_status_t st = WEFT_OK;
-    while (st == WEFT_OK && d->next_launch < d->nb && d->b[d->next_launch].pending == 0) {
-        st = bucket_launch(d, d->next_launch++);
+    /* The last bucket leaves when backward has returned: it says whether backward failed. */
+    while (st == WEFT_OK && d->next_launch < d->nb - 1 && d->b[d->next_launch].pending == 0) {
+        st = bucket_launch(d, d->next_launch++, false);
     }
     return st;
 }
@@ -339,8 +398,13 @@ static weft_status_t on_grad(weft_tensor_t *param, weft_tensor_t *grad, void *ar
                                p->name);
     }
     if (grad != p->view) {
-        /* Someone replaced the gradient during backward: its values go into the bucket. */
+        /* Someone replaced the gradient during backward: its values go into the bucket, and the
+         * bucket's view is the gradient again (it gets the average). */
         memcpy(weft_tensor_data(p->view), weft_tensor_data(grad), weft_tensor_nbytes(p->view));
+        weft_status_t st = weft_tensor_set_grad(p->param, p->view);
+        if (st != WEFT_OK) {
+            return st;
+        }
     }
     p->ready = true;
     if (d->recording) {
@@ -546,7 +610,7 @@ weft_status_t weft_ddp_create(weft_pg_t *pg, const weft_param_list_t *params,
     for (int i = 0; i < d->n; i++) {
         d->order[i] = d->n - 1 - i;
     }
-    if ((st = buckets_build(d, d->order)) != WEFT_OK) {
+    if ((st = buckets_build(d, d->order, false)) != WEFT_OK) {
         goto fail;
     }
     for (int i = 0; i < d->n && st == WEFT_OK; i++) {
@@ -624,7 +688,9 @@ static weft_status_t rebuild(weft_ddp_t *d)
             }
             d->order[i] = (int)o[1 + i];
         }
-        if (st == WEFT_OK && (st = buckets_build(d, d->order)) == WEFT_OK) {
+        /* (the order is the same on every member, so all get here or none; inside, every
+         * member reaches the agreement whatever its own build did) */
+        if (st == WEFT_OK && (st = buckets_build(d, d->order, true)) == WEFT_OK) {
             d->rebuilt = true;
         }
     }
@@ -658,7 +724,7 @@ static weft_status_t check_missing(weft_ddp_t *d)
     int bucket = -1, mine = 0;
     for (int j = 0; j < d->nb; j++) {
         ddp_bucket_t *bk = &d->b[j];
-        if (get_elem(bk->buf, bk->grads) <= 0) {
+        if (get_elem(bk->buf, bk->grads + BOOK_MISSING) <= 0) {
             continue;
         }
         bucket = bucket < 0 ? j : bucket;
@@ -689,6 +755,20 @@ static weft_status_t check_missing(weft_ddp_t *d)
                            bucket);
 }
 
+/* find_unused_parameters: a parameter no member gave a gradient keeps none (as in torch), so that
+ * optimizers leave it alone; the next step attaches its view again. */
+static void drop_unused(weft_ddp_t *d)
+{
+    for (int j = 0; j < d->nb; j++) {
+        ddp_bucket_t *bk = &d->b[j];
+        for (int k = 0; k < bk->n_params; k++) {
+            if (get_elem(bk->buf, bk->grads + BOOKS + k) <= 0) {
+                weft_tensor_grad_clear(d->p[bk->params[k]].param);
+            }
+        }
+    }
+}
+
 weft_status_t weft_ddp_backward(weft_ddp_t *d, weft_tensor_t *loss, weft_tensor_t *grad)
 {
     if (d == NULL || loss == NULL) {
@@ -697,7 +777,12 @@ weft_status_t weft_ddp_backward(weft_ddp_t *d, weft_tensor_t *loss, weft_tensor_
     weft_status_t st = WEFT_OK;
     if (d->sync && d->rebuild_due) {
         d->rebuild_due = false;
-        WEFT_CHECK(rebuild(d));
+        /* collective; a failure leaves every member with the buckets it had */
+        st = rebuild(d);
+        if (st != WEFT_OK) {
+            WEFT_WARN("%s", weft_last_error());
+            st = WEFT_OK;
+        }
     }
     WEFT_CHECK(attach_views(d));
     if (!d->sync) {
@@ -723,9 +808,15 @@ weft_status_t weft_ddp_backward(weft_ddp_t *d, weft_tensor_t *loss, weft_tensor_
     }
     d->in_step = false;
     d->backward_end_ns = (uint64_t)weft__now_ns();
-    /* Whatever did not fill is reduced now, in order: no member is left waiting. */
-    for (int j = d->next_launch; j < d->nb && st == WEFT_OK; j++) {
-        st = bucket_launch(d, j);
+    /* Whatever did not fill is reduced now, in order, every bucket even after a failure here (no
+     * member is left waiting); the last one says whether backward failed. */
+    char lwhy[512] = "";
+    for (int j = d->next_launch; j < d->nb; j++) {
+        weft_status_t s = bucket_launch(d, j, bst != WEFT_OK);
+        if (s != WEFT_OK && st == WEFT_OK) {
+            st = s;
+            snprintf(lwhy, sizeof(lwhy), "%s", weft_last_error());
+        }
     }
     d->next_launch = d->nb;
     for (int j = 0; j < d->nb; j++) {
@@ -735,7 +826,9 @@ weft_status_t weft_ddp_backward(weft_ddp_t *d, weft_tensor_t *loss, weft_tensor_
         }
         weft_status_t s = weft_future_wait(bk->work, 0);
         if (s != WEFT_OK && st == WEFT_OK) {
-            st = weft__set_error(s, "ddp: reducing bucket %d: %s", j, weft_future_error(bk->work));
+            st = s;
+            snprintf(lwhy, sizeof(lwhy), "ddp: reducing bucket %d: %s", j,
+                     weft_future_error(bk->work));
         }
         if (s == WEFT_OK && bk->comm != NULL) {
             weft_reduce_widen(weft_tensor_data(bk->buf), weft_tensor_data(bk->comm),
@@ -743,14 +836,21 @@ weft_status_t weft_ddp_backward(weft_ddp_t *d, weft_tensor_t *loss, weft_tensor_
         }
     }
     d->wait_end_ns = (uint64_t)weft__now_ns();
-    /* how much of the communication backward hid */
+    /* how much of the communication backward hid (a reduction's end is written by its future's
+     * callback, which may run just after the wait returned: then it ended about now) */
     uint64_t first = UINT64_MAX, last = 0;
     for (int j = 0; j < d->nb; j++) {
-        uint64_t a = d->b[j].launch_ns, z = atomic_load(&d->b[j].done_ns);
+        ddp_bucket_t *bk = &d->b[j];
+        if (!bk->launched) {
+            continue;
+        }
+        uint64_t a = bk->launch_ns,
+                 z = bk->clock != NULL ? atomic_load(&bk->clock->done_ns) : 0;
+        z = z != 0 ? z : d->wait_end_ns;
         first = a < first ? a : first;
         last = z > last ? z : last;
     }
-    d->comm_us = last > first ? (double)(last - first) / 1e3 : 0;
+    d->comm_us = last > first && first != UINT64_MAX ? (double)(last - first) / 1e3 : 0;
     d->exposed_us = d->wait_end_ns > d->backward_end_ns
                         ? (double)(d->wait_end_ns - d->backward_end_ns) / 1e3
                         : 0;
@@ -766,9 +866,18 @@ weft_status_t weft_ddp_backward(weft_ddp_t *d, weft_tensor_t *loss, weft_tensor_
         return weft__set_error(bst, "%s", bwhy);
     }
     if (st != WEFT_OK) {
-        return st;
+        return weft__set_error(st, "%s", lwhy);
     }
-    return d->o.find_unused_parameters ? WEFT_OK : check_missing(d);
+    if (d->nb > 0 && get_elem(d->b[d->nb - 1].buf, d->b[d->nb - 1].grads + BOOK_FAILED) > 0) {
+        return weft__set_error(WEFT_ERR_REMOTE,
+                               "ddp: backward failed on another member: this step's gradients "
+                               "are incomplete on every member (do not step the optimizer)");
+    }
+    if (d->o.find_unused_parameters) {
+        drop_unused(d);
+        return WEFT_OK;
+    }
+    return check_missing(d);
 }
 
 void weft_ddp_set_sync(weft_ddp_t *d, bool sync)

@@ -21,6 +21,7 @@ typedef struct {
     int accumulate; /* backwards under no_sync before the synchronised one */
     int steps;
     bool skip_fc2_on_rank0; /* rank 0's forward leaves fc2 out */
+    bool skip_fc2;          /* every rank's forward leaves fc2 out */
 } cfg_t;
 
 static int hook_calls;
@@ -152,7 +153,7 @@ static int body_train(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(weft_tensor_equal(pm, pt), "rank 0's parameters were not broadcast");
     weft_tensor_release(pm);
     weft_tensor_release(pt);
-    bool skip = cfg->skip_fc2_on_rank0 && rank == 0;
+    bool skip = (cfg->skip_fc2_on_rank0 && rank == 0) || cfg->skip_fc2;
     for (int s = 0; s < cfg->steps; s++) {
         weft_param_list_zero_grad(m.params);
         weft_param_list_zero_grad(twin.params);
@@ -197,9 +198,14 @@ static int body_train(weft_agent_t *a, int rank, int world, void *arg)
         if (s >= 1 && !cfg->find_unused) {
             RANK_CHECK(st.rebuilt, "buckets not rebuilt after the first step");
         }
-        /* The gradients are views of the buckets: writing one is seen by the next reduction. */
         weft_tensor_t *g0 = weft_tensor_grad(weft_param_list_get(m.params, 0));
         RANK_CHECK(g0 != NULL, "no gradient");
+        if (cfg->skip_fc2) {
+            /* no member gave fc2 a gradient: it has none, as in torch */
+            RANK_CHECK(weft_tensor_grad(weft_param_list_find(m.params, "fc2.weight")) == NULL &&
+                           weft_tensor_grad(weft_param_list_find(m.params, "fc2.bias")) == NULL,
+                       "step %d: fc2 has a gradient though no member used it", s);
+        }
     }
     if (cfg->cap > 0 && cfg->cap < 4096) {
         char plan[4096];
@@ -261,6 +267,74 @@ Test(ddp, find_unused_parameters, .timeout = 120)
     cfg_t c = {.cap = 600, .first = 100, .steps = 3, .find_unused = true,
                .skip_fc2_on_rank0 = true};
     run(&c);
+    cfg_t d = {.cap = 600, .first = 100, .steps = 2, .find_unused = true, .skip_fc2 = true};
+    run(&d);
+}
+
+static weft_status_t failing_hook(weft_tensor_t *param, weft_tensor_t *grad, void *arg)
+{
+    (void)param;
+    (void)grad;
+    (void)arg;
+    return WEFT_ERR_CANCELLED; /* backward stops here, on rank 0 only */
+}
+
+/* Backward failing on rank 0 (a hook's error) fails the step on rank 1 too, instead of rank 1
+ * averaging an incomplete step and going on; the next step works on both. */
+static int body_failing(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    weft_pg_t *pg = NULL;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg");
+    model_t m;
+    RANK_CHECK(model_make(&m, 7, HID) == 0, "model");
+    weft_ddp_opts_t o;
+    weft_ddp_opts_init(&o);
+    o.bucket_cap_bytes = 600;
+    o.first_bucket_bytes = 100;
+    weft_ddp_t *ddp = NULL;
+    RANK_CHECK(weft_ddp_create(pg, m.params, &o, &ddp) == WEFT_OK, "%s", weft_last_error());
+    int hook = -1;
+    if (rank == 0) {
+        RANK_CHECK(weft_tensor_add_grad_hook(weft_param_list_find(m.params, "fc3.bias"),
+                                             failing_hook, NULL, &hook) == WEFT_OK,
+                   "hook");
+    }
+    for (int s = 0; s < 2; s++) {
+        weft_tensor_t *x, *y, *loss = NULL;
+        batch(rank, s, &x, &y);
+        weft_param_list_zero_grad(m.params);
+        RANK_CHECK(loss_of(m.l, false, x, y, &loss) == WEFT_OK, "forward");
+        weft_status_t st = weft_ddp_backward(ddp, loss, NULL);
+        if (s == 0) {
+            if (rank == 0) {
+                RANK_CHECK(st == WEFT_ERR_CANCELLED, "rank 0: %s", weft_strerror(st));
+                weft_tensor_remove_grad_hook(weft_param_list_find(m.params, "fc3.bias"), hook);
+            } else {
+                RANK_CHECK(st == WEFT_ERR_REMOTE, "rank 1: %s", weft_strerror(st));
+                RANK_CHECK(strstr(weft_last_error(), "backward failed on another member") != NULL,
+                           "%s", weft_last_error());
+            }
+        } else {
+            RANK_CHECK(st == WEFT_OK, "step 1: %s", weft_last_error());
+        }
+        weft_tensor_release(x);
+        weft_tensor_release(y);
+        weft_tensor_release(loss);
+    }
+    weft_ddp_free(ddp);
+    model_free(&m);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(ddp, a_failed_backward_fails_every_rank, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_failing);
+    cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
 /* Without find_unused_parameters, rank 0 leaving fc2 out fails both ranks, naming fc2 on rank
