@@ -555,24 +555,31 @@ static void sub_send(ps_sub_t *sub, weft_value_t *msg)
     weft_future_t *f = NULL;
     weft_status_t st;
     const ps_layout_t *l = &op->t->l;
+    bool land = false;
     if (op->dst != NULL && l->spec.kind == WEFT_PS_DENSE && sub->n_chunks > 0 &&
         sub->n_chunks <= 64) {
-        /* A dense pull's chunks are received straight into the caller's tensor. */
+        /* A dense pull's chunks are received straight into the caller's tensor; decided and sent
+         * under op->mu, so that a pull failing meanwhile (pull_fail_early) either sees this part
+         * and withdraws it, or this part sees the failure and takes no part of that memory. */
         weft_rpc_into_t into[64];
-        for (size_t j = 0; j < sub->n_chunks; j++) {
-            uint32_t c = sub->chunks[j];
-            into[j] = (weft_rpc_into_t){op->dst + (int64_t)c * l->chunk_elems,
-                                        (size_t)weft__ps_chunk_len(l, c) * sizeof(float),
-                                        WEFT_F32};
+        pthread_mutex_lock(&op->mu);
+        land = op->st == WEFT_OK;
+        if (land) {
+            for (size_t j = 0; j < sub->n_chunks; j++) {
+                uint32_t c = sub->chunks[j];
+                into[j] = (weft_rpc_into_t){op->dst + (int64_t)c * l->chunk_elems,
+                                            (size_t)weft__ps_chunk_len(l, c) * sizeof(float),
+                                            WEFT_F32};
+            }
+            st = weft_rpc_async_into(ps->agent, ps->servers[sub->s], PS_FN, msg, sub->timeout_ms,
+                                     into, sub->n_chunks, &f);
+            if (st == WEFT_OK) {
+                sub->f = weft_future_retain(f);
+            }
         }
-        st = weft_rpc_async_into(ps->agent, ps->servers[sub->s], PS_FN, msg, sub->timeout_ms,
-                                 into, sub->n_chunks, &f);
-        if (st == WEFT_OK) {
-            pthread_mutex_lock(&op->mu);
-            sub->f = weft_future_retain(f);
-            pthread_mutex_unlock(&op->mu);
-        }
-    } else {
+        pthread_mutex_unlock(&op->mu);
+    }
+    if (!land) {
         st = weft_rpc_async(ps->agent, ps->servers[sub->s], PS_FN, msg, sub->timeout_ms, &f);
     }
     if (st != WEFT_OK) {

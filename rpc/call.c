@@ -475,6 +475,30 @@ bool weft__pending_claim(weft_agent_t *a, uint64_t id, int peer, weft_rpc_into_t
     return claimed;
 }
 
+typedef struct {
+    weft_agent_t *a;
+    weft__pending_t *p;
+} unclaimed_t;
+
+/* A call whose landing broke off after its deadline passed or its peer was lost: finished. */
+static void unclaimed_end(weft_agent_t *a, weft__pending_t *p)
+{
+    char text[1024];
+    if (p->held != WEFT_OK) {
+        snprintf(text, sizeof(text), "%s", p->held_why != NULL ? p->held_why : "failed");
+    } else {
+        deadline_text(a, p, text, sizeof(text));
+    }
+    pending_finish(a, p, p->held != WEFT_OK ? p->held : WEFT_ERR_TIMEOUT, text, NULL);
+}
+
+static void unclaimed_run(void *arg)
+{
+    unclaimed_t *u = arg;
+    unclaimed_end(u->a, u->p);
+    weft_free(u);
+}
+
 void weft__pending_unclaim(weft_agent_t *a, uint64_t id, bool delivered)
 {
     weft__pending_t *p = NULL;
@@ -487,15 +511,20 @@ void weft__pending_unclaim(weft_agent_t *a, uint64_t id, bool delivered)
         }
     }
     pthread_mutex_unlock(&a->pend_mu);
-    if (p != NULL) {
-        char text[1024];
-        if (p->held != WEFT_OK) {
-            snprintf(text, sizeof(text), "%s", p->held_why != NULL ? p->held_why : "failed");
-        } else {
-            deadline_text(a, p, text, sizeof(text));
-        }
-        pending_finish(a, p, p->held != WEFT_OK ? p->held : WEFT_ERR_TIMEOUT, text, NULL);
+    if (p == NULL) {
+        return;
     }
+    /* The caller's callbacks run on the bulk queue, not on this reader. */
+    unclaimed_t *u = weft_alloc(sizeof(*u));
+    if (u != NULL) {
+        u->a = a;
+        u->p = p;
+        if (a->bulk != NULL && weft__bulk_submit(a->bulk, unclaimed_run, u) == WEFT_OK) {
+            return;
+        }
+    }
+    weft_free(u);
+    unclaimed_end(a, p);
 }
 
 bool weft_rpc_withdraw_into(weft_agent_t *a, const weft_future_t *f)
@@ -549,6 +578,16 @@ void weft__call_response(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Env
         pthread_mutex_unlock(&a->pend_mu);
         WEFT_WARN("an answer to call %llu came from rank %d over a way its request did not take; "
                   "ignored",
+                  (unsigned long long)env->request_id, o->peer);
+        weft_value_free(v);
+        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+        return;
+    }
+    if (p != NULL && p->landing) {
+        /* Another answer to a call whose answer is being received into the caller's memory:
+         * the first one stands. */
+        pthread_mutex_unlock(&a->pend_mu);
+        WEFT_WARN("a second answer to call %llu from rank %d while the first is landing; ignored",
                   (unsigned long long)env->request_id, o->peer);
         weft_value_free(v);
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);

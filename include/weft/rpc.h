@@ -212,9 +212,11 @@ typedef struct {
  * tensor of the result value then wraps into[i].data (weft_tensor_data(x) == into[i].data tells);
  * otherwise it is a fresh tensor, as with weft_rpc_async. @p into is copied; the memory it names
  * must stay valid, and not be read or written by the caller, until the future completes or
- * weft_rpc_withdraw_into returns true. Bytes are written only before the future completes: a
- * deadline or a lost peer that comes while the answer is being received completes the call once
- * the answer is in (then with its result) or its connection broke. Thread-safe.
+ * weft_rpc_withdraw_into returns true; a result tensor that wraps it is valid as long as that
+ * memory is. Bytes are written only before the future completes: a deadline or a lost peer that
+ * comes while the answer is being received completes the call once the answer is in (then with
+ * its result) or its connection broke, which a stalled peer's does when it is declared lost
+ * (within the agent's peer timeout). Thread-safe.
  * @return as weft_rpc_async; WEFT_ERR_INVALID_ARG for into entries without data.
  */
 WEFT_API weft_status_t weft_rpc_async_into(weft_agent_t *a, int to_rank, const char *fn,
