@@ -351,6 +351,11 @@ static weft_status_t load_file(ps_stable_t *t, const char *dir, const Weft__V1__
                 st = weft__ps_cell_new(l, id, elems, &c);
                 if (st == WEFT_OK) {
                     ps_stripe_t *s = &t->stripes[weft__ps_id_stripe(id)];
+                    ps_cell_t *dup = weft__ps_map_del(&s->rows, id);
+                    if (dup != NULL) { /* an id twice in the files: the later record stands */
+                        weft__ps_cell_free(dup);
+                        atomic_fetch_sub(&t->n_rows, 1);
+                    }
                     st = weft__ps_map_put(&s->rows, id, c);
                     if (st != WEFT_OK) {
                         weft__ps_cell_free(c);
