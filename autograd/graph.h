@@ -182,6 +182,17 @@ weft_status_t weft__op_add_inplace(weft_tensor_t *a, const weft_tensor_t *b);
 
 /** A CPU tensor of f32 or f64 (WEFT_ERR_INVALID_ARG, WEFT_ERR_DTYPE with a text naming @p op). */
 weft_status_t weft__op_check_float(const char *op, const weft_tensor_t *t);
+/** WEFT_ERR_INVALID_ARG unless @p reduction is MEAN, SUM or NONE. */
+weft_status_t weft__op_check_reduction(const char *op, int reduction); /* a weft_reduction_t */
+/** Whether @p v fits BLAS's int dimensions. */
+int weft__op_fits_blas(int64_t v);
+/**
+ * C[m, nn] = A[m, k] B[k, nn] + beta C (f32 or f64) for contiguous row-major matrices, A and B
+ * optionally transposed (then stored as [k, m] and [nn, k]); through OpenBLAS. Empty products
+ * give beta C (0 when beta == 0).
+ */
+void weft__op_gemm(weft_dtype_t dt, int ta, int tb, int64_t m, int64_t nn, int64_t k, const void *a,
+                   const void *b, double beta, void *c);
 /** weft__op_check_float of @p a, and a non-NULL @p out_p. */
 weft_status_t weft__op_check_one(const char *op, const weft_tensor_t *a, weft_tensor_t **out_p);
 /** A fresh tensor of @p t's dtype and shape, contents uninitialised. */

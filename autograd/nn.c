@@ -1,4 +1,4 @@
-/* nn modules (Linear, MLP, Embedding, EmbeddingBag) and named parameter lists. */
+/* nn modules (Linear, MLP, Embedding, EmbeddingBag, Conv2d, BatchNorm2d), named parameter lists. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdint.h>
@@ -773,4 +773,262 @@ weft_tensor_t *weft_nn_embedding_bag_weight(const weft_nn_embedding_bag_t *bag)
 const weft_param_list_t *weft_nn_embedding_bag_params(const weft_nn_embedding_bag_t *bag)
 {
     return bag == NULL ? NULL : bag->params;
+}
+
+/* ---- Conv2d ---------------------------------------------------------------------------------- */
+
+struct weft_nn_conv2d {
+    weft_nn_conv2d_config_t cfg;
+    weft_tensor_t *weight;
+    weft_tensor_t *bias; /* NULL without */
+    weft_param_list_t *params;
+};
+
+static weft_status_t conv2d_config_check(int64_t in, int64_t out, const int64_t *kernel,
+                                         const weft_nn_conv2d_config_t *cfg)
+{
+    static const char fn[] = "conv2d";
+
+    if (in < 1 || out < 1) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "%s: channels (%" PRId64 " in, %" PRId64 " out) must be >= 1", fn,
+                               in, out);
+    }
+    if (kernel[0] < 1 || kernel[1] < 1) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "%s: kernel {%" PRId64 ", %" PRId64 "} must be >= 1", fn, kernel[0],
+                               kernel[1]);
+    }
+    if (cfg->stride[0] < 1 || cfg->stride[1] < 1 || cfg->dilation[0] < 1 || cfg->dilation[1] < 1 ||
+        cfg->padding[0] < 0 || cfg->padding[1] < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "%s: stride {%" PRId64 ", %" PRId64 "} and dilation {%" PRId64
+                               ", %" PRId64 "} must be >= 1, padding {%" PRId64 ", %" PRId64
+                               "} >= 0",
+                               fn, cfg->stride[0], cfg->stride[1], cfg->dilation[0],
+                               cfg->dilation[1], cfg->padding[0], cfg->padding[1]);
+    }
+    if (cfg->groups < 1 || in % cfg->groups != 0 || out % cfg->groups != 0) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "%s: groups = %" PRId64
+                               " must be >= 1 and divide the channels (%" PRId64 " in, %" PRId64
+                               " out)",
+                               fn, cfg->groups, in, out);
+    }
+    return WEFT_OK;
+}
+
+weft_status_t weft_nn_conv2d_create(int64_t in_channels, int64_t out_channels,
+                                    const int64_t *kernel, const weft_nn_conv2d_config_t *cfg,
+                                    weft_rng_t *rng, weft_nn_conv2d_t **conv_p)
+{
+    static const weft_nn_conv2d_config_t defaults = WEFT_NN_CONV2D_DEFAULTS;
+    weft_nn_conv2d_t *conv;
+    weft_status_t st;
+    int64_t fan_in;
+    double bound;
+
+    if (kernel == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "conv2d: NULL kernel");
+    }
+    if (cfg == NULL) {
+        cfg = &defaults;
+    }
+    WEFT_CHECK(module_args("conv2d", in_channels, out_channels, cfg->dtype, rng, conv_p));
+    WEFT_CHECK(conv2d_config_check(in_channels, out_channels, kernel, cfg));
+    conv = weft_calloc(1, sizeof *conv);
+    if (conv == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "conv2d: no memory");
+    }
+    conv->cfg = *cfg;
+    fan_in = in_channels / cfg->groups * kernel[0] * kernel[1];
+    bound = 1.0 / sqrt((double)fan_in);
+    WEFT_CHECK_GOTO(
+        param_new(cfg->dtype, 4,
+                  (const int64_t[]){out_channels, in_channels / cfg->groups, kernel[0], kernel[1]},
+                  &conv->weight),
+        st, err_free);
+    /* torch.nn.Conv2d.reset_parameters: kaiming_uniform_(a=sqrt(5)), then the bias */
+    WEFT_CHECK_GOTO(weft_init_kaiming_uniform(conv->weight, sqrt(5.0), rng), st, err_free);
+    if (cfg->bias) {
+        WEFT_CHECK_GOTO(param_new(cfg->dtype, 1, &out_channels, &conv->bias), st, err_free);
+        WEFT_CHECK_GOTO(weft_tensor_fill_uniform(conv->bias, -bound, bound, rng), st, err_free);
+    }
+    WEFT_CHECK_GOTO(weft_param_list_create(&conv->params), st, err_free);
+    WEFT_CHECK_GOTO(weft_param_list_add(conv->params, "weight", conv->weight), st, err_free);
+    if (cfg->bias) {
+        WEFT_CHECK_GOTO(weft_param_list_add(conv->params, "bias", conv->bias), st, err_free);
+    }
+    *conv_p = conv;
+    return WEFT_OK;
+
+err_free:
+    weft_nn_conv2d_free(conv);
+    return st;
+}
+
+void weft_nn_conv2d_free(weft_nn_conv2d_t *conv)
+{
+    if (conv == NULL) {
+        return;
+    }
+    weft_param_list_free(conv->params);
+    weft_tensor_release(conv->weight);
+    weft_tensor_release(conv->bias);
+    weft_free(conv);
+}
+
+weft_status_t weft_nn_conv2d_forward(weft_nn_conv2d_t *conv, weft_tensor_t *x, weft_tensor_t **y_p)
+{
+    if (conv == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "conv2d_forward: NULL layer");
+    }
+    return weft_op_conv2d(x, conv->weight, conv->bias, conv->cfg.stride, conv->cfg.padding,
+                          conv->cfg.dilation, conv->cfg.groups, y_p);
+}
+
+weft_tensor_t *weft_nn_conv2d_weight(const weft_nn_conv2d_t *conv)
+{
+    return conv == NULL ? NULL : conv->weight;
+}
+
+weft_tensor_t *weft_nn_conv2d_bias(const weft_nn_conv2d_t *conv)
+{
+    return conv == NULL ? NULL : conv->bias;
+}
+
+const weft_param_list_t *weft_nn_conv2d_params(const weft_nn_conv2d_t *conv)
+{
+    return conv == NULL ? NULL : conv->params;
+}
+
+/* ---- BatchNorm2d ----------------------------------------------------------------------------- */
+
+struct weft_nn_batch_norm2d {
+    double eps;
+    double momentum;
+    int training;
+    weft_tensor_t *weight;
+    weft_tensor_t *bias;
+    weft_tensor_t *running_mean;
+    weft_tensor_t *running_var;
+    weft_param_list_t *params;
+    weft_param_list_t *buffers;
+};
+
+weft_status_t weft_nn_batch_norm2d_create(int64_t num_features, double eps, double momentum,
+                                          weft_dtype_t dtype, weft_nn_batch_norm2d_t **bn_p)
+{
+    static const char fn[] = "batch_norm2d";
+    weft_nn_batch_norm2d_t *bn;
+    weft_status_t st;
+
+    if (bn_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: NULL output", fn);
+    }
+    if (num_features < 1) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: num_features = %" PRId64 " must be >= 1",
+                               fn, num_features);
+    }
+    if (!(eps > 0) || !(momentum >= 0 && momentum <= 1)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "%s: eps = %g must be > 0 and momentum = %g in [0, 1]", fn, eps,
+                               momentum);
+    }
+    if (dtype != WEFT_F32 && dtype != WEFT_F64) {
+        return weft__set_error(WEFT_ERR_DTYPE, "%s: parameters are f32 or f64, not %s", fn,
+                               weft_dtype_name(dtype));
+    }
+    bn = weft_calloc(1, sizeof *bn);
+    if (bn == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "%s: no memory", fn);
+    }
+    bn->eps = eps;
+    bn->momentum = momentum;
+    bn->training = 1;
+    WEFT_CHECK_GOTO(param_new(dtype, 1, &num_features, &bn->weight), st, err_free);
+    WEFT_CHECK_GOTO(weft_tensor_fill(bn->weight, 1.0), st, err_free);
+    WEFT_CHECK_GOTO(param_new(dtype, 1, &num_features, &bn->bias), st, err_free);
+    WEFT_CHECK_GOTO(weft_tensor_create(dtype, 1, &num_features, &bn->running_mean), st, err_free);
+    WEFT_CHECK_GOTO(weft_tensor_create(dtype, 1, &num_features, &bn->running_var), st, err_free);
+    WEFT_CHECK_GOTO(weft_tensor_fill(bn->running_var, 1.0), st, err_free);
+    WEFT_CHECK_GOTO(weft_param_list_create(&bn->params), st, err_free);
+    WEFT_CHECK_GOTO(weft_param_list_add(bn->params, "weight", bn->weight), st, err_free);
+    WEFT_CHECK_GOTO(weft_param_list_add(bn->params, "bias", bn->bias), st, err_free);
+    WEFT_CHECK_GOTO(weft_param_list_create(&bn->buffers), st, err_free);
+    WEFT_CHECK_GOTO(weft_param_list_add(bn->buffers, "running_mean", bn->running_mean), st,
+                    err_free);
+    WEFT_CHECK_GOTO(weft_param_list_add(bn->buffers, "running_var", bn->running_var), st, err_free);
+    *bn_p = bn;
+    return WEFT_OK;
+
+err_free:
+    weft_nn_batch_norm2d_free(bn);
+    return st;
+}
+
+void weft_nn_batch_norm2d_free(weft_nn_batch_norm2d_t *bn)
+{
+    if (bn == NULL) {
+        return;
+    }
+    weft_param_list_free(bn->buffers);
+    weft_param_list_free(bn->params);
+    weft_tensor_release(bn->weight);
+    weft_tensor_release(bn->bias);
+    weft_tensor_release(bn->running_mean);
+    weft_tensor_release(bn->running_var);
+    weft_free(bn);
+}
+
+void weft_nn_batch_norm2d_set_training(weft_nn_batch_norm2d_t *bn, int training)
+{
+    if (bn != NULL) {
+        bn->training = training != 0;
+    }
+}
+
+int weft_nn_batch_norm2d_training(const weft_nn_batch_norm2d_t *bn)
+{
+    return bn != NULL && bn->training;
+}
+
+weft_status_t weft_nn_batch_norm2d_forward(weft_nn_batch_norm2d_t *bn, weft_tensor_t *x,
+                                           weft_tensor_t **y_p)
+{
+    if (bn == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "batch_norm2d_forward: NULL layer");
+    }
+    return weft_op_batch_norm2d(x, bn->weight, bn->bias, bn->running_mean, bn->running_var,
+                                bn->training, bn->momentum, bn->eps, y_p);
+}
+
+weft_tensor_t *weft_nn_batch_norm2d_weight(const weft_nn_batch_norm2d_t *bn)
+{
+    return bn == NULL ? NULL : bn->weight;
+}
+
+weft_tensor_t *weft_nn_batch_norm2d_bias(const weft_nn_batch_norm2d_t *bn)
+{
+    return bn == NULL ? NULL : bn->bias;
+}
+
+weft_tensor_t *weft_nn_batch_norm2d_running_mean(const weft_nn_batch_norm2d_t *bn)
+{
+    return bn == NULL ? NULL : bn->running_mean;
+}
+
+weft_tensor_t *weft_nn_batch_norm2d_running_var(const weft_nn_batch_norm2d_t *bn)
+{
+    return bn == NULL ? NULL : bn->running_var;
+}
+
+const weft_param_list_t *weft_nn_batch_norm2d_params(const weft_nn_batch_norm2d_t *bn)
+{
+    return bn == NULL ? NULL : bn->params;
+}
+
+const weft_param_list_t *weft_nn_batch_norm2d_buffers(const weft_nn_batch_norm2d_t *bn)
+{
+    return bn == NULL ? NULL : bn->buffers;
 }

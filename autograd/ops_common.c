@@ -1,4 +1,5 @@
 /* Helpers shared by the operations and the engine: broadcast reduction, zeros, sums, texts. */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -281,4 +282,42 @@ weft__shape_str_t weft__shape_str(int ndim, const int64_t *shape)
 weft__shape_str_t weft__tensor_shape_str(const weft_tensor_t *t)
 {
     return weft__shape_str(weft_tensor_ndim(t), weft_tensor_shape(t));
+}
+
+weft_status_t weft__op_check_reduction(const char *op, int reduction)
+{
+    if (reduction != WEFT_REDUCTION_MEAN && reduction != WEFT_REDUCTION_SUM &&
+        reduction != WEFT_REDUCTION_NONE) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: unknown reduction %d", op,
+                               (int)reduction);
+    }
+    return WEFT_OK;
+}
+
+int weft__op_fits_blas(int64_t v)
+{
+    return v <= INT_MAX;
+}
+
+void weft__op_gemm(weft_dtype_t dt, int ta, int tb, int64_t m, int64_t nn, int64_t k, const void *a,
+                   const void *b, double beta, void *c)
+{
+    if (m == 0 || nn == 0) {
+        return;
+    }
+    if (k == 0) {
+        if (beta == 0) {
+            memset(c, 0, (size_t)(m * nn) * weft_dtype_size(dt));
+        }
+        return;
+    }
+    if (dt == WEFT_F32) {
+        cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                    (blasint)m, (blasint)nn, (blasint)k, 1.0f, a, (blasint)(ta ? m : k), b,
+                    (blasint)(tb ? k : nn), (float)beta, c, (blasint)nn);
+    } else {
+        cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                    (blasint)m, (blasint)nn, (blasint)k, 1.0, a, (blasint)(ta ? m : k), b,
+                    (blasint)(tb ? k : nn), beta, c, (blasint)nn);
+    }
 }

@@ -41,39 +41,7 @@ static weft_status_t check_float_pair(const char *op, const weft_tensor_t *a,
     return WEFT_OK;
 }
 
-static int fits_blas(int64_t v)
-{
-    return v <= INT_MAX;
-}
 
-/*
- * C[m, nn] = A[m, k] B[k, nn] + beta C for contiguous row-major matrices, A and B optionally
- * transposed (then stored as [k, m] and [nn, k]). Empty products give beta C (0 when beta == 0).
- */
-static void gemm(weft_dtype_t dt, int ta, int tb, int64_t m, int64_t nn, int64_t k, const void *a,
-                 const void *b, double beta, void *c)
-{
-    size_t es = weft_dtype_size(dt);
-
-    if (m == 0 || nn == 0) {
-        return;
-    }
-    if (k == 0) {
-        if (beta == 0) {
-            memset(c, 0, (size_t)(m * nn) * es);
-        }
-        return;
-    }
-    if (dt == WEFT_F32) {
-        cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-                    (blasint)m, (blasint)nn, (blasint)k, 1.0f, a, (blasint)(ta ? m : k), b,
-                    (blasint)(tb ? k : nn), (float)beta, c, (blasint)nn);
-    } else {
-        cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-                    (blasint)m, (blasint)nn, (blasint)k, 1.0, a, (blasint)(ta ? m : k), b,
-                    (blasint)(tb ? k : nn), beta, c, (blasint)nn);
-    }
-}
 
 /* ---- the batched-matrix plan shared by matmul and bmm ---------------------------------------- */
 
@@ -142,8 +110,8 @@ static weft_status_t mm_plan(const char *op, int nda, const int64_t *sa, int ndb
     pl->nbatch_a = stra;
     pl->nbatch_b = strb;
     pl->fold = bdb == 0;
-    if (!fits_blas(pl->n * (pl->fold ? pl->nbatch_a : 1)) || !fits_blas(pl->k) ||
-        !fits_blas(pl->p)) {
+    if (!weft__op_fits_blas(pl->n * (pl->fold ? pl->nbatch_a : 1)) || !weft__op_fits_blas(pl->k) ||
+        !weft__op_fits_blas(pl->p)) {
         return weft__set_error(WEFT_ERR_UNSUPPORTED, "%s: matrices of %s and %s are too large", op,
                                weft__shape_str(nda, sa).s, weft__shape_str(ndb, sb).s);
     }
@@ -184,7 +152,7 @@ static void mm_forward(weft_dtype_t dt, const mm_plan_t *pl, const char *a, cons
     size_t mc = (size_t)(pl->n * pl->p) * es;
 
     if (pl->fold) {
-        gemm(dt, 0, 0, pl->n * pl->nbatch_a, pl->p, pl->k, a, b, 0, c);
+        weft__op_gemm(dt, 0, 0, pl->n * pl->nbatch_a, pl->p, pl->k, a, b, 0, c);
         return;
     }
     for (int64_t i = 0; i < pl->nbatch; i++) {
@@ -192,7 +160,7 @@ static void mm_forward(weft_dtype_t dt, const mm_plan_t *pl, const char *a, cons
         int64_t ib;
 
         mm_batch(pl, i, &ia, &ib);
-        gemm(dt, 0, 0, pl->n, pl->p, pl->k, a + (size_t)ia * ma, b + (size_t)ib * mb, 0,
+        weft__op_gemm(dt, 0, 0, pl->n, pl->p, pl->k, a + (size_t)ia * ma, b + (size_t)ib * mb, 0,
              c + (size_t)i * mc);
     }
 }
@@ -227,14 +195,14 @@ static weft_status_t matmul_backward(weft__ag_node_t *n, weft_tensor_t *const *g
             (acc ? weft_tensor_create : weft_tensor_empty)(dt, n->in_ndim[0], n->in_shape[0], &ga),
             status, err);
         if (pl.fold) {
-            gemm(dt, 0, 1, pl.n * pl.nbatch_a, pl.k, pl.p, g, b, 0, weft_tensor_data(ga));
+            weft__op_gemm(dt, 0, 1, pl.n * pl.nbatch_a, pl.k, pl.p, g, b, 0, weft_tensor_data(ga));
         } else {
             for (int64_t i = 0; i < pl.nbatch; i++) {
                 int64_t ia;
                 int64_t ib;
 
                 mm_batch(&pl, i, &ia, &ib);
-                gemm(dt, 0, 1, pl.n, pl.k, pl.p, g + (size_t)i * mc, b + (size_t)ib * mb,
+                weft__op_gemm(dt, 0, 1, pl.n, pl.k, pl.p, g + (size_t)i * mc, b + (size_t)ib * mb,
                      acc ? 1 : 0, (char *)weft_tensor_data(ga) + (size_t)ia * ma);
             }
         }
@@ -247,14 +215,14 @@ static weft_status_t matmul_backward(weft__ag_node_t *n, weft_tensor_t *const *g
             (acc ? weft_tensor_create : weft_tensor_empty)(dt, n->in_ndim[1], n->in_shape[1], &gb),
             status, err);
         if (pl.fold) {
-            gemm(dt, 1, 0, pl.k, pl.p, pl.n * pl.nbatch_a, a, g, 0, weft_tensor_data(gb));
+            weft__op_gemm(dt, 1, 0, pl.k, pl.p, pl.n * pl.nbatch_a, a, g, 0, weft_tensor_data(gb));
         } else {
             for (int64_t i = 0; i < pl.nbatch; i++) {
                 int64_t ia;
                 int64_t ib;
 
                 mm_batch(&pl, i, &ia, &ib);
-                gemm(dt, 1, 0, pl.k, pl.p, pl.n, a + (size_t)ia * ma, g + (size_t)i * mc,
+                weft__op_gemm(dt, 1, 0, pl.k, pl.p, pl.n, a + (size_t)ia * ma, g + (size_t)i * mc,
                      acc ? 1 : 0, (char *)weft_tensor_data(gb) + (size_t)ib * mb);
             }
         }
@@ -371,11 +339,11 @@ static weft_status_t linear_backward(weft__ag_node_t *n, weft_tensor_t *const *g
 
     if (weft__ag_needs_grad(n, 0)) {
         WEFT_CHECK_GOTO(weft_tensor_empty(dt, n->in_ndim[0], n->in_shape[0], &gx), status, err);
-        gemm(dt, 0, 0, rows, in, outf, g, weft_tensor_data(n->saved[1]), 0, weft_tensor_data(gx));
+        weft__op_gemm(dt, 0, 0, rows, in, outf, g, weft_tensor_data(n->saved[1]), 0, weft_tensor_data(gx));
     }
     if (weft__ag_needs_grad(n, 1)) {
         WEFT_CHECK_GOTO(weft_tensor_empty(dt, 2, n->in_shape[1], &gw), status, err);
-        gemm(dt, 1, 0, outf, in, rows, g, weft_tensor_data(n->saved[0]), 0, weft_tensor_data(gw));
+        weft__op_gemm(dt, 1, 0, outf, in, rows, g, weft_tensor_data(n->saved[0]), 0, weft_tensor_data(gw));
     }
     if (n->n_in == 3 && weft__ag_needs_grad(n, 2)) {
         WEFT_CHECK_GOTO(weft_tensor_empty(dt, 1, n->in_shape[2], &gb), status, err);
@@ -449,7 +417,7 @@ weft_status_t weft_op_linear(weft_tensor_t *x, weft_tensor_t *w, weft_tensor_t *
         oshape[i] = xs[i];
     }
     oshape[xnd - 1] = outf;
-    if (!fits_blas(rows) || !fits_blas(in) || !fits_blas(outf)) {
+    if (!weft__op_fits_blas(rows) || !weft__op_fits_blas(in) || !weft__op_fits_blas(outf)) {
         return weft__set_error(WEFT_ERR_UNSUPPORTED, "linear: input %s and weight %s are too large",
                                weft__tensor_shape_str(x).s, weft__tensor_shape_str(w).s);
     }
@@ -463,7 +431,7 @@ weft_status_t weft_op_linear(weft_tensor_t *x, weft_tensor_t *w, weft_tensor_t *
             memcpy(o + (size_t)i * row_bytes, weft_tensor_data(b), row_bytes);
         }
     }
-    gemm(dt, 0, 1, rows, outf, in, weft_tensor_data(x), weft_tensor_data(w), b != NULL ? 1 : 0,
+    weft__op_gemm(dt, 0, 1, rows, outf, in, weft_tensor_data(x), weft_tensor_data(w), b != NULL ? 1 : 0,
          weft_tensor_data(out));
 
     if (weft__ag_should_record(n_in, ins)) {

@@ -18,15 +18,6 @@
 
 /* ---- checks ---------------------------------------------------------------------------------- */
 
-static weft_status_t check_reduction(const char *op, weft_reduction_t reduction)
-{
-    if (reduction != WEFT_REDUCTION_MEAN && reduction != WEFT_REDUCTION_SUM &&
-        reduction != WEFT_REDUCTION_NONE) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: unknown reduction %d", op,
-                               (int)reduction);
-    }
-    return WEFT_OK;
-}
 
 /* Wraps a dim in [-ndim, ndim) (a 0-dim tensor counts as having one dim of size 1). */
 static weft_status_t wrap_dim(const char *op, int ndim, int dim, int *dim_p)
@@ -885,7 +876,7 @@ weft_status_t weft_op_cross_entropy(weft_tensor_t *logits, weft_tensor_t *labels
     weft_status_t st;
 
     WEFT_CHECK(weft__op_check_one("cross_entropy", logits, out_p));
-    WEFT_CHECK(check_reduction("cross_entropy", reduction));
+    WEFT_CHECK(weft__op_check_reduction("cross_entropy", reduction));
     if (labels == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "cross_entropy: NULL labels");
     }
@@ -1051,7 +1042,7 @@ weft_status_t weft_op_mse_loss(weft_tensor_t *a, weft_tensor_t *b, weft_reductio
 
     WEFT_CHECK(weft__op_check_one("mse_loss", a, out_p));
     WEFT_CHECK(weft__op_check_float("mse_loss", b));
-    WEFT_CHECK(check_reduction("mse_loss", reduction));
+    WEFT_CHECK(weft__op_check_reduction("mse_loss", reduction));
     if (weft_tensor_dtype(a) != weft_tensor_dtype(b)) {
         return weft__set_error(WEFT_ERR_DTYPE, "mse_loss: dtypes %s and %s differ",
                                weft_dtype_name(weft_tensor_dtype(a)),

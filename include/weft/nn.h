@@ -1,7 +1,7 @@
 /*
- * Neural-network modules (Linear, MLP, Embedding, EmbeddingBag) over the operations of
- * <weft/ops.h>, named parameter lists, and optimizer objects (SGD, Adagrad, Adam, AdamW) that
- * apply the kernels of <weft/optim.h> to a parameter list.
+ * Neural-network modules (Linear, MLP, Embedding, EmbeddingBag, Conv2d, BatchNorm2d) over the
+ * operations of <weft/ops.h>, named parameter lists, and optimizer objects (SGD, Adagrad, Adam,
+ * AdamW) that apply the kernels of <weft/optim.h> to a parameter list.
  *
  * Modules create their parameters as leaf tensors that require gradients, initialised as torch
  * initialises them, from an explicit weft_rng_t (the same seed gives the same parameters). A
@@ -289,6 +289,102 @@ WEFT_API int64_t weft_optimizer_param_steps(const weft_optimizer_t *opt, int i);
  * @return NULL when there is no such state.
  */
 WEFT_API weft_tensor_t *weft_optimizer_state(const weft_optimizer_t *opt, int i, const char *name);
+
+/* ---- Conv2d and BatchNorm2d (autograd/nn.c) -------------------------------------------------- */
+
+/** torch.nn.Conv2d: y = conv2d(x, W, b), W [out, in / groups, kH, kW], b [out]. */
+typedef struct weft_nn_conv2d weft_nn_conv2d_t;
+
+typedef struct {
+    int64_t stride[2];   /**< {height, width}, >= 1 */
+    int64_t padding[2];  /**< zeros on each side, >= 0 */
+    int64_t dilation[2]; /**< >= 1 */
+    int64_t groups;      /**< >= 1, dividing in_channels and out_channels */
+    int bias;            /**< 0 for none */
+    weft_dtype_t dtype;  /**< WEFT_F32 or WEFT_F64 */
+} weft_nn_conv2d_config_t;
+
+/** torch's defaults: stride 1, no padding, dilation 1, one group, a bias; f32. */
+#define WEFT_NN_CONV2D_DEFAULTS                                                                    \
+    {                                                                                              \
+        .stride = {1, 1}, .padding = {0, 0}, .dilation = {1, 1}, .groups = 1, .bias = 1,           \
+        .dtype = WEFT_F32                                                                          \
+    }
+
+/**
+ * Creates a Conv2d layer with torch's initialisation: W from kaiming_uniform (a = sqrt(5)),
+ * which is uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in = in / groups * kH * kW, then b
+ * from the same range.
+ * @param[in] in_channels, out_channels >= 1; @param[in] kernel {kH, kW}, each >= 1.
+ * @param[in] cfg NULL for WEFT_NN_CONV2D_DEFAULTS; copied.
+ * @param[in,out] rng the stream the values come from.
+ * @param[out] conv_p caller frees with weft_nn_conv2d_free.
+ * @return WEFT_ERR_INVALID_ARG (sizes, stride, padding, dilation or groups out of range, groups
+ *         not dividing the channels, NULL), WEFT_ERR_DTYPE, WEFT_ERR_NO_MEMORY.
+ */
+WEFT_API weft_status_t weft_nn_conv2d_create(int64_t in_channels, int64_t out_channels,
+                                             const int64_t *kernel,
+                                             const weft_nn_conv2d_config_t *cfg, weft_rng_t *rng,
+                                             weft_nn_conv2d_t **conv_p);
+/** Releases the layer's parameters (lists and optimizers keep theirs) and frees it. */
+WEFT_API void weft_nn_conv2d_free(weft_nn_conv2d_t *conv);
+/**
+ * y = conv2d(x, W, b) for x [N, in, H, W] (weft_op_conv2d; records the graph when grad mode is
+ * on). @param[out] y_p [N, out, OH, OW]; caller releases.
+ */
+WEFT_API weft_status_t weft_nn_conv2d_forward(weft_nn_conv2d_t *conv, weft_tensor_t *x,
+                                              weft_tensor_t **y_p);
+/** The weight [out, in / groups, kH, kW], borrowed from the layer. */
+WEFT_API weft_tensor_t *weft_nn_conv2d_weight(const weft_nn_conv2d_t *conv);
+/** The bias [out], borrowed; NULL for a layer without bias. */
+WEFT_API weft_tensor_t *weft_nn_conv2d_bias(const weft_nn_conv2d_t *conv);
+/** Its parameters, "weight" and "bias"; borrowed from the layer. */
+WEFT_API const weft_param_list_t *weft_nn_conv2d_params(const weft_nn_conv2d_t *conv);
+
+/**
+ * torch.nn.BatchNorm2d (affine, tracking running statistics): normalises each channel of
+ * x [N, C, H, W] with the batch's statistics while training (updating the running ones) and
+ * with the running ones in eval mode (weft_op_batch_norm2d).
+ */
+typedef struct weft_nn_batch_norm2d weft_nn_batch_norm2d_t;
+
+/**
+ * Creates the layer in training mode: weight 1, bias 0, running_mean 0, running_var 1.
+ * @param[in] num_features C >= 1; @param[in] eps > 0 (torch: 1e-5);
+ * @param[in] momentum in [0, 1] (torch: 0.1); @param[in] dtype WEFT_F32 or WEFT_F64.
+ * @param[out] bn_p caller frees with weft_nn_batch_norm2d_free.
+ * @return WEFT_ERR_INVALID_ARG, WEFT_ERR_DTYPE, WEFT_ERR_NO_MEMORY.
+ */
+WEFT_API weft_status_t weft_nn_batch_norm2d_create(int64_t num_features, double eps,
+                                                   double momentum, weft_dtype_t dtype,
+                                                   weft_nn_batch_norm2d_t **bn_p);
+/** Releases the layer's parameters and running statistics and frees it. NULL is a no-op. */
+WEFT_API void weft_nn_batch_norm2d_free(weft_nn_batch_norm2d_t *bn);
+/** Training (non-zero, the default) or eval mode, as torch's module.train() / .eval(). */
+WEFT_API void weft_nn_batch_norm2d_set_training(weft_nn_batch_norm2d_t *bn, int training);
+/** 1 in training mode, 0 in eval mode. */
+WEFT_API int weft_nn_batch_norm2d_training(const weft_nn_batch_norm2d_t *bn);
+/**
+ * y = batch_norm2d(x) in the layer's mode; in training mode the running statistics are updated
+ * in place. @param[out] y_p x's shape; caller releases.
+ */
+WEFT_API weft_status_t weft_nn_batch_norm2d_forward(weft_nn_batch_norm2d_t *bn, weft_tensor_t *x,
+                                                    weft_tensor_t **y_p);
+/** gamma [C], borrowed. */
+WEFT_API weft_tensor_t *weft_nn_batch_norm2d_weight(const weft_nn_batch_norm2d_t *bn);
+/** beta [C], borrowed. */
+WEFT_API weft_tensor_t *weft_nn_batch_norm2d_bias(const weft_nn_batch_norm2d_t *bn);
+/** The running mean [C], borrowed (not a parameter: no gradient). */
+WEFT_API weft_tensor_t *weft_nn_batch_norm2d_running_mean(const weft_nn_batch_norm2d_t *bn);
+/** The running variance [C], borrowed. */
+WEFT_API weft_tensor_t *weft_nn_batch_norm2d_running_var(const weft_nn_batch_norm2d_t *bn);
+/** Its parameters, "weight" and "bias"; borrowed from the layer. */
+WEFT_API const weft_param_list_t *weft_nn_batch_norm2d_params(const weft_nn_batch_norm2d_t *bn);
+/**
+ * Its buffers, "running_mean" and "running_var" (torch's state_dict entries, e.g. to broadcast
+ * or checkpoint them); borrowed from the layer.
+ */
+WEFT_API const weft_param_list_t *weft_nn_batch_norm2d_buffers(const weft_nn_batch_norm2d_t *bn);
 
 #ifdef __cplusplus
 }

@@ -204,6 +204,98 @@ WEFT_API void weft_op_set_threads(int n);
 /** The number of threads the matrix products use. */
 WEFT_API int weft_op_threads(void);
 
+/* ---- convolution, pooling, normalisation (autograd/ops_conv.c) ------------------------------ */
+/*
+ * Images are NCHW: x [N, C, H, W], f32 or f64, 4-D (other ranks are WEFT_ERR_SHAPE). Pairs
+ * (kernel, stride, padding, dilation, output size) are {height, width}. Output sizes follow
+ * torch (floor mode): (H + 2 pad - dilation (k - 1) - 1) / stride + 1. A size argument out of
+ * range (stride or dilation < 1, padding < 0, ...) is WEFT_ERR_INVALID_ARG naming it; an input
+ * too small for its (padded) window is WEFT_ERR_SHAPE naming the input shape and the window.
+ */
+
+/**
+ * torch.nn.functional.conv2d: x [N, C, H, W], @p weight [O, C / groups, kH, kW], @p bias [O]
+ * or NULL; output [N, O, OH, OW]. Each group of C / groups input channels makes O / groups
+ * output channels (im2col and one BLAS gemm per sample and group). Differentiable in x, weight
+ * and bias.
+ * @param[in] stride NULL for {1, 1}; @param[in] padding NULL for {0, 0} (zeros);
+ * @param[in] dilation NULL for {1, 1}; @param[in] groups >= 1, dividing C and O.
+ * @return WEFT_ERR_SHAPE (ranks, a weight whose dim 1 is not C / groups, a bias not [O], a
+ *         kernel larger than the padded input), WEFT_ERR_INVALID_ARG (stride, padding,
+ *         dilation or groups out of range, groups not dividing C or O), WEFT_ERR_DTYPE,
+ *         WEFT_ERR_UNSUPPORTED (matrices too large for BLAS), WEFT_ERR_NO_MEMORY.
+ */
+WEFT_API weft_status_t weft_op_conv2d(weft_tensor_t *x, weft_tensor_t *weight, weft_tensor_t *bias,
+                                      const int64_t *stride, const int64_t *padding,
+                                      const int64_t *dilation, int64_t groups,
+                                      weft_tensor_t **out_p);
+/**
+ * torch.nn.functional.max_pool2d (dilation 1, floor mode): the maximum of each window, padding
+ * counting as -inf (a NaN in a window is its maximum, as torch). The gradient goes to the first
+ * maximal element of the window in row-major order.
+ * @param[in] kernel >= 1; @param[in] stride NULL for kernel (torch's default), else >= 1;
+ * @param[in] padding NULL for {0, 0}; each at most half the kernel (as torch).
+ */
+WEFT_API weft_status_t weft_op_max_pool2d(weft_tensor_t *x, const int64_t *kernel,
+                                          const int64_t *stride, const int64_t *padding,
+                                          weft_tensor_t **out_p);
+/**
+ * torch.nn.functional.avg_pool2d (floor mode): the mean of each window, zero padding. With
+ * @p count_include_pad (torch's default) the divisor is the window's size clipped to the padded
+ * input; without, the number of input elements in the window. Arguments as weft_op_max_pool2d.
+ */
+WEFT_API weft_status_t weft_op_avg_pool2d(weft_tensor_t *x, const int64_t *kernel,
+                                          const int64_t *stride, const int64_t *padding,
+                                          int count_include_pad, weft_tensor_t **out_p);
+/**
+ * torch.nn.functional.adaptive_avg_pool2d to @p out_hw (each >= 1; larger than the input is
+ * allowed): output row i averages input rows [floor(i H / oh), ceil((i + 1) H / oh)), and
+ * likewise for columns.
+ */
+WEFT_API weft_status_t weft_op_adaptive_avg_pool2d(weft_tensor_t *x, const int64_t *out_hw,
+                                                   weft_tensor_t **out_p);
+/**
+ * torch.nn.functional.batch_norm over the channels of x [N, C, H, W]:
+ * y = (x - mean) / sqrt(var + eps) * weight + bias per channel.
+ * - @p training: mean and var are the batch's (biased var), and backward goes through them. The
+ *   running estimates, when given, are updated in place: r = (1 - momentum) r + momentum s, with
+ *   the unbiased variance for running_var. Needs more than one value per channel
+ *   (WEFT_ERR_SHAPE).
+ * - Otherwise mean and var are @p running_mean and @p running_var (required).
+ * @param[in] weight, bias [C] (the affine parameters, differentiable), or NULL for 1 and 0.
+ * @param[in,out] running_mean, running_var [C] or NULL while training; borrowed, never part of
+ *                the graph. All tensors of x's dtype.
+ * @param[in] momentum in [0, 1]; @param[in] eps > 0.
+ * Not thread-safe for one pair of running estimates.
+ */
+WEFT_API weft_status_t weft_op_batch_norm2d(weft_tensor_t *x, weft_tensor_t *weight,
+                                            weft_tensor_t *bias, weft_tensor_t *running_mean,
+                                            weft_tensor_t *running_var, int training,
+                                            double momentum, double eps, weft_tensor_t **out_p);
+/**
+ * torch.nn.functional.dropout2d for x [N, C, H, W]: when @p training, zeroes each whole channel
+ * (n, c) with probability @p p (one weft_rng_uniform per channel, in (n, c) order, zeroed when
+ * it is below p) and scales the others by 1 / (1 - p); otherwise (or p == 0) a copy. p == 0 and
+ * p == 1 draw nothing. Arguments as weft_op_dropout.
+ * @return WEFT_ERR_INVALID_ARG for p outside [0, 1] or a NULL rng while training.
+ */
+WEFT_API weft_status_t weft_op_dropout2d(weft_tensor_t *x, double p, int training, weft_rng_t *rng,
+                                         weft_tensor_t **out_p);
+/**
+ * torch.flatten: dims @p start_dim..@p end_dim (negative counted from the end) merged into one;
+ * a 0-D tensor becomes [1]. Shares storage (weft_op_reshape); any dtype.
+ * @return WEFT_ERR_INVALID_ARG for a dim out of range or start_dim after end_dim.
+ */
+WEFT_API weft_status_t weft_op_flatten(weft_tensor_t *x, int start_dim, int end_dim,
+                                       weft_tensor_t **out_p);
+/**
+ * torch.nn.functional.nll_loss (no class weights): loss_i = -log_probs[i, target[i]] for
+ * @p log_probs [N, C] and i64 @p target [N] (each in [0, C), else WEFT_ERR_INVALID_ARG naming
+ * the first bad one; torch's ignore_index is not supported); a scalar for MEAN/SUM, [N] for NONE.
+ */
+WEFT_API weft_status_t weft_op_nll_loss(weft_tensor_t *log_probs, weft_tensor_t *target,
+                                        weft_reduction_t reduction, weft_tensor_t **out_p);
+
 #ifdef __cplusplus
 }
 #endif
