@@ -1,4 +1,5 @@
-/* nn modules (Linear, MLP, Embedding, EmbeddingBag, Conv2d, BatchNorm2d), named parameter lists. */
+/* nn modules (Linear, MLP, Embedding, EmbeddingBag, Conv2d, BatchNorm2d, ResNet BasicBlock), named
+ * parameter lists. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdint.h>
@@ -1031,4 +1032,194 @@ const weft_param_list_t *weft_nn_batch_norm2d_params(const weft_nn_batch_norm2d_
 const weft_param_list_t *weft_nn_batch_norm2d_buffers(const weft_nn_batch_norm2d_t *bn)
 {
     return bn == NULL ? NULL : bn->buffers;
+}
+
+/* ---- ResNet BasicBlock ----------------------------------------------------------------------- */
+
+struct weft_nn_basic_block {
+    int training;
+    weft_nn_conv2d_t *conv1;
+    weft_nn_batch_norm2d_t *bn1;
+    weft_nn_conv2d_t *conv2;
+    weft_nn_batch_norm2d_t *bn2;
+    weft_nn_conv2d_t *down_conv; /* NULL: the identity shortcut */
+    weft_nn_batch_norm2d_t *down_bn;
+    weft_param_list_t *params;
+    weft_param_list_t *buffers;
+};
+
+/* torchvision's conv3x3 / conv1x1: no bias, padding k / 2. */
+static weft_status_t block_conv(int64_t in, int64_t out, int64_t k, int64_t stride,
+                                weft_dtype_t dtype, weft_rng_t *rng, weft_nn_conv2d_t **conv_p)
+{
+    weft_nn_conv2d_config_t cfg = WEFT_NN_CONV2D_DEFAULTS;
+
+    cfg.stride[0] = cfg.stride[1] = stride;
+    cfg.padding[0] = cfg.padding[1] = k / 2;
+    cfg.bias = 0;
+    cfg.dtype = dtype;
+    return weft_nn_conv2d_create(in, out, (const int64_t[]){k, k}, &cfg, rng, conv_p);
+}
+
+/* Appends a conv's and a batch norm's parameters and the batch norm's buffers under their names
+ * (conv_name.weight, bn_name.weight, bn_name.bias; bn_name.running_mean, ...). */
+static weft_status_t block_add(weft_nn_basic_block_t *b, const char *conv_name,
+                               const weft_nn_conv2d_t *conv, const char *bn_name,
+                               const weft_nn_batch_norm2d_t *bn)
+{
+    WEFT_CHECK(weft_param_list_extend(b->params, conv_name, conv->params));
+    WEFT_CHECK(weft_param_list_extend(b->params, bn_name, bn->params));
+    return weft_param_list_extend(b->buffers, bn_name, bn->buffers);
+}
+
+weft_status_t weft_nn_basic_block_create(int64_t in_channels, int64_t out_channels, int64_t stride,
+                                         weft_dtype_t dtype, weft_rng_t *rng,
+                                         weft_nn_basic_block_t **block_p)
+{
+    static const char fn[] = "basic_block";
+    weft_nn_basic_block_t *b;
+    weft_status_t st;
+
+    WEFT_CHECK(module_args(fn, in_channels, out_channels, dtype, rng, block_p));
+    if (in_channels < 1 || out_channels < 1 || stride < 1) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "%s: channels (%" PRId64 " in, %" PRId64 " out) and stride %" PRId64
+                               " must be >= 1",
+                               fn, in_channels, out_channels, stride);
+    }
+    b = weft_calloc(1, sizeof *b);
+    if (b == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "%s: no memory", fn);
+    }
+    b->training = 1;
+    WEFT_CHECK_GOTO(block_conv(in_channels, out_channels, 3, stride, dtype, rng, &b->conv1), st,
+                    err_free);
+    WEFT_CHECK_GOTO(weft_nn_batch_norm2d_create(out_channels, 1e-5, 0.1, dtype, &b->bn1), st,
+                    err_free);
+    WEFT_CHECK_GOTO(block_conv(out_channels, out_channels, 3, 1, dtype, rng, &b->conv2), st,
+                    err_free);
+    WEFT_CHECK_GOTO(weft_nn_batch_norm2d_create(out_channels, 1e-5, 0.1, dtype, &b->bn2), st,
+                    err_free);
+    if (stride != 1 || in_channels != out_channels) {
+        WEFT_CHECK_GOTO(block_conv(in_channels, out_channels, 1, stride, dtype, rng, &b->down_conv),
+                        st, err_free);
+        WEFT_CHECK_GOTO(weft_nn_batch_norm2d_create(out_channels, 1e-5, 0.1, dtype, &b->down_bn),
+                        st, err_free);
+    }
+    WEFT_CHECK_GOTO(weft_param_list_create(&b->params), st, err_free);
+    WEFT_CHECK_GOTO(weft_param_list_create(&b->buffers), st, err_free);
+    WEFT_CHECK_GOTO(block_add(b, "conv1", b->conv1, "bn1", b->bn1), st, err_free);
+    WEFT_CHECK_GOTO(block_add(b, "conv2", b->conv2, "bn2", b->bn2), st, err_free);
+    if (b->down_conv != NULL) {
+        WEFT_CHECK_GOTO(block_add(b, "downsample.0", b->down_conv, "downsample.1", b->down_bn), st,
+                        err_free);
+    }
+    *block_p = b;
+    return WEFT_OK;
+
+err_free:
+    weft_nn_basic_block_free(b);
+    return st;
+}
+
+void weft_nn_basic_block_free(weft_nn_basic_block_t *block)
+{
+    if (block == NULL) {
+        return;
+    }
+    weft_param_list_free(block->buffers);
+    weft_param_list_free(block->params);
+    weft_nn_batch_norm2d_free(block->down_bn);
+    weft_nn_conv2d_free(block->down_conv);
+    weft_nn_batch_norm2d_free(block->bn2);
+    weft_nn_conv2d_free(block->conv2);
+    weft_nn_batch_norm2d_free(block->bn1);
+    weft_nn_conv2d_free(block->conv1);
+    weft_free(block);
+}
+
+/* bn(conv(x)) into *y_p, the intermediate released. */
+static weft_status_t conv_bn(weft_nn_conv2d_t *conv, weft_nn_batch_norm2d_t *bn, weft_tensor_t *x,
+                             weft_tensor_t **y_p)
+{
+    weft_tensor_t *h = NULL;
+    weft_status_t st = weft_nn_conv2d_forward(conv, x, &h);
+
+    if (st == WEFT_OK) {
+        st = weft_nn_batch_norm2d_forward(bn, h, y_p);
+    }
+    weft_tensor_release(h);
+    return st;
+}
+
+weft_status_t weft_nn_basic_block_forward(weft_nn_basic_block_t *block, weft_tensor_t *x,
+                                          weft_tensor_t **y_p)
+{
+    weft_tensor_t *h = NULL;
+    weft_tensor_t *r = NULL;
+    weft_tensor_t *body = NULL;
+    weft_tensor_t *shortcut = NULL;
+    weft_tensor_t *sum = NULL;
+    weft_status_t st;
+
+    if (block == NULL || x == NULL || y_p == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "basic_block_forward: NULL argument");
+    }
+    st = conv_bn(block->conv1, block->bn1, x, &h);
+    if (st == WEFT_OK) {
+        st = weft_op_relu(h, &r);
+    }
+    if (st == WEFT_OK) {
+        st = conv_bn(block->conv2, block->bn2, r, &body);
+    }
+    if (st == WEFT_OK) {
+        if (block->down_conv != NULL) {
+            st = conv_bn(block->down_conv, block->down_bn, x, &shortcut);
+        } else {
+            shortcut = weft_tensor_retain(x);
+        }
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_add(body, shortcut, &sum);
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_relu(sum, y_p);
+    }
+    weft_tensor_release(sum);
+    weft_tensor_release(shortcut);
+    weft_tensor_release(body);
+    weft_tensor_release(r);
+    weft_tensor_release(h);
+    return st;
+}
+
+void weft_nn_basic_block_set_training(weft_nn_basic_block_t *block, int training)
+{
+    if (block == NULL) {
+        return;
+    }
+    block->training = training != 0;
+    weft_nn_batch_norm2d_set_training(block->bn1, training);
+    weft_nn_batch_norm2d_set_training(block->bn2, training);
+    weft_nn_batch_norm2d_set_training(block->down_bn, training);
+}
+
+int weft_nn_basic_block_training(const weft_nn_basic_block_t *block)
+{
+    return block != NULL && block->training;
+}
+
+int weft_nn_basic_block_has_downsample(const weft_nn_basic_block_t *block)
+{
+    return block != NULL && block->down_conv != NULL;
+}
+
+const weft_param_list_t *weft_nn_basic_block_params(const weft_nn_basic_block_t *block)
+{
+    return block == NULL ? NULL : block->params;
+}
+
+const weft_param_list_t *weft_nn_basic_block_buffers(const weft_nn_basic_block_t *block)
+{
+    return block == NULL ? NULL : block->buffers;
 }

@@ -1,7 +1,7 @@
 /*
- * Neural-network modules (Linear, MLP, Embedding, EmbeddingBag, Conv2d, BatchNorm2d) over the
- * operations of <weft/ops.h>, named parameter lists, and optimizer objects (SGD, Adagrad, Adam,
- * AdamW) that apply the kernels of <weft/optim.h> to a parameter list.
+ * Neural-network modules (Linear, MLP, Embedding, EmbeddingBag, Conv2d, BatchNorm2d, ResNet's
+ * BasicBlock) over the operations of <weft/ops.h>, named parameter lists, and optimizer objects
+ * (SGD, Adagrad, Adam, AdamW) that apply the kernels of <weft/optim.h> to a parameter list.
  *
  * Modules create their parameters as leaf tensors that require gradients, initialised as torch
  * initialises them, from an explicit weft_rng_t (the same seed gives the same parameters). A
@@ -385,6 +385,59 @@ WEFT_API const weft_param_list_t *weft_nn_batch_norm2d_params(const weft_nn_batc
  * or checkpoint them); borrowed from the layer.
  */
 WEFT_API const weft_param_list_t *weft_nn_batch_norm2d_buffers(const weft_nn_batch_norm2d_t *bn);
+
+/* ---- ResNet BasicBlock (autograd/nn.c) ------------------------------------------------------ */
+
+/**
+ * torchvision's ResNet BasicBlock: y = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)), with
+ * conv1 3x3 of stride s and conv2 3x3 of stride 1 (padding 1, no bias), each followed by a
+ * BatchNorm2d (eps 1e-5, momentum 0.1). The shortcut is x itself, or, when s != 1 or the channels
+ * change, a 1x1 convolution of stride s (no bias) then a BatchNorm2d (torchvision's downsample).
+ */
+typedef struct weft_nn_basic_block weft_nn_basic_block_t;
+
+/**
+ * Creates the block in training mode. The convolutions are initialised as torch.nn.Conv2d
+ * (weft_nn_conv2d_create: conv1, then conv2, then the downsample's, from @p rng); the
+ * BatchNorm2d layers as weft_nn_batch_norm2d_create.
+ * @param[in] in_channels, out_channels >= 1; @param[in] stride >= 1 (of conv1 and the
+ *            downsample); @param[in] dtype WEFT_F32 or WEFT_F64; @param[in,out] rng the stream
+ *            the weights come from.
+ * @param[out] block_p caller frees with weft_nn_basic_block_free.
+ * @return WEFT_ERR_INVALID_ARG (sizes or stride out of range, NULL), WEFT_ERR_DTYPE,
+ *         WEFT_ERR_NO_MEMORY.
+ */
+WEFT_API weft_status_t weft_nn_basic_block_create(int64_t in_channels, int64_t out_channels,
+                                                  int64_t stride, weft_dtype_t dtype,
+                                                  weft_rng_t *rng, weft_nn_basic_block_t **block_p);
+/** Releases the block's layers (lists and optimizers keep their parameters). NULL is a no-op. */
+WEFT_API void weft_nn_basic_block_free(weft_nn_basic_block_t *block);
+/**
+ * The block applied to x [N, in, H, W] in its mode (records the graph when grad mode is on; in
+ * training mode the running statistics of its BatchNorm2d layers are updated in place).
+ * @param[out] y_p [N, out, OH, OW] with OH = (H - 1) / stride + 1 (likewise OW); caller releases.
+ * @return the ops' statuses (WEFT_ERR_SHAPE for x not [N, in, H, W]), WEFT_ERR_INVALID_ARG (NULL).
+ */
+WEFT_API weft_status_t weft_nn_basic_block_forward(weft_nn_basic_block_t *block, weft_tensor_t *x,
+                                                   weft_tensor_t **y_p);
+/** Training (non-zero, the default) or eval mode of its BatchNorm2d layers (module.train()). */
+WEFT_API void weft_nn_basic_block_set_training(weft_nn_basic_block_t *block, int training);
+/** 1 in training mode, 0 in eval mode. */
+WEFT_API int weft_nn_basic_block_training(const weft_nn_basic_block_t *block);
+/** 1 when the shortcut is the 1x1 convolution and BatchNorm2d, 0 when it is the identity. */
+WEFT_API int weft_nn_basic_block_has_downsample(const weft_nn_basic_block_t *block);
+/**
+ * Its parameters with torchvision's names, in its order: "conv1.weight", "bn1.weight",
+ * "bn1.bias", "conv2.weight", "bn2.weight", "bn2.bias", then with a downsample
+ * "downsample.0.weight", "downsample.1.weight", "downsample.1.bias"; borrowed from the block.
+ */
+WEFT_API const weft_param_list_t *weft_nn_basic_block_params(const weft_nn_basic_block_t *block);
+/**
+ * Its buffers (no gradients): "bn1.running_mean", "bn1.running_var", "bn2.running_mean",
+ * "bn2.running_var", then "downsample.1.running_mean", "downsample.1.running_var" (torch's
+ * state_dict entries, less num_batches_tracked); borrowed from the block.
+ */
+WEFT_API const weft_param_list_t *weft_nn_basic_block_buffers(const weft_nn_basic_block_t *block);
 
 #ifdef __cplusplus
 }
