@@ -611,11 +611,11 @@ static void release_tensor_ctx(void *ctx)
                     int64_t at = h0 * w + w0;                                                      \
                     for (int64_t ih = h0; ih < h1; ih++) {                                         \
                         for (int64_t iw = w0; iw < w1; iw++) {                                     \
+                            /* branch-free (data-dependent branches mispredict half the time) */   \
                             T v = in[ih * w + iw];                                                 \
-                            if (v > best || isnan(v)) {                                            \
-                                best = v;                                                          \
-                                at = ih * w + iw;                                                  \
-                            }                                                                      \
+                            int take = (v > best) | (v != v);                                      \
+                            best = take ? v : best;                                                \
+                            at = take ? ih * w + iw : at;                                          \
                         }                                                                          \
                     }                                                                              \
                     *out++ = best;                                                                 \
@@ -941,6 +941,14 @@ err_release_out:
 
 /* ---- batch_norm2d ---------------------------------------------------------------------------- */
 
+#define BN_LANES 8
+
+/* The partial sums of a channel, added in a fixed order. */
+static double bn_total(const double *l)
+{
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
 #define DEFINE_BN(T)                                                                               \
     /* stats[c] = mean and stats[C + c] = biased variance of channel c (two passes, double). */    \
     static void bn_stats_##T(const T *restrict x, int64_t n, int64_t c, int64_t hw,                \
@@ -948,24 +956,38 @@ err_release_out:
     {                                                                                              \
         const double m = (double)(n * hw);                                                         \
         for (int64_t k = 0; k < c; k++) {                                                          \
-            double sum = 0;                                                                        \
-            double sq = 0;                                                                         \
+            /* BN_LANES partial sums: independent additions the CPU overlaps */                    \
+            double sum[BN_LANES] = {0};                                                            \
+            double sq[BN_LANES] = {0};                                                             \
             for (int64_t s = 0; s < n; s++) {                                                      \
                 const T *restrict p = x + (s * c + k) * hw;                                        \
-                for (int64_t i = 0; i < hw; i++) {                                                 \
-                    sum += (double)p[i];                                                           \
+                int64_t i = 0;                                                                     \
+                for (; i + BN_LANES <= hw; i += BN_LANES) {                                        \
+                    for (int l = 0; l < BN_LANES; l++) {                                           \
+                        sum[l] += (double)p[i + l];                                                \
+                    }                                                                              \
+                }                                                                                  \
+                for (; i < hw; i++) {                                                              \
+                    sum[0] += (double)p[i];                                                        \
                 }                                                                                  \
             }                                                                                      \
-            const double mean = sum / m;                                                           \
+            const double mean = bn_total(sum) / m;                                                 \
             for (int64_t s = 0; s < n; s++) {                                                      \
                 const T *restrict p = x + (s * c + k) * hw;                                        \
-                for (int64_t i = 0; i < hw; i++) {                                                 \
+                int64_t i = 0;                                                                     \
+                for (; i + BN_LANES <= hw; i += BN_LANES) {                                        \
+                    for (int l = 0; l < BN_LANES; l++) {                                           \
+                        const double d = (double)p[i + l] - mean;                                  \
+                        sq[l] += d * d;                                                            \
+                    }                                                                              \
+                }                                                                                  \
+                for (; i < hw; i++) {                                                              \
                     const double d = (double)p[i] - mean;                                          \
-                    sq += d * d;                                                                   \
+                    sq[0] += d * d;                                                                \
                 }                                                                                  \
             }                                                                                      \
             stats[k] = mean;                                                                       \
-            stats[c + k] = sq / m;                                                                 \
+            stats[c + k] = bn_total(sq) / m;                                                       \
         }                                                                                          \
     }                                                                                              \
     /* y = x a + b per channel, a = invstd w, b = bias - mean a (torch's transform). */            \
@@ -1004,16 +1026,25 @@ err_release_out:
             const double mean = mi[k];                                                             \
             const double invstd = mi[c + k];                                                       \
             const double g = w != NULL ? (double)w[k] : 1.0;                                       \
-            double sdy = 0;                                                                        \
-            double sdyx = 0;                                                                       \
+            double sdy_l[BN_LANES] = {0};                                                          \
+            double sdyx_l[BN_LANES] = {0};                                                         \
             for (int64_t s = 0; s < n; s++) {                                                      \
                 const T *restrict p = x + (s * c + k) * hw;                                        \
                 const T *restrict q = dy + (s * c + k) * hw;                                       \
-                for (int64_t i = 0; i < hw; i++) {                                                 \
-                    sdy += (double)q[i];                                                           \
-                    sdyx += (double)q[i] * ((double)p[i] - mean);                                  \
+                int64_t i = 0;                                                                     \
+                for (; i + BN_LANES <= hw; i += BN_LANES) {                                        \
+                    for (int l = 0; l < BN_LANES; l++) {                                           \
+                        sdy_l[l] += (double)q[i + l];                                              \
+                        sdyx_l[l] += (double)q[i + l] * ((double)p[i + l] - mean);                 \
+                    }                                                                              \
+                }                                                                                  \
+                for (; i < hw; i++) {                                                              \
+                    sdy_l[0] += (double)q[i];                                                      \
+                    sdyx_l[0] += (double)q[i] * ((double)p[i] - mean);                             \
                 }                                                                                  \
             }                                                                                      \
+            const double sdy = bn_total(sdy_l);                                                    \
+            const double sdyx = bn_total(sdyx_l);                                                  \
             if (dw != NULL) {                                                                      \
                 dw[k] = (T)(sdyx * invstd);                                                        \
             }                                                                                      \
