@@ -100,8 +100,6 @@ static int64_t out_size(int64_t in, int64_t k, int64_t stride, int64_t pad, int6
     return span < 0 ? 0 : span / stride + 1;
 }
 
-
-
 /* ---- conv2d ---------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -328,7 +326,7 @@ static weft_status_t conv2d_backward(weft__ag_node_t *n, weft_tensor_t *const *g
                     cols = col;
                 }
                 weft__op_gemm(dt, 0, 1, g.og, g.ckk, g.l, dy, cols, 1,
-                     (char *)weft_tensor_data(gw) + (size_t)(k * g.og * g.ckk) * es);
+                              (char *)weft_tensor_data(gw) + (size_t)(k * g.og * g.ckk) * es);
             }
             if (need_x) {
                 /* dX = col2im(W_k^T dY); each (sample, group) slice of dX is its own. */
@@ -478,7 +476,8 @@ weft_status_t weft_op_conv2d(weft_tensor_t *x, weft_tensor_t *weight, weft_tenso
             if (!g.direct) {
                 im2col(dt, &g, xk, col);
             }
-            weft__op_gemm(dt, 0, 0, g.og, g.l, g.ckk, wk, g.direct ? xk : col, bias != NULL ? 1 : 0, yk);
+            weft__op_gemm(dt, 0, 0, g.og, g.l, g.ckk, wk, g.direct ? xk : col, bias != NULL ? 1 : 0,
+                          yk);
         }
     }
     weft_free(col);
@@ -561,6 +560,24 @@ static weft_status_t pool_args(const char *op, const weft_tensor_t *x, const img
                                weft__tensor_shape_str(x).s);
     }
     return WEFT_OK;
+}
+
+/* What a pooling op begins with: @p x checked (an image, into @p im; @p result_p, the op's output
+ * argument, not NULL), the pooling arguments into @p p, and an empty output of x's dtype, shape @p
+ * os
+ * ([N, C, OH, OW]), into @p out_p (the caller releases it). */
+static weft_status_t pool_begin(const char *op, weft_tensor_t *x, const int64_t *kernel,
+                                const int64_t *stride, const int64_t *padding,
+                                weft_tensor_t **result_p, img_t *im, pool_t *p, int64_t *os,
+                                weft_tensor_t **out_p)
+{
+    WEFT_CHECK(check_image(op, x, result_p, im));
+    WEFT_CHECK(pool_args(op, x, im, kernel, stride, padding, p));
+    os[0] = im->n;
+    os[1] = im->c;
+    os[2] = p->oh;
+    os[3] = p->ow;
+    return weft_tensor_empty(weft_tensor_dtype(x), 4, os, out_p);
 }
 
 static void pool_to_iargs(const pool_t *p, int64_t *a)
@@ -676,13 +693,7 @@ weft_status_t weft_op_max_pool2d(weft_tensor_t *x, const int64_t *kernel, const 
     img_t im;
     pool_t p;
 
-    WEFT_CHECK(check_image(op, x, out_p, &im));
-    WEFT_CHECK(pool_args(op, x, &im, kernel, stride, padding, &p));
-    os[0] = im.n;
-    os[1] = im.c;
-    os[2] = p.oh;
-    os[3] = p.ow;
-    WEFT_CHECK(weft_tensor_empty(weft_tensor_dtype(x), 4, os, &out));
+    WEFT_CHECK(pool_begin(op, x, kernel, stride, padding, out_p, &im, &p, os, &out));
     if (weft__ag_should_record(1, &x)) {
         WEFT_CHECK_GOTO(weft_tensor_empty(WEFT_I64, 4, os, &idx), status, err_release);
     }
@@ -805,13 +816,7 @@ weft_status_t weft_op_avg_pool2d(weft_tensor_t *x, const int64_t *kernel, const 
     img_t im;
     pool_t p;
 
-    WEFT_CHECK(check_image(op, x, out_p, &im));
-    WEFT_CHECK(pool_args(op, x, &im, kernel, stride, padding, &p));
-    os[0] = im.n;
-    os[1] = im.c;
-    os[2] = p.oh;
-    os[3] = p.ow;
-    WEFT_CHECK(weft_tensor_empty(weft_tensor_dtype(x), 4, os, &out));
+    WEFT_CHECK(pool_begin(op, x, kernel, stride, padding, out_p, &im, &p, os, &out));
     avg_pool(0, weft_tensor_dtype(x), weft_tensor_data(x), NULL, weft_tensor_shape(x), &p,
              count_include_pad != 0, weft_tensor_data(out), NULL);
     WEFT_CHECK_GOTO(weft__op_node_begin("AvgPool2dBackward", avg_pool2d_backward, 1, &x, &n),
@@ -1387,7 +1392,6 @@ weft_status_t weft_op_flatten(weft_tensor_t *x, int start_dim, int end_dim, weft
 }
 
 /* ---- nll_loss -------------------------------------------------------------------------------- */
-
 
 #define DEFINE_NLL(T)                                                                              \
     static void nll_##T(const T *restrict x, const int64_t *restrict t, int64_t rows, int64_t cls, \

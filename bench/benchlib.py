@@ -1,5 +1,5 @@
 """Helpers shared by the benchmark runners (run_rpc.py, run_rref.py, run_ps.py, run_collectives.py,
-run_train.py): their common options, finding a python with torch, running a program, the raw
+run_train.py, run_cnn.py, run_ddp.py): their common options, finding a python with torch, running a program, the raw
 measurement lines and the result lines. Python 3 standard library only."""
 import argparse
 import importlib.util
@@ -34,6 +34,28 @@ def runner_args(doc, quick_help, out_help, skip_torch_help):
     if a.repeat is None:
         a.repeat = 1 if a.quick else 2
     return a
+
+
+def train_bench_args(doc, quick_help, repeat, repeat_help=None):
+    """The start of a training runner's command line (run_cnn.py, run_ddp.py): --builddir, --quick
+    and --repeat (default repeat). The caller adds its own options, then train_bench_tail."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--builddir", default="build")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--repeat", type=int, default=repeat, help=repeat_help)
+    return p
+
+
+def train_bench_tail(p, out_help):
+    """The options every training runner's command line ends with: --out, --skip-torch,
+    --torch-python, --timeout and --data; returns the parsed arguments (the caller applies
+    --quick)."""
+    p.add_argument("--out", help=out_help)
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--torch-python")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--data", default=os.environ.get("WEFT_DATA_DIR") or "/usr/share/datasets/fashion-mnist")
+    return p.parse_args()
 
 
 # ------------------------------------------------------------------ torch
@@ -170,6 +192,39 @@ def run_rounds(prog, a, groups, collect):
     if raw_f:
         raw_f.close()
     return failures
+
+
+def train_rounds(prog, rows, repeat, timeout, env=None, label=str, tag=None):
+    """Runs the training programs repeat times. rows is a list of (key, [(system, argv)]): each
+    row's systems run back to back, the order rotating between rounds. Each run's first rank-0
+    result line gets tag(key) (if tag), then "as", "round" and "wall_s", goes to stderr and is
+    kept; a run that fails or prints none counts as a failure ("PROG: label(key) SYSTEM: why" on
+    stderr). Returns ({(key, system): [result dicts]}, failures)."""
+    got = {}
+    failures = 0
+    for rnd in range(repeat):
+        for key, systems in rows:
+            k = rnd % len(systems)
+            for system, argv in systems[k:] + systems[:k]:
+                out, _, err, wall = run_proc(argv, timeout, env=env)
+                res = rank0_results(out)
+                if err is not None or not res:
+                    failures += 1
+                    print("%s: %s %s: %s" % (prog, label(key), system, err or "no result line"), file=sys.stderr)
+                    continue
+                d = res[0]
+                if tag:
+                    d.update(tag(key))
+                d.update({"as": system, "round": rnd, "wall_s": round(wall, 2)})
+                print(jline(d), file=sys.stderr, flush=True)
+                got.setdefault((key, system), []).append(d)
+    return got, failures
+
+
+def median_of(got, key, system, metric):
+    """The median of metric over the results train_rounds got for (key, system); None if none."""
+    xs = [d[metric] for d in got.get((key, system), []) if d.get(metric) is not None]
+    return statistics.median(xs) if xs else None
 
 
 # ------------------------------------------------------------------ results

@@ -18,35 +18,25 @@ after the last epoch). Each raw result goes to stderr as it comes.
 --quick: 1 round, --limit 6000. Results are appended to --out when it is given.
 Python 3 standard library only.
 """
-import argparse
 import datetime
-import json
 import os
-import statistics
 import sys
 
-from benchlib import find_torch_python, rank0_results, run_proc
+from benchlib import (emit_results, find_torch_python, median_of, train_bench_args, train_bench_tail,
+                      train_rounds)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--builddir", default="build")
-    p.add_argument("--quick", action="store_true", help="1 round, --limit 6000")
-    p.add_argument("--repeat", type=int, default=2, help="rounds (default 2); medians are reported")
+    p = train_bench_args(__doc__, "1 round, --limit 6000", 2, "rounds (default 2); medians are reported")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--limit", type=int, default=12000, help="training samples (default 12000; 0: all 60000)")
     p.add_argument("--batch", type=int, default=64, help="per rank (default 64)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--worlds", default="1,2", help="world sizes (default 1,2)")
-    p.add_argument("--out", help="append the result lines to this file")
-    p.add_argument("--skip-torch", action="store_true")
-    p.add_argument("--torch-python")
-    p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--data", default=os.environ.get("WEFT_DATA_DIR") or "/usr/share/datasets/fashion-mnist")
-    a = p.parse_args()
+    a = train_bench_tail(p, "append the result lines to this file")
     if a.quick:
         a.repeat, a.limit = 1, 6000
     a.world_list = [int(w) for w in a.worlds.split(",")]
@@ -74,26 +64,10 @@ def main():
             systems.append(("torch", [torch_python, twin, str(w)] + common))
         rows.append((w, systems))
 
-    got = {}  # (world, system) -> [result dicts]
-    failures = 0
-    for rnd in range(a.repeat):
-        for w, systems in rows:
-            k = rnd % len(systems)
-            for system, argv in systems[k:] + systems[:k]:
-                out, _, err, wall = run_proc(argv, a.timeout, env=env)
-                res = rank0_results(out)
-                if err is not None or not res:
-                    failures += 1
-                    print("run_cnn: world %d %s: %s" % (w, system, err or "no result line"), file=sys.stderr)
-                    continue
-                d = res[0]
-                d.update({"as": system, "round": rnd, "wall_s": round(wall, 2)})
-                print(json.dumps(d, separators=(",", ":")), file=sys.stderr, flush=True)
-                got.setdefault((w, system), []).append(d)
+    got, failures = train_rounds("run_cnn", rows, a.repeat, a.timeout, env=env, label=lambda w: "world %d" % w)
 
     def med(w, system, key):
-        xs = [d[key] for d in got.get((w, system), []) if d.get(key) is not None]
-        return statistics.median(xs) if xs else None
+        return median_of(got, w, system, key)
 
     date = datetime.date.today().isoformat()
     results = []
@@ -110,12 +84,7 @@ def main():
                 if peer:
                     r["vs"] = {"torch": round(v / peer, 3)}
                 results.append(r)
-    for r in results:
-        print(json.dumps(r, separators=(",", ":")), flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            for r in results:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    emit_results(results, a.out, "a")
     print("run_cnn: %d rounds, %d failures" % (a.repeat, failures), file=sys.stderr)
     return 1 if failures else 0
 

@@ -23,37 +23,22 @@ appends them to --out (default bench/results-ddp-DATE.jsonl; --quick: 1 round, n
 Python 3 standard library only.
 """
 import datetime
-import json
 import os
-import statistics
 import sys
 
-from benchlib import find_torch_python, rank0_results, run_proc
+from benchlib import (emit_results, find_torch_python, median_of, train_bench_args, train_bench_tail,
+                      train_rounds)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_args():
-    import argparse
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--builddir", default="build")
-    p.add_argument("--quick", action="store_true", help="1 round, smaller runs, not saved")
-    p.add_argument("--repeat", type=int, default=3)
+    p = train_bench_args(__doc__, "1 round, smaller runs, not saved", 3)
     p.add_argument("--limit", type=int, default=10240, help="samples of the overlap row (default 10240: 20 steps)")
-    p.add_argument("--out", help="results file (default bench/results-ddp-DATE.jsonl)")
-    p.add_argument("--skip-torch", action="store_true")
-    p.add_argument("--torch-python")
-    p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--data", default=os.environ.get("WEFT_DATA_DIR") or "/usr/share/datasets/fashion-mnist")
-    a = p.parse_args()
+    a = train_bench_tail(p, "results file (default bench/results-ddp-DATE.jsonl)")
     if a.quick:
         a.repeat, a.limit = 1, 2048
     return a
-
-
-def result_line(out):
-    lines = rank0_results(out)
-    return lines[0] if lines else None
 
 
 def main():
@@ -84,25 +69,10 @@ def main():
                      ("weft_flat", weft(*small1, "--reducer", "flat"))]
          + ([("torch_ddp", torch(*small1))] if torch_python else [])),
     ]
-    got = {}  # (row, system) -> [result dicts]
-    failures = 0
-    for rnd in range(a.repeat):
-        for row, systems in rows:
-            k = rnd % len(systems)
-            for system, argv in systems[k:] + systems[:k]:
-                out, _, err, wall = run_proc(argv, a.timeout)
-                d = result_line(out)
-                if err is not None or d is None:
-                    failures += 1
-                    print("run_ddp: %s %s: %s" % (row, system, err or "no result line"), file=sys.stderr)
-                    continue
-                d.update({"row": row, "as": system, "round": rnd, "wall_s": round(wall, 2)})
-                print(json.dumps(d, separators=(",", ":")), file=sys.stderr, flush=True)
-                got.setdefault((row, system), []).append(d)
+    got, failures = train_rounds("run_ddp", rows, a.repeat, a.timeout, tag=lambda row: {"row": row})
 
     def med(row, system, key):
-        xs = [d[key] for d in got.get((row, system), []) if d.get(key) is not None]
-        return statistics.median(xs) if xs else None
+        return median_of(got, row, system, key)
 
     date = datetime.date.today().isoformat()
     results = []
@@ -139,13 +109,7 @@ def main():
          target="vs weft_flat >= 1 (no regression)")
     emit("default", "samples_per_s", "weft_flat", "samples/s")
     emit("default", "samples_per_s", "torch_ddp", "samples/s")
-    for r in results:
-        print(json.dumps(r, separators=(",", ":")), flush=True)
-    if not a.quick:
-        path = a.out or os.path.join(HERE, "results-ddp-%s.jsonl" % date)
-        with open(path, "a") as f:
-            for r in results:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    emit_results(results, None if a.quick else a.out or os.path.join(HERE, "results-ddp-%s.jsonl" % date), "a")
     print("run_ddp: %d rounds, %d failures" % (a.repeat, failures), file=sys.stderr)
     return 1 if failures else 0
 

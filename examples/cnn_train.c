@@ -39,8 +39,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <unistd.h>
 
 #include <weft/weft.h>
 
@@ -49,7 +47,6 @@
 
 #define PROG       "cnn_train"
 #define NCLASS     MNIST_CLASSES
-#define EXIT_USAGE EX_EXIT_USAGE
 #define STEM_C     16 /* conv1's channels */
 #define BLOCK_C    32 /* layer1's */
 #define EVAL_CHUNK 500
@@ -86,7 +83,7 @@ static void usage(FILE *out)
             "                     " MNIST_DEFAULT_DIR ")\n");
 }
 
-/* Returns 0, 1 after --help, or EXIT_USAGE after a message. */
+/* Returns 0, 1 after --help, or EX_EXIT_USAGE after a message. */
 static int parse_args(int argc, char **argv, config_t *cfg)
 {
     const ex_opt_t opts[] = {
@@ -287,15 +284,7 @@ static weft_status_t model_forward(model_t *m, weft_tensor_t *x, weft_tensor_t *
 
 /* ------------------------------------------------------------------ train */
 
-typedef struct {
-    const config_t *cfg;
-    weft_pg_t *pg;
-    int rank;
-    int world;
-    const mnist_set_t *train;
-    const mnist_set_t *test;
-    int64_t used;
-} job_t;
+typedef mnist_job_t job_t;
 
 static void fail(const char *what, weft_status_t st)
 {
@@ -395,60 +384,27 @@ static int evaluate(const job_t *job, model_t *m, double *acc_p)
     return 0;
 }
 
-/* The maximum over ranks of the peak resident set, in MiB. */
-static int peak_rss(const job_t *job, double *max_p)
+static int train(const job_t *job, void *arg)
 {
-    struct rusage ru;
-    int64_t one = 1;
-    weft_tensor_t *t = NULL;
-    weft_status_t st;
-
-    getrusage(RUSAGE_SELF, &ru);
-    st = weft_tensor_create(WEFT_F64, 1, &one, &t);
-    if (st == WEFT_OK) {
-        ((double *)weft_tensor_data(t))[0] = (double)ru.ru_maxrss / 1024.0;
-        st = weft_coll_all_reduce(job->pg, t, WEFT_MAX, NULL);
-    }
-    if (st == WEFT_OK) {
-        *max_p = ((double *)weft_tensor_data(t))[0];
-    }
-    weft_tensor_release(t);
-    if (st != WEFT_OK) {
-        fail("peak memory", st);
-        return -1;
-    }
-    return 0;
-}
-
-static int train(const job_t *job)
-{
-    const config_t *cfg = job->cfg;
-    const int64_t shard_n = (job->used + job->world - 1) / job->world;
-    /* A last batch of one sample is dropped: BatchNorm needs two (the same on every rank). */
-    const int64_t steps = shard_n / cfg->batch + (shard_n % cfg->batch >= 2 ? 1 : 0);
-    const int tty = isatty(STDOUT_FILENO);
-    int64_t *perm = malloc((size_t)job->used * sizeof(*perm));
-    int64_t *shard = malloc((size_t)shard_n * sizeof(*shard));
+    const config_t *cfg = arg;
+    mnist_shard_t sh;
     model_t m;
+    ex_loop_t l;
+    int64_t steps;
     uint64_t hash = 0;
-    double train_time = 0;
     double acc = 0;
-    double loss_avg = 0;
     double rss_max = 0;
-    double comm_us = 0;    /* the reducer's communication time, summed over steps */
-    double exposed_us = 0; /* ... of which after backward ended */
-    int64_t samples = 0;
-    int64_t step_total = 0;
-    int epochs_run = 0;
     int same = 0;
     weft_status_t st;
     int rc = 1;
 
     memset(&m, 0, sizeof(m));
-    if (perm == NULL || shard == NULL) {
-        fprintf(stderr, PROG ": out of memory\n");
+    if (mnist_shard_init(PROG, job, cfg->seed, &sh) != 0) {
         goto out;
     }
+    /* A last batch of one sample is dropped: BatchNorm needs two (the same on every rank). */
+    steps = sh.n / cfg->batch + (sh.n % cfg->batch >= 2 ? 1 : 0);
+    ex_loop_init(&l, job->rank, job->world, cfg->epochs, steps, cfg->eval_every);
     st = model_init(&m, cfg, job->pg);
     if (st != WEFT_OK) {
         fail("model", st);
@@ -465,73 +421,46 @@ static int train(const job_t *job)
     }
 
     for (int epoch = 0; epoch < cfg->epochs; epoch++) {
-        double t_epoch = 0;
-        double loss_sum = 0;
-        int64_t loss_n = 0;
-
-        mnist_epoch_shard(cfg->seed, epoch, job->used, job->rank, job->world, perm, shard, shard_n);
+        ex_loop_epoch_begin(&l);
+        mnist_shard_epoch(&sh, epoch);
         for (int64_t s = 0; s < steps; s++) {
-            int64_t k = s + 1 < steps ? cfg->batch : shard_n - s * cfg->batch;
+            int64_t k = s + 1 < steps ? cfg->batch : sh.n - s * cfg->batch;
             double loss = 0;
             double t0 = ex_now();
 
             weft_param_list_zero_grad(m.params);
             st = model_sync_buffers(&m, job->pg, job->world);
             if (st == WEFT_OK) {
-                st = loss_backward(job, &m, shard + s * cfg->batch, k, &loss);
+                st = loss_backward(job, &m, sh.idx + s * cfg->batch, k, &loss);
             }
             if (st == WEFT_OK) {
-                weft_ddp_stats_t ds;
-                weft_ddp_stats(m.ddp, &ds);
-                comm_us += ds.comm_us;
-                exposed_us += ds.exposed_us;
-                loss_sum += loss;
-                loss_n++;
+                ex_loop_add_ddp(&l, m.ddp);
                 st = weft_optimizer_step(m.opt);
             }
             if (st != WEFT_OK) {
                 fail("training step", st);
                 goto out;
             }
-            t_epoch += ex_now() - t0;
-            samples += k * job->world;
-            step_total++;
-            if (job->rank == 0 &&
-                (tty || (s + 1) % (steps / 10 > 0 ? steps / 10 : 1) == 0 || s + 1 == steps)) {
-                ex_progress(epoch, cfg->epochs, s, steps, loss_sum / (double)loss_n,
-                            (double)samples / (train_time + t_epoch), tty);
-            }
-            if ((cfg->eval_every > 0 && step_total % cfg->eval_every == 0) || s + 1 == steps) {
+            if (ex_loop_step_end(&l, epoch, s, k, loss, t0)) {
                 if (evaluate(job, &m, &acc) != 0) {
                     goto out;
                 }
-                if (job->rank == 0 && s + 1 < steps) {
-                    printf("%sstep %lld: test accuracy %.2f%%\n", tty ? "\n" : "",
-                           (long long)step_total, 100.0 * acc);
-                }
+                ex_loop_eval_line(&l, s, acc);
             }
         }
-        train_time += t_epoch;
-        loss_avg = loss_n > 0 ? loss_sum / (double)loss_n : 0;
-        epochs_run = epoch + 1;
-        if (job->rank == 0) {
-            printf("%sepoch %d: train loss %.4f, test accuracy %.2f%%, %.1f s, %.0f samples/s\n",
-                   tty ? "\n" : "", epoch + 1, loss_avg, 100.0 * acc, t_epoch,
-                   train_time > 0 ? (double)samples / train_time : 0.0);
-        }
+        ex_loop_epoch_end(&l, epoch, acc);
     }
 
     if (ex_params_identical(PROG, job->pg, m.params, &same, &hash) != 0 ||
-        peak_rss(job, &rss_max) != 0) {
+        ex_peak_rss(PROG, job->pg, &rss_max, NULL) != 0) {
         goto out;
     }
     if (job->rank == 0) {
         weft_ddp_stats_t ds;
 
         weft_ddp_stats(m.ddp, &ds);
-        printf("final test accuracy %.2f%% after %.1f s of training\n", 100.0 * acc, train_time);
-        printf("parameters %s on all %d ranks (fnv1a64 %016llx)\n",
-               same ? "bit-identical" : "DIFFER", job->world, (unsigned long long)hash);
+        printf("final test accuracy %.2f%% after %.1f s of training\n", 100.0 * acc, l.train_time);
+        ex_print_params_check(same, job->world, hash);
         if (cfg->json) {
             printf("{\"system\":\"weft\",\"model\":\"cnn\",\"world\":%d,\"batch\":%d,\"lr\":%g,"
                    "\"momentum\":%g,\"threads\":%d,\"limit\":%lld,\"epochs_run\":%d,\"steps\":%lld,"
@@ -539,12 +468,11 @@ static int train(const job_t *job)
                    "\"train_loss\":%.4f,\"params\":%lld,\"peak_rss_mb_max\":%.1f,"
                    "\"params_identical\":%s,\"buckets\":%d,\"comm_hidden\":",
                    job->world, cfg->batch, cfg->lr, cfg->momentum, cfg->threads,
-                   (long long)job->used, epochs_run, (long long)step_total,
-                   train_time > 0 ? (double)samples / train_time : 0.0,
-                   step_total > 0 ? 1e3 * train_time / (double)step_total : 0.0, train_time, acc,
-                   loss_avg, (long long)m.numel, rss_max, same ? "true" : "false", ds.buckets);
-            if (job->world > 1 && comm_us > 0) {
-                printf("%.3f}\n", 1.0 - exposed_us / comm_us);
+                   (long long)job->used, l.epochs_run, (long long)l.step_total, ex_loop_rate(&l),
+                   ex_loop_step_ms(&l), l.train_time, acc, l.loss_avg, (long long)m.numel, rss_max,
+                   same ? "true" : "false", ds.buckets);
+            if (job->world > 1 && l.comm_us > 0) {
+                printf("%.3f}\n", 1.0 - l.exposed_us / l.comm_us);
             } else {
                 printf("null}\n");
             }
@@ -554,8 +482,7 @@ static int train(const job_t *job)
 
 out:
     model_free(&m);
-    free(perm);
-    free(shard);
+    mnist_shard_free(&sh);
     return rc;
 }
 
@@ -564,12 +491,6 @@ out:
 int main(int argc, char **argv)
 {
     config_t cfg;
-    mnist_set_t train_set = {0};
-    mnist_set_t test_set = {0};
-    weft_agent_opts_t opts;
-    weft_agent_t *a = NULL;
-    job_t job;
-    weft_status_t st;
     int rc;
 
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -577,49 +498,5 @@ int main(int argc, char **argv)
     if (rc != 0) {
         return rc == 1 ? 0 : rc;
     }
-    weft_op_set_threads(cfg.threads);
-    /* Data first: a missing or corrupt file ends the run before any rank waits for it. */
-    if (mnist_load_splits(PROG, cfg.data_dir, &train_set, &test_set) != 0) {
-        return EXIT_USAGE;
-    }
-    if (train_set.rows != 28 || train_set.cols != 28) {
-        fprintf(stderr, PROG ": the images are %dx%d, the model wants 28x28\n", train_set.rows,
-                train_set.cols);
-        rc = EXIT_USAGE;
-        goto out;
-    }
-
-    weft_agent_opts_init(&opts);
-    st = weft_agent_create(&opts, &a);
-    if (st == WEFT_OK) {
-        st = weft_agent_join(a);
-    }
-    if (st != WEFT_OK) {
-        fail("cannot start the agent", st);
-        rc = 1;
-        goto out;
-    }
-    memset(&job, 0, sizeof(job));
-    job.cfg = &cfg;
-    job.rank = weft_agent_rank(a);
-    job.world = weft_agent_world_size(a);
-    job.train = &train_set;
-    job.test = &test_set;
-    job.used = cfg.limit > 0 && cfg.limit < train_set.count ? cfg.limit : train_set.count;
-    st = weft_pg_world(a, &job.pg);
-    if (st != WEFT_OK) {
-        fail("world group", st);
-        rc = 1;
-        goto out_shutdown;
-    }
-    rc = train(&job);
-    weft_pg_free(job.pg);
-
-out_shutdown:
-    rc = ex_agent_shutdown(PROG, a, rc);
-out:
-    weft_agent_free(a);
-    mnist_free(&train_set);
-    mnist_free(&test_set);
-    return rc;
+    return mnist_dp_main(PROG, cfg.data_dir, cfg.threads, cfg.limit, 28, 28, train, &cfg);
 }

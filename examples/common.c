@@ -6,7 +6,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MAX_OPTS 64
 #define OPT_BASE 256 /* getopt_long's value of row i: OPT_BASE + i, clear of '?' and 'h' */
@@ -433,4 +435,120 @@ weft_status_t ex_mlp_for_tables(const char *prog, int n_sizes, const int64_t *si
     }
     *mlp_p = mlp;
     return WEFT_OK;
+}
+
+int ex_peak_rss(const char *prog, weft_pg_t *pg, double *max_p, double *sum_p)
+{
+    struct rusage ru;
+    int64_t one = 1;
+    weft_tensor_t *mx = NULL;
+    weft_tensor_t *sum = NULL;
+    weft_status_t st;
+
+    getrusage(RUSAGE_SELF, &ru);
+    st = weft_tensor_create(WEFT_F64, 1, &one, &mx);
+    if (st == WEFT_OK) {
+        ((double *)weft_tensor_data(mx))[0] = (double)ru.ru_maxrss / 1024.0;
+        st = weft_tensor_clone(mx, &sum);
+    }
+    if (st == WEFT_OK) {
+        st = weft_coll_all_reduce(pg, mx, WEFT_MAX, NULL);
+    }
+    if (st == WEFT_OK && sum_p != NULL) {
+        st = weft_coll_all_reduce(pg, sum, WEFT_SUM, NULL);
+    }
+    if (st == WEFT_OK) {
+        *max_p = ((double *)weft_tensor_data(mx))[0];
+        if (sum_p != NULL) {
+            *sum_p = ((double *)weft_tensor_data(sum))[0];
+        }
+    }
+    weft_tensor_release(mx);
+    weft_tensor_release(sum);
+    if (st != WEFT_OK) {
+        ex_fail(prog, "peak memory", st);
+        return -1;
+    }
+    return 0;
+}
+
+void ex_print_params_check(int same, int world, uint64_t hash)
+{
+    printf("parameters %s on all %d ranks (fnv1a64 %016llx)\n", same ? "bit-identical" : "DIFFER",
+           world, (unsigned long long)hash);
+}
+
+/* ------------------------------------------------------------------ training loop */
+
+void ex_loop_init(ex_loop_t *l, int rank, int world, int epochs, int64_t steps, int eval_every)
+{
+    memset(l, 0, sizeof(*l));
+    l->rank = rank;
+    l->world = world;
+    l->epochs = epochs;
+    l->steps = steps;
+    l->eval_every = eval_every;
+    l->tty = isatty(STDOUT_FILENO);
+}
+
+void ex_loop_epoch_begin(ex_loop_t *l)
+{
+    l->t_epoch = 0;
+    l->loss_sum = 0;
+    l->loss_n = 0;
+}
+
+void ex_loop_add_ddp(ex_loop_t *l, weft_ddp_t *ddp)
+{
+    weft_ddp_stats_t ds;
+
+    weft_ddp_stats(ddp, &ds);
+    l->comm_us += ds.comm_us;
+    l->exposed_us += ds.exposed_us;
+}
+
+int ex_loop_step_end(ex_loop_t *l, int epoch, int64_t s, int64_t k, double loss, double t0)
+{
+    const int64_t every = l->steps / 10 > 0 ? l->steps / 10 : 1;
+
+    l->t_epoch += ex_now() - t0;
+    l->loss_sum += loss;
+    l->loss_n++;
+    l->samples += k * l->world;
+    l->step_total++;
+    if (l->rank == 0 && (l->tty || (s + 1) % every == 0 || s + 1 == l->steps)) {
+        ex_progress(epoch, l->epochs, s, l->steps, l->loss_sum / (double)l->loss_n,
+                    (double)l->samples / (l->train_time + l->t_epoch), l->tty);
+    }
+    return (l->eval_every > 0 && l->step_total % l->eval_every == 0) || s + 1 == l->steps;
+}
+
+void ex_loop_eval_line(const ex_loop_t *l, int64_t s, double acc)
+{
+    if (l->rank == 0 && s + 1 < l->steps) {
+        printf("%sstep %lld: test accuracy %.2f%%\n", l->tty ? "\n" : "", (long long)l->step_total,
+               100.0 * acc);
+    }
+}
+
+void ex_loop_epoch_end(ex_loop_t *l, int epoch, double acc)
+{
+    l->train_time += l->t_epoch;
+    l->loss_avg = l->loss_n > 0 ? l->loss_sum / (double)l->loss_n : 0;
+    l->epochs_run = epoch + 1;
+    if (l->rank == 0) {
+        printf("%sepoch %d: train loss %.4f, test accuracy %.2f%%, %.1f s, %.0f samples/s\n",
+               l->tty ? "\n" : "", epoch + 1, l->loss_avg, 100.0 * acc, l->t_epoch,
+               ex_loop_rate(l));
+    }
+}
+
+double ex_loop_rate(const ex_loop_t *l)
+{
+    return l->train_time > 0 ? (double)l->samples / l->train_time : 0.0;
+}
+
+double ex_loop_step_ms(const ex_loop_t *l)
+{
+    return l->step_total > 0 ? 1e3 * l->train_time / (double)l->step_total : 0.0;
 }

@@ -210,4 +210,72 @@ void ex_ps_linear_spec(const int64_t *sizes, int i, const char *table, weft_ps_t
 weft_status_t ex_mlp_for_tables(const char *prog, int n_sizes, const int64_t *sizes, uint64_t seed,
                                 weft_nn_mlp_t **mlp_p);
 
+/**
+ * The peak resident set of this process in MiB, over the members of @p pg (every member calls
+ * it): the maximum into @p max_p and, when @p sum_p is not NULL, the sum into @p sum_p.
+ * @return 0, or -1 after a message ("PROG: peak memory: ...").
+ */
+int ex_peak_rss(const char *prog, weft_pg_t *pg, double *max_p, double *sum_p);
+
+/** Prints "parameters bit-identical|DIFFER on all W ranks (fnv1a64 HASH)" (ex_params_identical's).
+ */
+void ex_print_params_check(int same, int world, uint64_t hash);
+
+/* ------------------------------------------------------------------ training loop */
+
+/**
+ * The bookkeeping of a data-parallel training loop: the training clock (stopped while the test
+ * set is scored), the samples and steps over all ranks, each epoch's mean loss, the DDP reducer's
+ * communication time, and the progress, accuracy and epoch lines that rank 0 prints.
+ */
+typedef struct {
+    int rank;
+    int world;
+    int epochs;
+    int64_t steps;     /**< per epoch */
+    int eval_every;    /**< steps; 0: at the end of each epoch only */
+    int tty;           /**< stdout is a terminal: the progress line redraws itself */
+    double train_time; /**< seconds of training in the finished epochs */
+    double t_epoch;    /**< ... in this one so far */
+    double loss_sum;   /**< this epoch's */
+    int64_t loss_n;
+    double loss_avg; /**< the last finished epoch's mean loss */
+    int64_t samples; /**< trained on, over all ranks */
+    int64_t step_total;
+    int epochs_run;
+    double comm_us;    /**< the DDP reducer's communication time, summed over steps */
+    double exposed_us; /**< ... of which after backward ended */
+} ex_loop_t;
+
+/** Starts the bookkeeping of @p epochs epochs of @p steps steps each. */
+void ex_loop_init(ex_loop_t *l, int rank, int world, int epochs, int64_t steps, int eval_every);
+
+/** Starts an epoch: its clock and loss from zero. */
+void ex_loop_epoch_begin(ex_loop_t *l);
+
+/** Adds the communication times of @p ddp's last backward. */
+void ex_loop_add_ddp(ex_loop_t *l, weft_ddp_t *ddp);
+
+/**
+ * Ends step @p s (0-based) of epoch @p epoch, begun at ex_now() @p t0, that trained on @p k
+ * samples per rank with mean loss @p loss: the clock, the counts and rank 0's progress line
+ * (every step on a terminal, else every tenth of the epoch).
+ * @return 1 when the test accuracy is due (every eval_every steps and at the epoch's end), else 0.
+ */
+int ex_loop_step_end(ex_loop_t *l, int epoch, int64_t s, int64_t k, double loss, double t0);
+
+/** Rank 0's "step N: test accuracy A%" after an evaluation within step @p s of an epoch (none
+ * after its last step: the epoch's line says it). */
+void ex_loop_eval_line(const ex_loop_t *l, int64_t s, double acc);
+
+/** Ends epoch @p epoch: the clock, its mean loss, and rank 0's "epoch E: train loss ..." line
+ * with the test accuracy @p acc. */
+void ex_loop_epoch_end(ex_loop_t *l, int epoch, double acc);
+
+/** Training samples a second over all ranks (0 before any training time). */
+double ex_loop_rate(const ex_loop_t *l);
+
+/** Milliseconds of training a step (0 before any step). */
+double ex_loop_step_ms(const ex_loop_t *l);
+
 #endif

@@ -26,8 +26,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <unistd.h>
 
 #include <weft/weft.h>
 
@@ -250,16 +248,7 @@ static weft_status_t model_broadcast(model_t *m, const config_t *cfg, weft_pg_t 
 
 /* ------------------------------------------------------------------ train */
 
-typedef struct {
-    const config_t *cfg;
-    weft_agent_t *a;
-    weft_pg_t *pg;
-    int rank;
-    int world;
-    const mnist_set_t *train;
-    const mnist_set_t *test;
-    int64_t used;
-} job_t;
+typedef mnist_job_t job_t;
 
 static void fail(const char *what, weft_status_t st)
 {
@@ -277,75 +266,30 @@ static int evaluate(const job_t *job, const model_t *m, double *acc_p)
     return 0;
 }
 
-/* Max and sum over ranks of the peak resident set, in MiB. */
-static int peak_rss(const job_t *job, double *max_p, double *sum_p)
+static int train(const job_t *job, void *arg)
 {
-    struct rusage ru;
-    int64_t two = 2;
-    weft_tensor_t *t = NULL;
-    weft_tensor_t *s = NULL;
-    double mine;
-    weft_status_t st;
-
-    getrusage(RUSAGE_SELF, &ru);
-    mine = (double)ru.ru_maxrss / 1024.0;
-    st = weft_tensor_create(WEFT_F64, 1, &two, &t);
-    if (st == WEFT_OK) {
-        st = weft_tensor_create(WEFT_F64, 1, &two, &s);
-    }
-    if (st == WEFT_OK) {
-        ((double *)weft_tensor_data(t))[0] = mine;
-        ((double *)weft_tensor_data(s))[0] = mine;
-        st = weft_coll_all_reduce(job->pg, t, WEFT_MAX, NULL);
-    }
-    if (st == WEFT_OK) {
-        st = weft_coll_all_reduce(job->pg, s, WEFT_SUM, NULL);
-    }
-    if (st == WEFT_OK) {
-        *max_p = ((double *)weft_tensor_data(t))[0];
-        *sum_p = ((double *)weft_tensor_data(s))[0];
-    }
-    weft_tensor_release(t);
-    weft_tensor_release(s);
-    if (st != WEFT_OK) {
-        fail("peak memory", st);
-        return -1;
-    }
-    return 0;
-}
-
-static int train(const job_t *job)
-{
-    const config_t *cfg = job->cfg;
+    const config_t *cfg = arg;
     const int64_t d = (int64_t)job->train->rows * job->train->cols;
-    const int64_t shard_n = (job->used + job->world - 1) / job->world;
-    const int64_t steps = (shard_n + cfg->batch - 1) / cfg->batch;
-    const int tty = isatty(STDOUT_FILENO);
-    uint64_t hash = 0;
-    int64_t *perm = malloc((size_t)job->used * sizeof(*perm));
-    int64_t *shard = malloc((size_t)shard_n * sizeof(*shard));
+    mnist_shard_t sh;
     model_t m;
-    double train_time = 0;
+    ex_loop_t l;
+    int64_t steps;
+    uint64_t hash = 0;
     double time_to_target = -1;
     double acc = 0;
-    double loss_avg = 0;
     double rss_max = 0;
     double rss_sum = 0;
-    int64_t samples = 0;
-    int64_t step_total = 0;
-    int epochs_run = 0;
     int reached = 0;
     int same = 0;
-    double comm_us = 0;    /* ddp: communication time, summed over steps */
-    double exposed_us = 0; /* ... of which after backward ended */
     weft_status_t st;
     int rc = 1;
 
     memset(&m, 0, sizeof(m));
-    if (perm == NULL || shard == NULL) {
-        fprintf(stderr, PROG ": out of memory\n");
+    if (mnist_shard_init(PROG, job, cfg->seed, &sh) != 0) {
         goto out;
     }
+    steps = (sh.n + cfg->batch - 1) / cfg->batch;
+    ex_loop_init(&l, job->rank, job->world, cfg->epochs, steps, cfg->eval_every);
     st = model_init(&m, cfg, d);
     if (st != WEFT_OK) {
         fail("model", st);
@@ -366,38 +310,29 @@ static int train(const job_t *job)
     }
 
     for (int epoch = 0; epoch < cfg->epochs && !(reached && cfg->stop_at_target); epoch++) {
-        double t_epoch = 0;
-        double loss_sum = 0;
-        int64_t loss_n = 0;
-
-        mnist_epoch_shard(cfg->seed, epoch, job->used, job->rank, job->world, perm, shard, shard_n);
+        ex_loop_epoch_begin(&l);
+        mnist_shard_epoch(&sh, epoch);
         for (int64_t s = 0; s < steps; s++) {
-            int64_t k = s + 1 < steps ? cfg->batch : shard_n - s * cfg->batch;
+            int64_t k = s + 1 < steps ? cfg->batch : sh.n - s * cfg->batch;
             double loss = 0;
             double t0 = ex_now();
 
             if (m.ddp != NULL) {
                 /* Backward with the buckets' all_reduces overlapping it, averaged in place. */
                 weft_param_list_zero_grad(m.params);
-                st = mnist_loss_backward(job->train, m.mlp, shard + s * cfg->batch, k, m.ddp,
+                st = mnist_loss_backward(job->train, m.mlp, sh.idx + s * cfg->batch, k, m.ddp,
                                          &loss);
                 if (st == WEFT_OK) {
-                    weft_ddp_stats_t ds;
-                    weft_ddp_stats(m.ddp, &ds);
-                    comm_us += ds.comm_us;
-                    exposed_us += ds.exposed_us;
+                    ex_loop_add_ddp(&l, m.ddp);
                 }
             } else {
                 memset(weft_tensor_data(m.grad), 0, weft_tensor_nbytes(m.grad));
-                st = mnist_loss_backward(job->train, m.mlp, shard + s * cfg->batch, k, NULL, &loss);
+                st =
+                    mnist_loss_backward(job->train, m.mlp, sh.idx + s * cfg->batch, k, NULL, &loss);
                 if (st == WEFT_OK) {
                     /* Average the gradients of every rank: one all_reduce over the flat buffer. */
                     st = weft_coll_all_reduce(job->pg, m.grad, WEFT_AVG, NULL);
                 }
-            }
-            if (st == WEFT_OK) {
-                loss_sum += loss;
-                loss_n++;
             }
             if (st == WEFT_OK) {
                 st = weft_optimizer_step(m.opt);
@@ -406,68 +341,49 @@ static int train(const job_t *job)
                 fail("training step", st);
                 goto out;
             }
-            t_epoch += ex_now() - t0;
-            samples += k * job->world;
-            step_total++;
-            if (job->rank == 0 &&
-                (tty || (s + 1) % (steps / 10 > 0 ? steps / 10 : 1) == 0 || s + 1 == steps)) {
-                ex_progress(epoch, cfg->epochs, s, steps, loss_sum / (double)loss_n,
-                            (double)samples / (train_time + t_epoch), tty);
-            }
-            if ((cfg->eval_every > 0 && step_total % cfg->eval_every == 0) || s + 1 == steps) {
+            if (ex_loop_step_end(&l, epoch, s, k, loss, t0)) {
                 if (evaluate(job, &m, &acc) != 0) {
                     goto out;
                 }
                 if (!reached && acc >= cfg->target) {
                     reached = 1;
-                    time_to_target = train_time + t_epoch;
+                    time_to_target = l.train_time + l.t_epoch;
                 }
-                if (job->rank == 0 && s + 1 < steps) {
-                    printf("%sstep %lld: test accuracy %.2f%%\n", tty ? "\n" : "",
-                           (long long)step_total, 100.0 * acc);
-                }
+                ex_loop_eval_line(&l, s, acc);
                 if (reached && cfg->stop_at_target) {
                     break;
                 }
             }
         }
-        train_time += t_epoch;
-        loss_avg = loss_n > 0 ? loss_sum / (double)loss_n : 0;
-        epochs_run = epoch + 1;
-        if (job->rank == 0) {
-            printf("%sepoch %d: train loss %.4f, test accuracy %.2f%%, %.1f s, %.0f samples/s\n",
-                   tty ? "\n" : "", epoch + 1, loss_avg, 100.0 * acc, t_epoch,
-                   (double)samples / train_time);
-        }
+        ex_loop_epoch_end(&l, epoch, acc);
     }
 
     if (ex_params_identical(PROG, job->pg, m.params, &same, &hash) != 0 ||
-        peak_rss(job, &rss_max, &rss_sum) != 0) {
+        ex_peak_rss(PROG, job->pg, &rss_max, &rss_sum) != 0) {
         goto out;
     }
     if (job->rank == 0) {
-
         printf("final test accuracy %.2f%%; %s %.0f%% after %.1f s of training\n", 100.0 * acc,
                reached ? "reached" : "did not reach", 100.0 * cfg->target,
-               reached ? time_to_target : train_time);
-        printf("parameters %s on all %d ranks (fnv1a64 %016llx)\n",
-               same ? "bit-identical" : "DIFFER", job->world, (unsigned long long)hash);
-        if (m.ddp != NULL && step_total > 0) {
+               reached ? time_to_target : l.train_time);
+        ex_print_params_check(same, job->world, hash);
+        if (m.ddp != NULL && l.step_total > 0) {
             weft_ddp_stats_t ds;
             weft_ddp_stats(m.ddp, &ds);
             printf("ddp: %d bucket%s%s, %.2f MiB a step on the wire, %.0f%% of the "
                    "communication hidden behind backward (%.2f ms of %.2f ms a step exposed)\n",
                    ds.buckets, ds.buckets == 1 ? "" : "s", ds.rebuilt ? " (rebuilt)" : "",
                    (double)ds.bytes / 1048576.0,
-                   comm_us > 0 ? 100.0 * (1.0 - exposed_us / comm_us) : 0.0,
-                   exposed_us / 1e3 / (double)step_total, comm_us / 1e3 / (double)step_total);
+                   l.comm_us > 0 ? 100.0 * (1.0 - l.exposed_us / l.comm_us) : 0.0,
+                   l.exposed_us / 1e3 / (double)l.step_total,
+                   l.comm_us / 1e3 / (double)l.step_total);
         }
         if (cfg->json) {
             printf("{\"system\":\"weft\",\"world\":%d,\"batch\":%d,\"lr\":%g,\"momentum\":%g,"
                    "\"hidden\":%lld,\"epochs_run\":%d,\"steps\":%lld,\"samples_per_s\":%.1f,"
                    "\"time_to_target_s\":",
                    job->world, cfg->batch, cfg->lr, cfg->momentum, (long long)cfg->hidden.v[0],
-                   epochs_run, (long long)step_total, (double)samples / train_time);
+                   l.epochs_run, (long long)l.step_total, ex_loop_rate(&l));
             if (reached) {
                 printf("%.3f", time_to_target);
             } else {
@@ -476,17 +392,15 @@ static int train(const job_t *job)
             printf(",\"target\":%g,\"final_acc\":%.4f,\"train_loss\":%.4f,\"peak_rss_mb_max\":%.1f,"
                    "\"peak_rss_mb_sum\":%.1f,\"params_identical\":%s,\"reducer\":\"%s\","
                    "\"compress\":\"%s\",\"step_ms\":%.3f,\"comm_hidden\":",
-                   cfg->target, acc, loss_avg, rss_max, rss_sum, same ? "true" : "false",
-                   cfg->reducer, cfg->compress,
-                   step_total > 0 ? 1e3 * train_time / (double)step_total : 0.0);
-            if (m.ddp != NULL && comm_us > 0) {
+                   cfg->target, acc, l.loss_avg, rss_max, rss_sum, same ? "true" : "false",
+                   cfg->reducer, cfg->compress, ex_loop_step_ms(&l));
+            if (m.ddp != NULL && l.comm_us > 0) {
                 weft_ddp_stats_t ds;
                 weft_ddp_stats(m.ddp, &ds);
-                printf("%.3f,\"wire_mib_per_step\":%.3f}\n", 1.0 - exposed_us / comm_us,
+                printf("%.3f,\"wire_mib_per_step\":%.3f}\n", 1.0 - l.exposed_us / l.comm_us,
                        (double)ds.bytes / 1048576.0);
             } else {
-                printf("null,\"wire_mib_per_step\":%.3f}\n",
-                       (double)m.numel * 4.0 / 1048576.0);
+                printf("null,\"wire_mib_per_step\":%.3f}\n", (double)m.numel * 4.0 / 1048576.0);
             }
         }
     }
@@ -494,8 +408,7 @@ static int train(const job_t *job)
 
 out:
     model_free(&m);
-    free(perm);
-    free(shard);
+    mnist_shard_free(&sh);
     return rc;
 }
 
@@ -504,12 +417,6 @@ out:
 int main(int argc, char **argv)
 {
     config_t cfg;
-    mnist_set_t train_set = {0};
-    mnist_set_t test_set = {0};
-    weft_agent_opts_t opts;
-    weft_agent_t *a = NULL;
-    job_t job;
-    weft_status_t st;
     int rc;
 
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -517,44 +424,5 @@ int main(int argc, char **argv)
     if (rc != 0) {
         return rc == 1 ? 0 : rc;
     }
-    weft_op_set_threads(cfg.threads);
-    /* Data first: a missing or corrupt file ends the run before any rank waits for it. */
-    if (mnist_load_splits(PROG, cfg.data_dir, &train_set, &test_set) != 0) {
-        return EXIT_USAGE;
-    }
-
-    weft_agent_opts_init(&opts);
-    st = weft_agent_create(&opts, &a);
-    if (st == WEFT_OK) {
-        st = weft_agent_join(a);
-    }
-    if (st != WEFT_OK) {
-        fail("cannot start the agent", st);
-        rc = 1;
-        goto out;
-    }
-    memset(&job, 0, sizeof(job));
-    job.cfg = &cfg;
-    job.a = a;
-    job.rank = weft_agent_rank(a);
-    job.world = weft_agent_world_size(a);
-    job.train = &train_set;
-    job.test = &test_set;
-    job.used = cfg.limit > 0 && cfg.limit < train_set.count ? cfg.limit : train_set.count;
-    st = weft_pg_world(a, &job.pg);
-    if (st != WEFT_OK) {
-        fail("world group", st);
-        rc = 1;
-        goto out_shutdown;
-    }
-    rc = train(&job);
-    weft_pg_free(job.pg);
-
-out_shutdown:
-    rc = ex_agent_shutdown(PROG, a, rc);
-out:
-    weft_agent_free(a);
-    mnist_free(&train_set);
-    mnist_free(&test_set);
-    return rc;
+    return mnist_dp_main(PROG, cfg.data_dir, cfg.threads, cfg.limit, 0, 0, train, &cfg);
 }

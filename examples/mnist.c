@@ -386,3 +386,93 @@ weft_status_t mnist_accuracy(const mnist_set_t *set, weft_nn_mlp_t *mlp, int par
     weft_tensor_release(counts);
     return WEFT_OK;
 }
+
+/* ------------------------------------------------- data-parallel examples */
+
+int mnist_dp_main(const char *prog, const char *dir, int threads, int64_t limit, int rows, int cols,
+                  mnist_train_cb_t train, void *arg)
+{
+    mnist_set_t train_set = {0};
+    mnist_set_t test_set = {0};
+    weft_agent_opts_t opts;
+    weft_agent_t *a = NULL;
+    mnist_job_t job;
+    weft_status_t st;
+    int rc;
+
+    weft_op_set_threads(threads);
+    /* Data first: a missing or corrupt file ends the run before any rank waits for it. */
+    if (mnist_load_splits(prog, dir, &train_set, &test_set) != 0) {
+        return EX_EXIT_USAGE;
+    }
+    if (rows > 0 && (train_set.rows != rows || train_set.cols != cols)) {
+        fprintf(stderr, "%s: the images are %dx%d, the model wants %dx%d\n", prog, train_set.rows,
+                train_set.cols, rows, cols);
+        rc = EX_EXIT_USAGE;
+        goto out;
+    }
+
+    weft_agent_opts_init(&opts);
+    st = weft_agent_create(&opts, &a);
+    if (st == WEFT_OK) {
+        st = weft_agent_join(a);
+    }
+    if (st != WEFT_OK) {
+        ex_fail(prog, "cannot start the agent", st);
+        rc = 1;
+        goto out;
+    }
+    memset(&job, 0, sizeof(job));
+    job.a = a;
+    job.rank = weft_agent_rank(a);
+    job.world = weft_agent_world_size(a);
+    job.train = &train_set;
+    job.test = &test_set;
+    job.used = limit > 0 && limit < train_set.count ? limit : train_set.count;
+    st = weft_pg_world(a, &job.pg);
+    if (st != WEFT_OK) {
+        ex_fail(prog, "world group", st);
+        rc = 1;
+        goto out_shutdown;
+    }
+    rc = train(&job, arg);
+    weft_pg_free(job.pg);
+
+out_shutdown:
+    rc = ex_agent_shutdown(prog, a, rc);
+out:
+    weft_agent_free(a);
+    mnist_free(&train_set);
+    mnist_free(&test_set);
+    return rc;
+}
+
+int mnist_shard_init(const char *prog, const mnist_job_t *job, uint64_t seed, mnist_shard_t *sh)
+{
+    memset(sh, 0, sizeof(*sh));
+    sh->seed = seed;
+    sh->used = job->used;
+    sh->part = job->rank;
+    sh->parts = job->world;
+    sh->n = (job->used + job->world - 1) / job->world;
+    sh->perm = malloc((size_t)job->used * sizeof(*sh->perm));
+    sh->idx = malloc((size_t)sh->n * sizeof(*sh->idx));
+    if (sh->perm == NULL || sh->idx == NULL) {
+        fprintf(stderr, "%s: out of memory\n", prog);
+        mnist_shard_free(sh);
+        return -1;
+    }
+    return 0;
+}
+
+void mnist_shard_epoch(mnist_shard_t *sh, int epoch)
+{
+    mnist_epoch_shard(sh->seed, epoch, sh->used, sh->part, sh->parts, sh->perm, sh->idx, sh->n);
+}
+
+void mnist_shard_free(mnist_shard_t *sh)
+{
+    free(sh->perm);
+    free(sh->idx);
+    memset(sh, 0, sizeof(*sh));
+}

@@ -11,6 +11,7 @@
 #include <weft/autograd.h>
 #include <weft/nn.h>
 #include <weft/ops.h>
+#include <weft/rpc.h>
 #include <weft/tensor.h>
 
 /** Number of classes the labels may take (0..9). */
@@ -76,5 +77,59 @@ void mnist_epoch_shard(uint64_t seed, int epoch, int64_t n, int part, int parts,
  * parts), and @p acc_p gets the fraction right of all the set's images. */
 weft_status_t mnist_accuracy(const mnist_set_t *set, weft_nn_mlp_t *mlp, int part, int parts,
                              weft_pg_t *pg, double *acc_p);
+
+/* ------------------------------------------------- data-parallel examples */
+
+/** What every rank of a data-parallel example (dp_train, cnn_train) trains with. */
+typedef struct {
+    weft_agent_t *a;
+    weft_pg_t *pg; /**< the world group */
+    int rank;
+    int world;
+    const mnist_set_t *train;
+    const mnist_set_t *test;
+    int64_t used; /**< training samples: the first min(--limit, all) */
+} mnist_job_t;
+
+/** An example's training on @p job (@p arg: its configuration); returns the exit status. */
+typedef int (*mnist_train_cb_t)(const mnist_job_t *job, void *arg);
+
+/**
+ * The rest of a data-parallel example's main() once its options are parsed: @p threads BLAS
+ * threads; both splits of @p dir loaded first, so that missing or corrupt data ends the run
+ * before any rank waits for another, and (when @p rows > 0) their images checked to be @p rows x
+ * @p cols; the agent created and joined; the world group; @p train(job, @p arg); the shutdown.
+ * @p limit caps the training samples used (0: all).
+ * @return the exit status: @p train's; EX_EXIT_USAGE for data that cannot be read or has the
+ *         wrong size; 1 if the agent, the group or the shutdown failed (after a message).
+ */
+int mnist_dp_main(const char *prog, const char *dir, int threads, int64_t limit, int rows, int cols,
+                  mnist_train_cb_t train, void *arg);
+
+/**
+ * One rank's share of each epoch's samples (mnist_epoch_shard): @c idx has @c n entries,
+ * ceil(used / world).
+ */
+typedef struct {
+    uint64_t seed;
+    int64_t used;
+    int part;
+    int parts;
+    int64_t n;
+    int64_t *perm; /**< used entries */
+    int64_t *idx;  /**< n entries: this epoch's samples for this rank */
+} mnist_shard_t;
+
+/**
+ * Sets up @p sh for @p job's rank, shuffles drawn from @p seed.
+ * @return 0, or -1 after "PROG: out of memory" (@p sh left empty; mnist_shard_free is safe).
+ */
+int mnist_shard_init(const char *prog, const mnist_job_t *job, uint64_t seed, mnist_shard_t *sh);
+
+/** Fills @c sh->idx with epoch @p epoch's samples. */
+void mnist_shard_epoch(mnist_shard_t *sh, int epoch);
+
+/** Frees what mnist_shard_init allocated; leaves @p sh empty. */
+void mnist_shard_free(mnist_shard_t *sh);
 
 #endif

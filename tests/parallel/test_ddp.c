@@ -8,9 +8,9 @@
 
 #include "ranks.h"
 
-#define IN  12
-#define HID 20
-#define OUT 5
+#define IN    12
+#define HID   20
+#define OUT   5
 #define BATCH 7
 
 typedef struct {
@@ -221,13 +221,19 @@ static int body_train(weft_agent_t *a, int rank, int world, void *arg)
     return 0;
 }
 
-static void run(cfg_t *cfg)
+/* Runs @p body on two forked ranks with @p arg; every rank must return 0. */
+static void run_body(rank_main_cb_t body, void *arg)
 {
     ranks_opts_t o;
     int codes[2];
-    ranks_opts_init(&o, 2, body_train);
-    o.arg = cfg;
+    ranks_opts_init(&o, 2, body);
+    o.arg = arg;
     cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+static void run(cfg_t *cfg)
+{
+    run_body(body_train, cfg);
 }
 
 Test(ddp, one_bucket_equals_one_all_reduce, .timeout = 120)
@@ -264,8 +270,8 @@ Test(ddp, user_comm_hook, .timeout = 120)
 
 Test(ddp, find_unused_parameters, .timeout = 120)
 {
-    cfg_t c = {.cap = 600, .first = 100, .steps = 3, .find_unused = true,
-               .skip_fc2_on_rank0 = true};
+    cfg_t c = {
+        .cap = 600, .first = 100, .steps = 3, .find_unused = true, .skip_fc2_on_rank0 = true};
     run(&c);
     cfg_t d = {.cap = 600, .first = 100, .steps = 2, .find_unused = true, .skip_fc2 = true};
     run(&d);
@@ -279,6 +285,39 @@ static weft_status_t failing_hook(weft_tensor_t *param, weft_tensor_t *grad, voi
     return WEFT_ERR_CANCELLED; /* backward stops here, on rank 0 only */
 }
 
+/* The world group and the model (seed 7, fc2 of @p hid2 outputs) of a test that expects failures.
+ * Returns 0, or 1 after a message. */
+static int setup(weft_agent_t *a, int64_t hid2, weft_pg_t **pg_p, model_t *m)
+{
+    RANK_CHECK(weft_pg_world(a, pg_p) == WEFT_OK, "pg");
+    RANK_CHECK(model_make(m, 7, hid2) == 0, "model");
+    return 0;
+}
+
+static void teardown(weft_ddp_t *ddp, model_t *m, weft_pg_t *pg)
+{
+    weft_ddp_free(ddp);
+    model_free(m);
+    weft_pg_free(pg);
+}
+
+/* Step @p s of this rank through @p ddp (fc2 left out if @p skip2): the backward's status, or the
+ * forward's if that failed. */
+static weft_status_t ddp_step(weft_ddp_t *ddp, model_t *m, int rank, int s, bool skip2)
+{
+    weft_tensor_t *x, *y, *loss = NULL;
+    batch(rank, s, &x, &y);
+    weft_param_list_zero_grad(m->params);
+    weft_status_t st = loss_of(m->l, skip2, x, y, &loss);
+    if (st == WEFT_OK) {
+        st = weft_ddp_backward(ddp, loss, NULL);
+    }
+    weft_tensor_release(x);
+    weft_tensor_release(y);
+    weft_tensor_release(loss);
+    return st;
+}
+
 /* Backward failing on rank 0 (a hook's error) fails the step on rank 1 too, instead of rank 1
  * averaging an incomplete step and going on; the next step works on both. */
 static int body_failing(weft_agent_t *a, int rank, int world, void *arg)
@@ -286,9 +325,8 @@ static int body_failing(weft_agent_t *a, int rank, int world, void *arg)
     (void)world;
     (void)arg;
     weft_pg_t *pg = NULL;
-    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg");
     model_t m;
-    RANK_CHECK(model_make(&m, 7, HID) == 0, "model");
+    RANK_CHECK(setup(a, HID, &pg, &m) == 0, "setup");
     weft_ddp_opts_t o;
     weft_ddp_opts_init(&o);
     o.bucket_cap_bytes = 600;
@@ -296,45 +334,27 @@ static int body_failing(weft_agent_t *a, int rank, int world, void *arg)
     weft_ddp_t *ddp = NULL;
     RANK_CHECK(weft_ddp_create(pg, m.params, &o, &ddp) == WEFT_OK, "%s", weft_last_error());
     int hook = -1;
+    weft_tensor_t *bias = weft_param_list_find(m.params, "fc3.bias");
     if (rank == 0) {
-        RANK_CHECK(weft_tensor_add_grad_hook(weft_param_list_find(m.params, "fc3.bias"),
-                                             failing_hook, NULL, &hook) == WEFT_OK,
-                   "hook");
+        RANK_CHECK(weft_tensor_add_grad_hook(bias, failing_hook, NULL, &hook) == WEFT_OK, "hook");
     }
-    for (int s = 0; s < 2; s++) {
-        weft_tensor_t *x, *y, *loss = NULL;
-        batch(rank, s, &x, &y);
-        weft_param_list_zero_grad(m.params);
-        RANK_CHECK(loss_of(m.l, false, x, y, &loss) == WEFT_OK, "forward");
-        weft_status_t st = weft_ddp_backward(ddp, loss, NULL);
-        if (s == 0) {
-            if (rank == 0) {
-                RANK_CHECK(st == WEFT_ERR_CANCELLED, "rank 0: %s", weft_strerror(st));
-                weft_tensor_remove_grad_hook(weft_param_list_find(m.params, "fc3.bias"), hook);
-            } else {
-                RANK_CHECK(st == WEFT_ERR_REMOTE, "rank 1: %s", weft_strerror(st));
-                RANK_CHECK(strstr(weft_last_error(), "backward failed on another member") != NULL,
-                           "%s", weft_last_error());
-            }
-        } else {
-            RANK_CHECK(st == WEFT_OK, "step 1: %s", weft_last_error());
-        }
-        weft_tensor_release(x);
-        weft_tensor_release(y);
-        weft_tensor_release(loss);
+    weft_status_t st = ddp_step(ddp, &m, rank, 0, false);
+    if (rank == 0) {
+        RANK_CHECK(st == WEFT_ERR_CANCELLED, "rank 0: %s", weft_strerror(st));
+        weft_tensor_remove_grad_hook(bias, hook);
+    } else {
+        RANK_CHECK(st == WEFT_ERR_REMOTE, "rank 1: %s", weft_strerror(st));
+        RANK_CHECK(strstr(weft_last_error(), "backward failed on another member") != NULL, "%s",
+                   weft_last_error());
     }
-    weft_ddp_free(ddp);
-    model_free(&m);
-    weft_pg_free(pg);
+    RANK_CHECK(ddp_step(ddp, &m, rank, 1, false) == WEFT_OK, "step 1: %s", weft_last_error());
+    teardown(ddp, &m, pg);
     return 0;
 }
 
 Test(ddp, a_failed_backward_fails_every_rank, .timeout = 120)
 {
-    ranks_opts_t o;
-    int codes[2];
-    ranks_opts_init(&o, 2, body_failing);
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    run_body(body_failing, NULL);
 }
 
 /* Without find_unused_parameters, rank 0 leaving fc2 out fails both ranks, naming fc2 on rank
@@ -344,45 +364,27 @@ static int body_unused(weft_agent_t *a, int rank, int world, void *arg)
     (void)world;
     (void)arg;
     weft_pg_t *pg = NULL;
-    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg");
     model_t m;
-    RANK_CHECK(model_make(&m, 7, HID) == 0, "model");
+    RANK_CHECK(setup(a, HID, &pg, &m) == 0, "setup");
     weft_ddp_t *ddp = NULL;
     RANK_CHECK(weft_ddp_create(pg, m.params, NULL, &ddp) == WEFT_OK, "%s", weft_last_error());
-    for (int s = 0; s < 2; s++) {
-        weft_tensor_t *x, *y, *loss = NULL;
-        batch(rank, s, &x, &y);
-        weft_param_list_zero_grad(m.params);
-        RANK_CHECK(loss_of(m.l, s == 0 && rank == 0, x, y, &loss) == WEFT_OK, "forward");
-        weft_status_t st = weft_ddp_backward(ddp, loss, NULL);
-        if (s == 0) {
-            RANK_CHECK(st == WEFT_ERR_INVALID_STATE, "step 0 gave %s", weft_strerror(st));
-            const char *why = weft_last_error();
-            if (rank == 0) {
-                RANK_CHECK(strstr(why, "'fc2.weight'") != NULL && strstr(why, "'fc2.bias'"),
-                           "rank 0 does not name fc2: %s", why);
-            } else {
-                RANK_CHECK(strstr(why, "another member") != NULL, "rank 1: %s", why);
-            }
-        } else {
-            RANK_CHECK(st == WEFT_OK, "step 1: %s", weft_last_error());
-        }
-        weft_tensor_release(x);
-        weft_tensor_release(y);
-        weft_tensor_release(loss);
+    weft_status_t st = ddp_step(ddp, &m, rank, 0, rank == 0);
+    RANK_CHECK(st == WEFT_ERR_INVALID_STATE, "step 0 gave %s", weft_strerror(st));
+    const char *why = weft_last_error();
+    if (rank == 0) {
+        RANK_CHECK(strstr(why, "'fc2.weight'") != NULL && strstr(why, "'fc2.bias'"),
+                   "rank 0 does not name fc2: %s", why);
+    } else {
+        RANK_CHECK(strstr(why, "another member") != NULL, "rank 1: %s", why);
     }
-    weft_ddp_free(ddp);
-    model_free(&m);
-    weft_pg_free(pg);
+    RANK_CHECK(ddp_step(ddp, &m, rank, 1, false) == WEFT_OK, "step 1: %s", weft_last_error());
+    teardown(ddp, &m, pg);
     return 0;
 }
 
 Test(ddp, a_parameter_without_gradient_fails_every_rank, .timeout = 120)
 {
-    ranks_opts_t o;
-    int codes[2];
-    ranks_opts_init(&o, 2, body_unused);
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    run_body(body_unused, NULL);
 }
 
 /* A model that differs is refused on every rank, naming the parameter. */
@@ -391,9 +393,8 @@ static int body_mismatch(weft_agent_t *a, int rank, int world, void *arg)
     (void)world;
     (void)arg;
     weft_pg_t *pg = NULL;
-    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg");
     model_t m;
-    RANK_CHECK(model_make(&m, 7, rank == 0 ? HID : HID + 1) == 0, "model");
+    RANK_CHECK(setup(a, rank == 0 ? HID : HID + 1, &pg, &m) == 0, "setup");
     weft_ddp_t *ddp = NULL;
     weft_status_t st = weft_ddp_create(pg, m.params, NULL, &ddp);
     RANK_CHECK(st == WEFT_ERR_MISMATCH, "create gave %s", weft_strerror(st));
@@ -401,15 +402,11 @@ static int body_mismatch(weft_agent_t *a, int rank, int world, void *arg)
                    strstr(weft_last_error(), "shape") != NULL,
                "%s", weft_last_error());
     RANK_CHECK(ddp == NULL, "a reducer was made");
-    model_free(&m);
-    weft_pg_free(pg);
+    teardown(NULL, &m, pg);
     return 0;
 }
 
 Test(ddp, parameters_that_differ_are_refused_by_name, .timeout = 120)
 {
-    ranks_opts_t o;
-    int codes[2];
-    ranks_opts_init(&o, 2, body_mismatch);
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    run_body(body_mismatch, NULL);
 }
