@@ -524,6 +524,11 @@ static void *job_run(void *arg)
     weft_status_t st = job->reqs[0]->op == WEFT__V1__PS_OP__PS_SAVE
                            ? do_save(srv, job->reqs, n_tables, &rep, why, sizeof(why))
                            : do_load(srv, job->reqs, n_tables, &rep, why, sizeof(why));
+    /* Over before anyone hears so: a worker answered first may ask for the next checkpoint at
+     * once (its start joins this thread, which takes srv->mu no more). */
+    pthread_mutex_lock(&srv->mu);
+    srv->ckpt_running = false;
+    pthread_mutex_unlock(&srv->mu);
     for (uint32_t w = 0; w < nw; w++) {
         weft_value_t *v = NULL;
         if (st == WEFT_OK && weft_msg_pack(&rep.base, NULL, &v) == WEFT_OK) {
@@ -542,9 +547,6 @@ static void *job_run(void *arg)
     weft_free(job->reqs);
     weft_free(job->calls);
     weft_free(job);
-    pthread_mutex_lock(&srv->mu);
-    srv->ckpt_running = false;
-    pthread_mutex_unlock(&srv->mu);
     return NULL;
 }
 
