@@ -722,6 +722,36 @@ err_release:
     return status;
 }
 
+/* One window of average pooling, plane c of [h, w]: grad == 0, out[k] = the window's sum / div;
+ * grad == 1, dx gets g[k] / div spread over the window. */
+#define DEFINE_POOL_WINDOW(T)                                                                      \
+    static inline void pool_window_##T(int grad, const T *restrict x, T *restrict dx, int64_t c,   \
+                                       int64_t h, int64_t w, int64_t h0, int64_t h1, int64_t w0,   \
+                                       int64_t w1, T div, const T *restrict g, T *restrict out,    \
+                                       int64_t k)                                                  \
+    {                                                                                              \
+        if (grad) {                                                                                \
+            const T v = g[k] / div;                                                                \
+            T *restrict d = dx + c * h * w;                                                        \
+            for (int64_t ih = h0; ih < h1; ih++) {                                                 \
+                for (int64_t iw = w0; iw < w1; iw++) {                                             \
+                    d[ih * w + iw] += v;                                                           \
+                }                                                                                  \
+            }                                                                                      \
+            return;                                                                                \
+        }                                                                                          \
+        const T *restrict in = x + c * h * w;                                                      \
+        T acc = 0;                                                                                 \
+        for (int64_t ih = h0; ih < h1; ih++) {                                                     \
+            for (int64_t iw = w0; iw < w1; iw++) {                                                 \
+                acc += in[ih * w + iw];                                                            \
+            }                                                                                      \
+        }                                                                                          \
+        out[k] = acc / div;                                                                        \
+    }
+DEFINE_POOL_WINDOW(float)
+DEFINE_POOL_WINDOW(double)
+
 #define DEFINE_AVG_POOL(T)                                                                         \
     /* grad == 0: out = window means of x. grad == 1: dx += g / divisor over each window. */       \
     static void avg_pool_##T(int grad, const T *restrict x, T *restrict dx, int64_t planes,        \
@@ -751,24 +781,7 @@ err_release:
                     if (!include_pad) {                                                            \
                         div = (h1 - h0) * (w1 - w0);                                               \
                     }                                                                              \
-                    if (grad) {                                                                    \
-                        const T v = g[k] / (T)div;                                                 \
-                        T *restrict d = dx + c * h * w;                                            \
-                        for (int64_t ih = h0; ih < h1; ih++) {                                     \
-                            for (int64_t iw = w0; iw < w1; iw++) {                                 \
-                                d[ih * w + iw] += v;                                               \
-                            }                                                                      \
-                        }                                                                          \
-                    } else {                                                                       \
-                        const T *restrict in = x + c * h * w;                                      \
-                        T acc = 0;                                                                 \
-                        for (int64_t ih = h0; ih < h1; ih++) {                                     \
-                            for (int64_t iw = w0; iw < w1; iw++) {                                 \
-                                acc += in[ih * w + iw];                                            \
-                            }                                                                      \
-                        }                                                                          \
-                        out[k] = acc / (T)div;                                                     \
-                    }                                                                              \
+                    pool_window_##T(grad, x, dx, c, h, w, h0, h1, w0, w1, (T)div, g, out, k);      \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
@@ -849,24 +862,7 @@ err_release_out:
                     const int64_t w1 = ((oj + 1) * w + ow - 1) / ow;                               \
                     const int64_t k = (c * oh + oi) * ow + oj;                                     \
                     const T div = (T)((h1 - h0) * (w1 - w0));                                      \
-                    if (grad) {                                                                    \
-                        const T v = g[k] / div;                                                    \
-                        T *restrict d = dx + c * h * w;                                            \
-                        for (int64_t ih = h0; ih < h1; ih++) {                                     \
-                            for (int64_t iw = w0; iw < w1; iw++) {                                 \
-                                d[ih * w + iw] += v;                                               \
-                            }                                                                      \
-                        }                                                                          \
-                    } else {                                                                       \
-                        const T *restrict in = x + c * h * w;                                      \
-                        T acc = 0;                                                                 \
-                        for (int64_t ih = h0; ih < h1; ih++) {                                     \
-                            for (int64_t iw = w0; iw < w1; iw++) {                                 \
-                                acc += in[ih * w + iw];                                            \
-                            }                                                                      \
-                        }                                                                          \
-                        out[k] = acc / div;                                                        \
-                    }                                                                              \
+                    pool_window_##T(grad, x, dx, c, h, w, h0, h1, w0, w1, div, g, out, k);         \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
