@@ -717,6 +717,12 @@ static void request_init(weft_ps_table_t *t, Weft__V1__PsRequest *r, Weft__V1__P
     r->clock = atomic_load(&t->ps->clock);
 }
 
+static void view_release(void *data, void *arg)
+{
+    (void)data;
+    weft_tensor_release(arg);
+}
+
 static weft_status_t dense_op(weft_ps_table_t *t, op_kind_t kind, const weft_tensor_t *grad,
                               weft_tensor_t *dst, int64_t timeout_ms, weft_future_t **f_p)
 {
@@ -766,8 +772,15 @@ static weft_status_t dense_op(weft_ps_table_t *t, op_kind_t kind, const weft_ten
                 uint32_t c = op->chunk_ids[g + i];
                 int64_t len = weft__ps_chunk_len(l, c);
                 float *p = (float *)weft_tensor_data(grad) + (int64_t)c * l->chunk_elems;
+                /* The view holds the gradient: the transport may still be handing its bytes to
+                 * the kernel when the server's answer completes the push (and the caller frees
+                 * the gradient). */
+                weft_tensor_t *owner = weft_tensor_retain((weft_tensor_t *)grad);
                 st = weft_tensor_wrap(WEFT_F32, 1, &len, p, (size_t)len * sizeof(float), WEFT_CPU,
-                                      NULL, NULL, &views[i]);
+                                      view_release, owner, &views[i]);
+                if (st != WEFT_OK) {
+                    weft_tensor_release(owner);
+                }
             }
             ps_sub_t *sub = &op->subs[nsub++];
             sub->op = op;
