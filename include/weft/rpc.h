@@ -112,7 +112,7 @@ WEFT_API uint64_t weft_agent_max_message_bytes(const weft_agent_t *a, int rank);
 /** Borrowed "host:port" of @p rank (after join). Thread-safe after join. */
 WEFT_API const char *weft_agent_worker_address(const weft_agent_t *a, int rank);
 /**
- * Borrowed "host:port" of @p rank's direct listener (after join): frames of 1 MiB or more travel
+ * Borrowed "host:port" of @p rank's direct listener (after join): frames of 64 KiB or more travel
  * there over plain TCP, "" when the rank has none (WEFT_DIRECT=0), in which case they take the
  * gRPC stream. Thread-safe after join.
  */
