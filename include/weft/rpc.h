@@ -187,7 +187,10 @@ WEFT_API void weft_call_reply_future(weft_call_t *call, weft_future_t *f);
 /**
  * Calls @p fn on @p to_rank (may be this rank) with @p args. @p args is borrowed: the call takes
  * its own tensor references (their bytes are sent without copying, so do not modify them until
- * the future completes) and copies the payload. @p timeout_ms: the call's deadline, which travels
+ * the future completes) and copies the payload. The transport may let go of a tensor just after
+ * the future completes (a sender still returning from its system call): a tensor that wraps
+ * memory it does not own (weft_tensor_wrap) keeps that memory alive until its release callback
+ * runs, not merely until the future completes. @p timeout_ms: the call's deadline, which travels
  * to the callee (0: the agent's call timeout). The future completes with the result value, the
  * remote handler's status and text, WEFT_ERR_NO_SUCH_FUNCTION, WEFT_ERR_TIMEOUT,
  * WEFT_ERR_PEER_LOST; caller releases it with weft_future_release. Thread-safe.
