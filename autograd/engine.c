@@ -756,6 +756,7 @@ typedef struct {
     size_t n_waits;
     size_t cap_waits;
     int64_t wait_ns; /* how long one wait may last */
+    const weft_backward_opts_t *o; /* leaf_fn, leaf_also_grad */
 } run_t;
 
 static weft_status_t push_ptr(void ***arr, size_t *n, size_t *cap, void *p)
@@ -998,6 +999,23 @@ static weft_status_t leaf_done(weft_tensor_t *leaf, meta_t *m, weft_tensor_t *g)
     return status;
 }
 
+/* A leaf's gradient of this backward is complete: to the backward's leaf_fn, or into the leaf. */
+static weft_status_t leaf_give(run_t *r, weft_tensor_t *leaf, weft_tensor_t *g)
+{
+    if (r->o->leaf_fn != NULL) {
+        weft_status_t status = WEFT_OK;
+
+        if (g != NULL) {
+            status = r->o->leaf_fn(r->o->leaf_arg, leaf, g, NULL, NULL);
+        }
+        if (status != WEFT_OK || !r->o->leaf_also_grad) {
+            weft_tensor_release(g);
+            return status;
+        }
+    }
+    return leaf_done(leaf, meta_of(leaf), g);
+}
+
 /* Delivers gradient @p g (consumed) of an input along edge @p e. */
 static weft_status_t deliver(run_t *r, weft__ag_edge_t *e, weft_tensor_t *g)
 {
@@ -1010,7 +1028,7 @@ static weft_status_t deliver(run_t *r, weft__ag_edge_t *e, weft_tensor_t *g)
         if (--st->pending == 0) {
             g = st->grad;
             st->grad = NULL;
-            return leaf_done(e->leaf, meta_of(e->leaf), g);
+            return leaf_give(r, e->leaf, g);
         }
         return WEFT_OK;
     }
@@ -1198,6 +1216,16 @@ static weft_status_t node_step(run_t *r, weft__ag_node_t *n, weft_tensor_t **gou
         if (e->leaf != NULL) {
             meta_t *lm = meta_of(e->leaf);
 
+            if (r->o->leaf_fn != NULL) {
+                status = r->o->leaf_fn(r->o->leaf_arg, e->leaf, NULL, sp.items[s].idx,
+                                       sp.items[s].rows);
+                if (status != WEFT_OK) {
+                    goto out;
+                }
+                if (!r->o->leaf_also_grad) {
+                    continue;
+                }
+            }
             pthread_mutex_lock(&lm->mu);
             status = sparse_append(e->leaf, lm, &sp.items[s]);
             pthread_mutex_unlock(&lm->mu);
@@ -1381,8 +1409,7 @@ static weft_status_t ones_like(const weft_tensor_t *t, weft_tensor_t **out_p)
 void weft_backward_opts_init(weft_backward_opts_t *opts)
 {
     if (opts != NULL) {
-        opts->retain_graph = false;
-        opts->wait_timeout_ms = 0;
+        memset(opts, 0, sizeof(*opts));
     }
 }
 
@@ -1400,7 +1427,8 @@ weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots, weft_tens
     if (opts != NULL) {
         o = *opts;
     }
-    if (n < 1 || n > INT_MAX || roots == NULL) {
+    if (n + o.n_root_nodes < 1 || n > INT_MAX / 2 || o.n_root_nodes > INT_MAX / 2 ||
+        (n > 0 && roots == NULL) || (o.n_root_nodes > 0 && o.root_nodes == NULL)) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "backward: no roots");
     }
     if (o.wait_timeout_ms < 0) {
@@ -1409,13 +1437,14 @@ weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots, weft_tens
                                (long long)o.wait_timeout_ms);
     }
     n_roots = (int)n;
+    r.o = &o;
     r.retain = o.retain_graph;
     if (o.wait_timeout_ms == 0) {
         o.wait_timeout_ms = WEFT_BACKWARD_WAIT_TIMEOUT_MS;
     }
     r.wait_ns = o.wait_timeout_ms > INT64_MAX / 1000000 ? INT64_MAX : o.wait_timeout_ms * 1000000;
-    root_nodes = weft_calloc((size_t)n_roots, sizeof(*root_nodes));
-    root_grads = weft_calloc((size_t)n_roots, sizeof(*root_grads));
+    root_nodes = weft_calloc((size_t)n_roots + o.n_root_nodes, sizeof(*root_nodes));
+    root_grads = weft_calloc((size_t)n_roots + 1, sizeof(*root_grads));
     if (root_nodes == NULL || root_grads == NULL) {
         status = weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
         goto out;
@@ -1446,8 +1475,16 @@ weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots, weft_tens
         root_nodes[i] = m->grad_fn;
     }
 
+    for (size_t i = 0; i < o.n_root_nodes; i++) {
+        if (o.root_nodes[i] == NULL) {
+            status = weft__set_error(WEFT_ERR_INVALID_ARG, "backward: root node %zu is NULL", i);
+            goto out;
+        }
+        root_nodes[n_roots + (int)i] = o.root_nodes[i];
+    }
+
     r.run = atomic_fetch_add_explicit(&run_seq, 1, memory_order_relaxed) + 1;
-    WEFT_CHECK_GOTO(discover(&r, n_roots, root_nodes), status, out);
+    WEFT_CHECK_GOTO(discover(&r, n_roots + (int)o.n_root_nodes, root_nodes), status, out);
     /* Leaves that are roots themselves. */
     for (int i = 0; i < n_roots; i++) {
         if (root_nodes[i] == NULL) {
@@ -1479,6 +1516,25 @@ weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots, weft_tens
         }
         WEFT_CHECK_GOTO(deliver(&r, &e, g), status, out);
     }
+    /* Root nodes start without a gradient, once whatever else leads to them has run (a node
+     * given twice counts once). */
+    for (size_t i = 0; i < o.n_root_nodes; i++) {
+        weft__ag_node_t *rn = o.root_nodes[i];
+
+        if (rn->seq >= 0) {
+            rn->deps++;
+            rn->seq = -1 - rn->seq; /* marks "counted" until the loop below */
+        }
+    }
+    for (size_t i = 0; i < o.n_root_nodes; i++) {
+        weft__ag_node_t *rn = o.root_nodes[i];
+        weft__ag_edge_t e = {.node = rn};
+
+        if (rn->seq < 0) {
+            rn->seq = -1 - rn->seq;
+            WEFT_CHECK_GOTO(deliver(&r, &e, NULL), status, out);
+        }
+    }
     /* Run ready nodes, later-created first; resume waiting nodes as their futures complete, and
      * sleep on those futures only when nothing else is ready. */
     for (;;) {
@@ -1490,6 +1546,9 @@ weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots, weft_tens
         }
         if (r.n_waits == 0) {
             break;
+        }
+        if (o.idle_fn != NULL) {
+            o.idle_fn(o.idle_arg);
         }
         WEFT_CHECK_GOTO(sleep_until_resumable(&r), status, out);
         WEFT_CHECK_GOTO(resume_ready(&r), status, out);
@@ -1548,4 +1607,70 @@ weft_status_t weft_backward_many(int n_roots, weft_tensor_t *const *roots,
 weft_status_t weft_backward(weft_tensor_t *root, weft_tensor_t *grad, int retain_graph)
 {
     return weft_backward_many(1, &root, &grad, retain_graph);
+}
+
+/* ---- nodes of one's own (include/weft/autograd.h) -------------------------------------------- */
+
+int weft_ag_should_record(int n, weft_tensor_t *const *inputs)
+{
+    return n > 0 && inputs != NULL && weft__ag_should_record(n, inputs);
+}
+
+weft_status_t weft_ag_node_create(const char *name, weft_ag_backward_cb_t backward, int n_in,
+                                  weft_tensor_t *const *inputs, void *ctx,
+                                  void (*ctx_free)(void *ctx), weft_ag_node_t **node_p)
+{
+    weft__ag_node_t *n = NULL;
+
+    if (name == NULL || node_p == NULL || (n_in > 0 && inputs == NULL)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "autograd: node_create: NULL argument");
+    }
+    WEFT_CHECK(weft__ag_node_new(name, backward, n_in, inputs, &n));
+    n->ctx = ctx;
+    n->ctx_free = ctx_free;
+    *node_p = n;
+    return WEFT_OK;
+}
+
+weft_status_t weft_ag_node_attach(weft_ag_node_t *n, int n_out, weft_tensor_t *const *outputs)
+{
+    if (n == NULL || n_out < 0 || (n_out > 0 && outputs == NULL)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "autograd: node_attach: bad arguments");
+    }
+    if (n_out == 0) {
+        n->n_out = 0;
+        return WEFT_OK;
+    }
+    return weft__ag_attach(n, n_out, outputs);
+}
+
+void *weft_ag_node_ctx(const weft_ag_node_t *n)
+{
+    return n == NULL ? NULL : n->ctx;
+}
+
+int weft_ag_node_needs_grad(const weft_ag_node_t *n, int i)
+{
+    return n != NULL && weft__ag_needs_grad(n, i);
+}
+
+weft_ag_node_t *weft_ag_node_retain(weft_ag_node_t *n)
+{
+    if (n != NULL) {
+        weft__ag_node_ref(n);
+    }
+    return n;
+}
+
+void weft_ag_node_release(weft_ag_node_t *n)
+{
+    if (n != NULL) {
+        weft__ag_node_unref(n);
+    }
+}
+
+weft_status_t weft_ag_wait(weft_ag_node_t *n, weft_future_t *f, weft_ag_resume_cb_t resume,
+                           void *arg)
+{
+    return weft__ag_wait(n, f, resume, arg);
 }

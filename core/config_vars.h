@@ -50,6 +50,10 @@
     X(DIRECT, "WEFT_DIRECT", BOOL, "1", 0, 0, "", "", "rpc",                                       \
       "large frames take direct TCP connections between ranks (0: everything on gRPC)")           \
     /* rref */                                                                                     \
+    X(DIST_CONTEXT_TTL_MS, "WEFT_DIST_CONTEXT_TTL_MS", INT, "600000", 100, INT64_MAX, "", "",       \
+      "dist_autograd",                                                                             \
+      "a context other workers' calls brought here is dropped after this long unused (its "        \
+      "creator's release or loss drops it first)")                                                 \
     X(RREF_EAGER_BYTES, "WEFT_RREF_EAGER_BYTES", INT, "65536", 0, INT64_MAX, "", "", "rref",    \
       "values up to this size come back with remote()'s answer (0: always fetched)")               \
     X(RREF_FAULT_DELAY_US, "WEFT_RREF_FAULT_DELAY_US", INT, "0", 0, INT64_MAX, "", "", "rref",  \

@@ -22,7 +22,91 @@ struct weft_call {
     void *handler_arg;
     /* weft_rpc_call_local: the caller's future, completed with the reply value itself */
     weft_future_t *local;
+    /* distributed autograd's context of the request: its handler's thread context, and its
+     * answer's */
+    uint64_t ag_context;
 };
+
+_Thread_local uint64_t weft__thread_ag_context;
+
+uint64_t weft_rpc_thread_context(void)
+{
+    return weft__thread_ag_context;
+}
+
+uint64_t weft_rpc_set_thread_context(uint64_t context)
+{
+    uint64_t prev = weft__thread_ag_context;
+
+    weft__thread_ag_context = context;
+    return prev;
+}
+
+uint64_t weft_call_context(const weft_call_t *call)
+{
+    return call == NULL ? 0 : call->ag_context;
+}
+
+weft_status_t weft_agent_set_call_hooks(weft_agent_t *a, const weft_call_hooks_t *hooks)
+{
+    if (a == NULL || hooks == NULL || hooks->on_send == NULL || hooks->on_recv == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_set_call_hooks: NULL argument");
+    }
+    bool claimed = false;
+    /* Claimed once, without a lock (a module's create calls this under the module lock). */
+    if (!atomic_compare_exchange_strong(&a->call_hooks_claimed, &claimed, true)) {
+        return weft__set_error(WEFT_ERR_ALREADY_EXISTS,
+                               "agent_set_call_hooks: the agent has its hooks already");
+    }
+    a->call_hooks = *hooks;
+    atomic_store(&a->has_call_hooks, true);
+    return WEFT_OK;
+}
+
+weft_status_t weft__call_ag_recv(weft_agent_t *a, const Weft__V1__Envelope *env, int from,
+                                 const char *fn, bool reply, weft_value_t **v_p)
+{
+    weft_call_autograd_t ag = {
+        .context = env->autograd_context,
+        .message = env->autograd_message,
+        .grads = env->autograd_grads,
+        .n_grads = env->n_autograd_grads,
+    };
+
+    if (!atomic_load(&a->has_call_hooks)) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE,
+                               "'%s' from rank %d carries distributed autograd context %llx, and "
+                               "%s has not set up distributed autograd (weft_dist_init)",
+                               fn != NULL ? fn : "?", from, (unsigned long long)ag.context,
+                               a->name);
+    }
+    if (ag.message != 0 && ag.n_grads > 0) {
+        size_t nt = *v_p == NULL ? 0 : weft_value_num_tensors(*v_p);
+
+        for (size_t i = 0; i < ag.n_grads; i++) {
+            if (ag.grads[i] >= nt) {
+                return weft__set_error(WEFT_ERR_PROTOCOL,
+                                       "'%s' from rank %d marks tensor %u for gradients; the "
+                                       "value has %zu",
+                                       fn != NULL ? fn : "?", from, ag.grads[i], nt);
+            }
+        }
+    }
+    if (*v_p == NULL) {
+        WEFT_CHECK(weft_value_create(v_p));
+    }
+    return a->call_hooks.on_recv(a->call_hooks.arg, from, fn, reply, &ag, *v_p);
+}
+
+/* Runs a handler with the request's context as the thread's. */
+static void run_handler(weft_call_t *call, weft_rpc_handler_cb_t cb, void *arg)
+{
+    uint64_t prev = weft__thread_ag_context;
+
+    weft__thread_ag_context = call->ag_context;
+    cb(call, arg);
+    weft__thread_ag_context = prev;
+}
 
 static void drop_ready(weft_future_t **ready, size_t n)
 {
@@ -158,6 +242,7 @@ static void send_response(weft_call_t *call, weft_status_t st, const char *text,
         .status = st,
         .error = text,
         .reply_to = &call->origin,
+        .ag_context = call->ag_context,
     };
     weft__path_t path;
     weft_status_t rst = weft__route(a, &fr, &path);
@@ -253,7 +338,7 @@ static void args_ready(weft_status_t st, const char *text, void *arg)
         weft_call_fail(call, st, "%s", text);
         return;
     }
-    call->handler(call, call->handler_arg);
+    run_handler(call, call->handler, call->handler_arg);
 }
 
 void weft__call_refuse(weft_agent_t *a, const weft__origin_t *o, const Weft__V1__Envelope *env,
@@ -324,6 +409,18 @@ void weft__call_dispatch(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Env
         weft_call_fail(call, WEFT_ERR_TIMEOUT, "the caller's deadline passed before the call ran");
         goto out;
     }
+    if (env->autograd_context != 0) {
+        /* Distributed autograd: a receive function on the arguments; the handler runs in the
+         * context and the answer carries it. */
+        weft_status_t ast =
+            weft__call_ag_recv(a, env, o->peer, call->function, false, &call->args);
+        if (ast != WEFT_OK) {
+            drop_ready(ready, nready);
+            weft_call_fail(call, ast, "%s", weft_last_error());
+            goto out;
+        }
+        call->ag_context = env->autograd_context;
+    }
     weft_rpc_handler_cb_t cb = NULL;
     void *arg = NULL;
     if (!find_fn(a, call->function, &cb, &arg)) {
@@ -341,7 +438,7 @@ void weft__call_dispatch(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Env
         weft__refs_when_ready(ready, nready, args_ready, call);
         return;
     }
-    cb(call, arg);
+    run_handler(call, cb, arg);
     return;
 out:
     weft_value_free(args);
@@ -634,6 +731,7 @@ void weft__call_response(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Env
             return;
         }
     }
+    weft_status_t ast;
     if (p == NULL) {
         /* Timed out or failed already (or not a call to this peer): dropped. */
         WEFT_DEBUG("response %llu from rank %d matches no pending call; dropped",
@@ -645,6 +743,12 @@ void weft__call_response(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Env
         snprintf(text, sizeof(text), "%s",
                  env->error != NULL && env->error[0] != '\0' ? env->error : weft_strerror(est));
         pending_finish(a, p, est, text, NULL);
+    } else if (env->autograd_context != 0 &&
+               (ast = weft__call_ag_recv(a, env, o->peer, p->fn, true, &v)) != WEFT_OK) {
+        char text[WEFT__ERROR_MAX];
+        snprintf(text, sizeof(text), "%s", weft_last_error());
+        pending_finish(a, p, ast, text, NULL);
+        weft_value_free(v);
     } else {
         if (v == NULL && weft_value_create(&v) != WEFT_OK) {
             pending_finish(a, p, WEFT_ERR_NO_MEMORY, "no memory for the result", NULL);
@@ -776,13 +880,14 @@ static weft_status_t rpc_async(weft_agent_t *a, int to, const char *fn, const we
     weft_future_t *f;
     weft__pending_t *p;
 
-    WEFT_CHECK(check_target(a, to, internal));
     if (fn == NULL || fn[0] == '\0' || strlen(fn) > WEFT__MAX_NAME) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc: function name missing or too long");
     }
+    /* Counted as the callee counts it: by the reserved prefix (a module's calls go on during
+     * the shutdown barrier, as its settling may need them). */
+    internal = internal || weft__fn_internal(fn);
+    WEFT_CHECK(check_target(a, to, internal));
     WEFT_CHECK(weft__call_timeout(a, timeout_ms, &timeout_ms));
-    /* Counted as the callee counts it: by the reserved prefix. */
-    internal = weft__fn_internal(fn);
     WEFT_CHECK(weft_future_create(&f));
     p = weft_calloc(1, sizeof(*p));
     if (p != NULL && n_into > 0) {
@@ -825,6 +930,7 @@ static weft_status_t rpc_async(weft_agent_t *a, int to, const char *fn, const we
         .request_id = id,
         .timeout_ms = timeout_ms,
         .user_request = !internal,
+        .ag_context = weft__thread_ag_context,
     };
     weft__path_t path;
     st = weft__route(a, &fr, &path);
@@ -905,8 +1011,9 @@ weft_status_t weft_rpc_call_local(weft_agent_t *a, const char *fn, weft_value_t 
     call->deadline_ns = weft__now_ns() + timeout_ms * 1000000;
     call->args = args;
     call->local = weft_future_retain(f);
+    call->ag_context = weft__thread_ag_context;
     *f_p = f;
-    cb(call, cb_arg);
+    run_handler(call, cb, cb_arg);
     return WEFT_OK;
 }
 

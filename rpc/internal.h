@@ -171,6 +171,7 @@ typedef struct {
     const weft__origin_t *reply_to; /* RESPONSE: where its request came from */
     weft_future_t *sent;            /* ONEWAY: completes once handed over (taken by the route) */
     bool user_request;              /* counted by shutdown */
+    uint64_t ag_context;            /* REQUEST, RESPONSE: distributed autograd's context, or 0 */
 } weft__frame_t;
 
 /* The way a frame went: a request's answer is accepted only back this way. */
@@ -412,6 +413,11 @@ struct weft_agent {
     pthread_mutex_t sd_mu;
     struct weft__sd_state *sd;
 
+    /* distributed autograd's hooks (weft_agent_set_call_hooks) */
+    weft_call_hooks_t call_hooks;
+    _Atomic bool has_call_hooks;
+    _Atomic bool call_hooks_claimed;
+
     /* reference codecs and references sent to this rank itself (refs.c); made on first use */
     _Atomic(struct weft__refs *) refs;
 };
@@ -514,6 +520,12 @@ void weft__pending_unclaim(weft_agent_t *a, uint64_t id, bool delivered);
 /* A call's timeout argument: > 0 as given (at most 30 days), 0 the agent's default; negative is
  * WEFT_ERR_INVALID_ARG. */
 weft_status_t weft__call_timeout(const weft_agent_t *a, int64_t timeout_ms, int64_t *ms_p);
+
+/* The thread's distributed autograd context (call.c). */
+extern _Thread_local uint64_t weft__thread_ag_context;
+/* Runs the autograd hook on a received request or answer with a context (call.c). */
+weft_status_t weft__call_ag_recv(weft_agent_t *a, const Weft__V1__Envelope *env, int from,
+                                 const char *fn, bool reply, weft_value_t **v_p);
 
 /* rendezvous.c */
 void weft__join_init(weft_agent_t *a);

@@ -99,8 +99,29 @@ weft_status_t weft__route(weft_agent_t *a, const weft__frame_t *fr, weft__path_t
     /* A failed answer carries no value. */
     const weft_value_t *v =
         fr->kind == WEFT__V1__KIND__KIND_RESPONSE && fr->status != WEFT_OK ? NULL : fr->value;
-    WEFT_CHECK_GOTO(weft__refs_encode(a, fr->to, v, &env, &refs), st, err_release_sent);
+    weft_call_autograd_t ag = {.context = fr->ag_context};
+    if (ag.context != 0 && fr->kind != WEFT__V1__KIND__KIND_ONEWAY &&
+        (fr->kind == WEFT__V1__KIND__KIND_REQUEST || fr->status == WEFT_OK) &&
+        atomic_load(&a->has_call_hooks)) {
+        /* Distributed autograd records the frame (a send function) before it is encoded. */
+        st = a->call_hooks.on_send(a->call_hooks.arg, fr->to, fr->function,
+                                   fr->kind == WEFT__V1__KIND__KIND_RESPONSE, v, &ag);
+        if (st != WEFT_OK) {
+            weft_free(ag.grads);
+            goto err_release_sent;
+        }
+        env.autograd_context = ag.context;
+        env.autograd_message = ag.message;
+        env.n_autograd_grads = ag.n_grads;
+        env.autograd_grads = ag.grads;
+    }
+    st = weft__refs_encode(a, fr->to, v, &env, &refs);
+    if (st != WEFT_OK) {
+        weft_free(ag.grads);
+        goto err_release_sent;
+    }
     st = weft__wire_encode(&env, v, &m);
+    weft_free(ag.grads);
     if (st != WEFT_OK) {
         weft__refs_out_free(refs, false);
         goto err_release_sent;

@@ -28,12 +28,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <weft/future.h>
 #include <weft/status.h>
 #include <weft/tensor.h>
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/** A node of the autograd graph (opaque; weft_ag_node_create). */
+typedef struct weft__ag_node weft_ag_node_t;
 
 /** True when operations on this thread record graphs (the default). */
 WEFT_API int weft_grad_enabled(void);
@@ -121,6 +125,31 @@ typedef struct {
      * deadline. 0: WEFT_BACKWARD_WAIT_TIMEOUT_MS; negative is WEFT_ERR_INVALID_ARG.
      */
     int64_t wait_timeout_ms;
+    /**
+     * More roots: nodes (weft_ag_node_create) that start with no gradient, run once their
+     * dependencies are in like any node, and usually wait for theirs (distributed autograd's send
+     * nodes, whose gradients come from another worker). With these, @p n of weft_backward_run may
+     * be 0. Borrowed for the call.
+     */
+    size_t n_root_nodes;
+    weft_ag_node_t *const *root_nodes;
+    /**
+     * Where leaves' gradients go. NULL: into each leaf's gradient (weft_tensor_grad), then its
+     * hooks. Otherwise leaf_fn gets each leaf's gradient of this backward once it is complete
+     * (@p grad dense and borrowed, or @p indices and @p rows of a sparse gradient, borrowed), and
+     * the leaf's own gradient is left alone unless leaf_also_grad. A status other than WEFT_OK
+     * stops backward and is returned.
+     */
+    weft_status_t (*leaf_fn)(void *arg, weft_tensor_t *leaf, weft_tensor_t *grad,
+                             weft_tensor_t *indices, weft_tensor_t *rows);
+    void *leaf_arg;
+    bool leaf_also_grad;
+    /**
+     * Called on the engine's thread each time nothing can run and every node left waits on a
+     * future, just before the engine sleeps on them (it may complete some of those futures).
+     */
+    void (*idle_fn)(void *arg);
+    void *idle_arg;
 } weft_backward_opts_t;
 
 /** Fills @p opts with the defaults (no retain_graph, the default wait bound). Thread-safe. */
@@ -143,6 +172,58 @@ WEFT_API void weft_backward_opts_init(weft_backward_opts_t *opts);
 WEFT_API weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots,
                                          weft_tensor_t *const *grads,
                                          const weft_backward_opts_t *opts);
+
+/* ---- nodes of one's own (modules above autograd: distributed autograd) -------------------------
+ *
+ * A node records one step of a computation the engine does not know: made over the inputs that
+ * require gradients, attached to its outputs, and run by backward like any operation's node. Its
+ * backward gets one gradient per output (zeros for outputs that received none) and sets
+ * grad_in[i] to a new reference for each input i with weft_ag_node_needs_grad, leaving the
+ * others NULL. A backward that cannot finish at once waits on a future (weft_ag_wait) and is
+ * resumed on the engine's thread once it completes (docs/autograd.md, "Nodes that wait on a
+ * future"). */
+
+typedef weft_status_t (*weft_ag_backward_cb_t)(weft_ag_node_t *n, weft_tensor_t *const *grad_out,
+                                               weft_tensor_t **grad_in);
+/** Resumes @p n once @p f (borrowed; its value may be taken) has completed successfully. */
+typedef weft_status_t (*weft_ag_resume_cb_t)(weft_ag_node_t *n, weft_future_t *f, void *arg,
+                                             weft_tensor_t *const *grad_out,
+                                             weft_tensor_t **grad_in);
+/** What a step that waits returns (weft_ag_wait's status). */
+#define WEFT_AG_WAITING WEFT_ERR_PENDING
+
+/** True when grad mode is on and one of the @p n tensors requires gradients. */
+WEFT_API int weft_ag_should_record(int n, weft_tensor_t *const *inputs);
+/**
+ * A node named @p name (a string that outlives the node) over @p n_in inputs (>= 0; each input
+ * that requires gradients gets an edge to its node or leaf). @p ctx is the node's state, freed
+ * with @p ctx_free (may be NULL) when the node goes, or after its backward ran without
+ * retain_graph (a second backward through it is then refused). One reference to the caller.
+ */
+WEFT_API weft_status_t weft_ag_node_create(const char *name, weft_ag_backward_cb_t backward,
+                                           int n_in, weft_tensor_t *const *inputs, void *ctx,
+                                           void (*ctx_free)(void *ctx), weft_ag_node_t **node_p);
+/**
+ * Makes @p n the node of @p n_out (>= 0) fresh outputs (no node yet): they require gradients
+ * from now on. A node with no outputs is a root of its own (weft_backward_opts_t.root_nodes).
+ */
+WEFT_API weft_status_t weft_ag_node_attach(weft_ag_node_t *n, int n_out,
+                                           weft_tensor_t *const *outputs);
+/** The node's state (NULL once freed). */
+WEFT_API void *weft_ag_node_ctx(const weft_ag_node_t *n);
+/** True when input @p i of @p n leads to something that needs its gradient. */
+WEFT_API int weft_ag_node_needs_grad(const weft_ag_node_t *n, int i);
+WEFT_API weft_ag_node_t *weft_ag_node_retain(weft_ag_node_t *n);
+WEFT_API void weft_ag_node_release(weft_ag_node_t *n);
+/**
+ * Inside the backward or a resume callback of @p n: ends the step without gradients; the engine
+ * calls @p resume(n, f, arg, ...) on its own thread once @p f has completed successfully (a failed
+ * @p f fails the backward, naming the node). The step returns what this returns.
+ * @return WEFT_AG_WAITING; WEFT_ERR_INVALID_ARG, WEFT_ERR_INVALID_STATE (outside a step of @p n,
+ *         or a second wait in one step).
+ */
+WEFT_API weft_status_t weft_ag_wait(weft_ag_node_t *n, weft_future_t *f,
+                                    weft_ag_resume_cb_t resume, void *arg);
 
 /**
  * Called when backward has finished accumulating into @p param's gradient, once per backward

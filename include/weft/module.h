@@ -153,6 +153,48 @@ typedef struct {
 } weft_module_desc_t;
 
 /**
+ * Distributed autograd's marks on one call or answer (Envelope fields 14-16, docs/protocol.md
+ * section 8): the sender's context, its send function for the frame, and which of the value's
+ * tensors carry gradients.
+ */
+typedef struct {
+    uint64_t context; /**< the context (0: none) */
+    uint64_t message; /**< the sender's send function for this frame (0: none) */
+    uint32_t *grads;  /**< tensor indices; on_send allocates them with weft_alloc, rpc frees them */
+    size_t n_grads;
+} weft_call_autograd_t;
+
+/**
+ * Hooks of the module that records calls for distributed autograd (one per agent). rpc calls
+ * on_send for every request made while the calling thread is in a context
+ * (weft_rpc_thread_context) and every answer to a request that came with one, before the frame is
+ * encoded: it fills @p ag (context already set) or fails the send with its status. rpc calls
+ * on_recv for every request or answer that came with a context, before the handler runs or the
+ * caller's future completes, with the value (NULL: none) whose tensors it may attach nodes to; a
+ * failure fails the call with its status. Handlers run with the request's context as their
+ * thread's, and the answer carries it, from whatever thread it is given.
+ */
+typedef struct {
+    weft_status_t (*on_send)(void *arg, int to, const char *fn, bool reply, const weft_value_t *v,
+                             weft_call_autograd_t *ag);
+    weft_status_t (*on_recv)(void *arg, int from, const char *fn, bool reply,
+                             const weft_call_autograd_t *ag, weft_value_t *v);
+    void *arg;
+} weft_call_hooks_t;
+
+/**
+ * Sets @p a's call hooks (once; before the agent joins, so that no call is missed).
+ * @return WEFT_ERR_INVALID_ARG, WEFT_ERR_ALREADY_EXISTS.
+ */
+WEFT_API weft_status_t weft_agent_set_call_hooks(weft_agent_t *a, const weft_call_hooks_t *hooks);
+/** The calling thread's distributed autograd context (0: none); calls made now carry it. */
+WEFT_API uint64_t weft_rpc_thread_context(void);
+/** Sets the calling thread's context (0: none) and returns the one it had. */
+WEFT_API uint64_t weft_rpc_set_thread_context(uint64_t context);
+/** The context a call came with (0: none); its handler runs with it as its thread's. */
+WEFT_API uint64_t weft_call_context(const weft_call_t *call);
+
+/**
  * The state of the module @p desc on @p a, created on first use (see create) and freed with the
  * agent. Later calls with the same descriptor return the same state. Create a module with a codec
  * before weft_agent_join: a peer's message may carry its references as soon as the world forms,

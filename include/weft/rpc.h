@@ -32,7 +32,7 @@ extern "C" {
 #endif
 
 /** Wire protocol version carried in every Hello (docs/protocol.md). */
-#define WEFT_PROTOCOL_VERSION 2
+#define WEFT_PROTOCOL_VERSION 3
 
 typedef struct weft_agent weft_agent_t;
 typedef struct weft_call weft_call_t;

@@ -27,5 +27,6 @@
 #include <weft/ops.h>
 #include <weft/nn.h>
 #include <weft/ddp.h>
+#include <weft/dist_autograd.h>
 
 #endif

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 import wire_pb2 as pb
 
-VERSION = 2
+VERSION = 3
 STREAM = "/weft.v1.Agent/Stream"
 JOIN = "/weft.v1.Agent/Join"
 SIZES = [4, 8, 2, 2, 1, 4, 8, 1, 1]  # section 4, by DType value
