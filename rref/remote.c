@@ -263,6 +263,7 @@ typedef struct {
     const char *fn;
     char *what; /* the function, type or method (for texts) */
     int64_t deadline_ms;
+    uint64_t ag_context; /* the caller's distributed autograd context: the call carries it */
     /* pipelined (every field under ctx->mu after the start) */
     bool pipelined;
     int holds;       /* callbacks still to run: the call's answer, the creation's outcome */
@@ -517,7 +518,11 @@ static void op_send(op_t *op)
         op_fail(op, WEFT_ERR_TIMEOUT, "rref: the deadline passed before the call was sent");
         return;
     }
+    /* Sent from whichever thread gets here (a target's readiness, a retry): in the caller's
+     * context all the same. */
+    uint64_t prev = weft_rpc_set_thread_context(op->ag_context);
     weft_status_t st = weft_rpc_async(op->ctx->a, op->to, op->fn, op->msg, left, &f);
+    weft_rpc_set_thread_context(prev);
     if (st != WEFT_OK) {
         char why[WEFT__ERROR_MAX];
         snprintf(why, sizeof(why), "%s", weft_last_error());
@@ -682,6 +687,7 @@ static weft_status_t op_new(rref_ctx_t *ctx, op_kind_t kind, weft_rref_t *target
     op->to = to;
     op->fn = fn;
     op->deadline_ms = weft__now_ms() + timeout_resolve(ctx, timeout_ms);
+    op->ag_context = weft_rpc_thread_context();
     *op_p = op;
     return WEFT_OK;
 }
@@ -1236,8 +1242,11 @@ static void method_ready(weft_future_t *f, void *arg)
         weft_call_fail(p->call, st, "%s", weft_last_error());
         goto out;
     }
-    /* The entry is held while the method runs (its caller's reference keeps it after). */
+    /* The entry is held while the method runs (its caller's reference keeps it after), in the
+     * call's distributed autograd context whatever thread made the target ready. */
+    uint64_t prev = weft_rpc_set_thread_context(weft_call_context(p->call));
     m->fn(e->obj, p->call, e->rtype->arg);
+    weft_rpc_set_thread_context(prev);
 out:
     weft_free(p->method);
     weft_free(p);
@@ -1319,7 +1328,11 @@ static void created_ready(weft_future_t *f, void *arg)
     if (p->eager_max > 0) {
         /* A framed answer, with the value when it is small and plain. */
         const weft_value_t *val = c.status == WEFT_OK ? p->e->value : NULL;
+        /* Not in a distributed autograd context: to_here then fetches the value, a call that
+         * records its gradient's way back (an answer to remote() would record one that the
+         * value may never use). */
         c.has_value =
+            weft_call_context(p->call) == 0 &&
             eager_fits(val, eager_limit(p->e->ctx, weft_call_caller_rank(p->call), p->eager_max));
         if (c.has_value) {
             atomic_fetch_add(&p->e->ctx->values_sent_with_creation, 1);
