@@ -32,6 +32,9 @@ void dist__run_unref(drun_t *r)
         weft_free(r->unused[i].fn);
     }
     weft_free(r->unused);
+    weft_free(r->defer_msg);
+    weft_free(r->defer_count);
+    weft_value_free(r->defer_body);
     weft_future_release(r->done);
     weft_free(r->error);
     weft_free(r);
@@ -169,18 +172,55 @@ drun_t *dist__run_stop_locked(dctx_t *c, uint32_t pass, bool finish, weft_status
     return r;
 }
 
+/* The deferred gradients of @p r, taken (the caller sends them with the answer to the parent).
+ * Called with c->mu held. */
+typedef struct {
+    uint64_t *msg;
+    uint32_t *count;
+    size_t n;
+    weft_value_t *body;
+} deferred_t;
+
+static deferred_t deferred_take_locked(drun_t *r)
+{
+    deferred_t d = {r->defer_msg, r->defer_count, r->n_defer, r->defer_body};
+
+    r->defer_msg = NULL;
+    r->defer_count = NULL;
+    r->n_defer = 0;
+    r->defer_body = NULL;
+    return d;
+}
+
+static void deferred_free(deferred_t *d)
+{
+    weft_free(d->msg);
+    weft_free(d->count);
+    weft_value_free(d->body);
+    memset(d, 0, sizeof(*d));
+}
+
 /* The answer to a gradient: how many send functions of the answering worker (and the workers it
- * asked) still wait. */
-static void ack(weft_call_t *call, uint32_t pending)
+ * asked) still wait, and the gradients it holds for the asker's send functions (taken). */
+static void ack(weft_call_t *call, uint32_t pending, deferred_t *d)
 {
     Weft__V1__DistAck a = WEFT__V1__DIST_ACK__INIT;
     weft_value_t *v = NULL;
 
     a.pending_sends = pending;
-    if (weft_msg_pack(&a.base, NULL, &v) == WEFT_OK) {
+    if (d != NULL) {
+        a.n_grad_messages = d->n;
+        a.grad_messages = d->msg;
+        a.n_grad_counts = d->n;
+        a.grad_counts = d->count;
+    }
+    if (weft_msg_pack(&a.base, d != NULL ? d->body : NULL, &v) == WEFT_OK) {
         weft_call_reply(call, v);
     } else {
         weft_call_fail(call, WEFT_ERR_NO_MEMORY, "dist_autograd: no memory for an answer");
+    }
+    if (d != NULL) {
+        deferred_free(d);
     }
 }
 
@@ -196,6 +236,7 @@ static void run_idle(void *arg)
     weft_future_t **fail = NULL;
     size_t n_fail = 0;
     uint32_t pending = 0;
+    deferred_t dfr = {0};
 
     pthread_mutex_lock(&c->mu);
     if (r->unacked == 0 && r->delivered == 0 && !r->stopping) {
@@ -218,11 +259,12 @@ static void run_idle(void *arg)
             r->engaged = false;
             pending = (uint32_t)pending_sends_locked(r) + (r->remote_pending ? 1u : 0u);
             r->remote_pending = false;
+            dfr = deferred_take_locked(r);
         }
     }
     pthread_mutex_unlock(&c->mu);
     if (parent != NULL) {
-        ack(parent, pending);
+        ack(parent, pending, &dfr);
     }
     dist__fail_futures(fail, n_fail, WEFT_ERR_INVALID_STATE,
                        "the distributed backward ended without a gradient for it");
@@ -407,28 +449,121 @@ weft_status_t dist__send_backward(weft_ag_node_t *n, weft_tensor_t *const *grad_
     return st;
 }
 
+/* Keeps @p n gradients for send function @p msg of the parent. Called with c->mu held. */
+static weft_status_t defer_locked(drun_t *r, uint64_t msg, int n, weft_tensor_t *const *grads)
+{
+    uint64_t *m = weft_realloc(r->defer_msg, (r->n_defer + 1) * sizeof(*m));
+    if (m == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "dist_autograd: no memory");
+    }
+    r->defer_msg = m;
+    uint32_t *k = weft_realloc(r->defer_count, (r->n_defer + 1) * sizeof(*k));
+    if (k == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "dist_autograd: no memory");
+    }
+    r->defer_count = k;
+    if (r->defer_body == NULL) {
+        WEFT_CHECK(weft_value_create(&r->defer_body));
+    }
+    for (int i = 0; i < n; i++) {
+        WEFT_CHECK(weft_value_add_tensor(r->defer_body, grads[i]));
+    }
+    r->defer_msg[r->n_defer] = msg;
+    r->defer_count[r->n_defer] = (uint32_t)n;
+    r->n_defer++;
+    return WEFT_OK;
+}
+
+/* Gradients @p g (taken) for send function @p msg of this worker's run @p r, on its engine's
+ * thread: as a gradient call would deliver them. */
+static weft_status_t deliver_grad(drun_t *r, uint64_t msg, weft_value_t *g)
+{
+    dsend_t *s = NULL;
+    weft_future_t *f = NULL;
+    weft_status_t st = WEFT_OK;
+
+    pthread_mutex_lock(&r->c->mu);
+    for (int i = 0; i < r->n_sends; i++) {
+        if (r->sends[i]->msg == msg) {
+            s = r->sends[i];
+            break;
+        }
+    }
+    if (s == NULL || s->got || s->pass != r->pass) {
+        st = weft__set_error(WEFT_ERR_PROTOCOL,
+                             "an answer carries a gradient for send function %llx, which %s",
+                             (unsigned long long)msg,
+                             s == NULL ? "this backward does not have" : "had one already");
+    } else if (!r->stopping) {
+        s->got = true;
+        r->delivered++;
+        f = weft_future_retain(s->arrived);
+    }
+    pthread_mutex_unlock(&r->c->mu);
+    if (f != NULL) {
+        weft_future_complete(f, WEFT_OK, NULL, g);
+        g = NULL;
+        weft_future_release(f);
+    }
+    weft_value_free(g);
+    return st;
+}
+
 static weft_status_t recv_resume(weft_ag_node_t *n, weft_future_t *f, void *arg,
                                  weft_tensor_t *const *grad_out, weft_tensor_t **grad_in)
 {
     drun_t *r = arg;
     Weft__V1__DistAck *a = NULL;
-    uint32_t pending = 0;
+    weft_value_t *body = NULL;
+    weft_status_t st = WEFT_OK;
 
     (void)n;
     (void)grad_out;
     (void)grad_in;
     if (weft_msg_unpack(weft_future_value(f), &weft__v1__dist_ack__descriptor,
-                        (ProtobufCMessage **)&a, NULL) == WEFT_OK) {
-        pending = a->pending_sends;
-        weft_msg_header_free(&a->base);
+                        (ProtobufCMessage **)&a, NULL) != WEFT_OK ||
+        a->n_grad_counts != a->n_grad_messages ||
+        (a->n_grad_messages > 0 && weft_msg_body(weft_future_value(f), &body) != WEFT_OK)) {
+        weft_msg_header_free(a != NULL ? &a->base : NULL);
+        pthread_mutex_lock(&r->c->mu);
+        r->unacked--;
+        pthread_mutex_unlock(&r->c->mu);
+        return weft__set_error(WEFT_ERR_PROTOCOL, "an answer to a gradient did not decode");
     }
+    /* Gradients for this worker's send functions that came with the answer: delivered before the
+     * answer counts, so that this worker is never idle with them unread. */
+    size_t off = 0;
+    size_t nt = body != NULL ? weft_value_num_tensors(body) : 0;
+    for (size_t i = 0; st == WEFT_OK && i < a->n_grad_messages; i++) {
+        weft_value_t *g = NULL;
+        size_t k = a->grad_counts[i];
+
+        if (off + k > nt) {
+            st = weft__set_error(WEFT_ERR_PROTOCOL, "an answer to a gradient carries %zu tensors "
+                                                    "for more",
+                                 nt);
+            break;
+        }
+        st = weft_value_create(&g);
+        for (size_t j = 0; st == WEFT_OK && j < k; j++) {
+            st = weft_value_add_tensor(g, weft_value_tensor(body, off + j));
+        }
+        off += k;
+        if (st == WEFT_OK) {
+            st = deliver_grad(r, a->grad_messages[i], g);
+        } else {
+            weft_value_free(g);
+        }
+    }
+    weft_value_free(body);
     pthread_mutex_lock(&r->c->mu);
     r->unacked--;
-    if (pending > 0) {
+    if (a->pending_sends > 0) {
         r->remote_pending = true;
     }
     pthread_mutex_unlock(&r->c->mu);
-    return WEFT_OK;
+    weft_msg_header_free(&a->base);
+    return st;
 }
 
 weft_status_t dist__recv_backward(weft_ag_node_t *n, weft_tensor_t *const *grad_out,
@@ -457,6 +592,14 @@ weft_status_t dist__recv_backward(weft_ag_node_t *n, weft_tensor_t *const *grad_
     if (left < 1) {
         left = 1;
     }
+    /* To the worker that made this one busy: with the answer to it (it waits for that anyway). */
+    pthread_mutex_lock(&r->c->mu);
+    if (!r->root && r->parent != NULL && weft_call_caller_rank(r->parent) == rv->peer) {
+        st = defer_locked(r, rv->msg, rv->n, grad_out);
+        pthread_mutex_unlock(&r->c->mu);
+        return st;
+    }
+    pthread_mutex_unlock(&r->c->mu);
     h.context = rv->ctx;
     h.message = rv->msg;
     h.pass = r->pass;
@@ -520,6 +663,7 @@ static void run_main(void *arg)
     r->engaged = false;
     pending = (uint32_t)pending_sends_locked(r) + (r->remote_pending ? 1u : 0u);
     stopping = r->stopping;
+    deferred_t dfr = deferred_take_locked(r);
     pthread_mutex_unlock(&c->mu);
     if (st == WEFT_OK || stopping) {
         weft_future_complete(r->done, WEFT_OK, NULL, NULL);
@@ -528,11 +672,12 @@ static void run_main(void *arg)
     }
     if (parent != NULL) {
         if (st == WEFT_OK) {
-            ack(parent, pending);
+            ack(parent, pending, &dfr);
         } else {
             weft_call_fail(parent, st, "backward on %s: %s", c->d->name, text);
         }
     }
+    deferred_free(&dfr);
     dist__run_unref(r);
     dist__ctx_unref(c);
 }
@@ -640,7 +785,7 @@ void dist__handle_grad(weft_call_t *call, void *arg)
         body = NULL;
         weft_future_release(f);
         if (answer_now) {
-            ack(call, 0);
+            ack(call, 0, NULL);
         }
     }
     dist__ctx_unref(c);

@@ -98,6 +98,11 @@ struct drun {
     weft_status_t status;
     char *error;
     weft_future_t *done; /* completes when the engine returned */
+    /* gradients for the parent's send functions, to go with the answer to it */
+    uint64_t *defer_msg;
+    uint32_t *defer_count;
+    size_t n_defer;
+    weft_value_t *defer_body;
     dunused_t *unused; /* the root's send functions that never got a gradient */
     size_t n_unused;
     weft_ag_node_t **nodes; /* the send functions it started with (retained) */
