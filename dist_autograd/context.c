@@ -709,7 +709,9 @@ static void handle_control(weft_call_t *call, void *arg)
             drun_t *r = dist__run_stop_locked(c, m->pass, finish, fst, why, &un, &n_un, &fail,
                                               &n_fail);
             if (r != NULL) {
-                local = weft_future_retain(r->done);
+                /* A finish waits for the part here to end (it is idle: at once) to report how it
+                 * ended; a failure does not wait for a node that computes (the release does). */
+                local = finish ? weft_future_retain(r->done) : NULL;
                 dist__run_unref(r);
             }
         }

@@ -180,6 +180,67 @@ static void fn_exit(weft_call_t *call, void *arg)
     _exit(0);
 }
 
+/* A node that passes its gradient through after 3 s. */
+static volatile int g_slow_done;
+
+static weft_status_t slow_backward(weft_ag_node_t *n, weft_tensor_t *const *grad_out,
+                                   weft_tensor_t **grad_in)
+{
+    struct timespec ts = {3, 0};
+
+    nanosleep(&ts, NULL);
+    g_slow_done = 1;
+    if (weft_ag_node_needs_grad(n, 0)) {
+        grad_in[0] = weft_tensor_retain(grad_out[0]);
+    }
+    return WEFT_OK;
+}
+
+/* add, with a slow backward. */
+static void fn_slow_add(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    const weft_value_t *in = weft_call_args(call);
+    weft_tensor_t *y = NULL, *z = NULL;
+    weft_ag_node_t *n = NULL;
+    weft_value_t *v = NULL;
+
+    weft_op_add(weft_value_tensor(in, 0), weft_value_tensor(in, 1), &y);
+    weft_tensor_clone(y, &z);
+    weft_ag_node_create("SlowBackward", slow_backward, 1, &y, NULL, NULL, &n);
+    weft_ag_node_attach(n, 1, &z);
+    weft_ag_node_release(n);
+    weft_tensor_release(y);
+    weft_value_create(&v);
+    weft_value_push_tensor(v, z);
+    weft_call_reply(call, v);
+}
+
+/* The parameter's .grad (accumulate_grad mirrors the context's gradients there). */
+static void fn_dot_grad(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_tensor_t *g = weft_tensor_grad(g_w1 != NULL ? g_w1 : g_w2);
+    if (g == NULL) {
+        weft_call_fail(call, WEFT_ERR_NOT_FOUND, "no .grad");
+        return;
+    }
+    weft_value_t *v = NULL;
+    weft_value_create(&v);
+    weft_value_add_tensor(v, g);
+    weft_call_reply(call, v);
+}
+
+static void fn_slow_done(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    int64_t d = g_slow_done;
+    weft_value_t *v = NULL;
+    weft_value_create(&v);
+    weft_value_set_payload(v, &d, sizeof(d));
+    weft_call_reply(call, v);
+}
+
 static void setup(weft_agent_t *a, int rank, void *arg)
 {
     (void)arg;
@@ -193,6 +254,9 @@ static void setup(weft_agent_t *a, int rank, void *arg)
     weft_rpc_register(a, "param", fn_param, NULL);
     weft_rpc_register(a, "exit", fn_exit, NULL);
     weft_rpc_register(a, "done", fn_done, NULL);
+    weft_rpc_register(a, "slow_add", fn_slow_add, NULL);
+    weft_rpc_register(a, "dot_grad", fn_dot_grad, NULL);
+    weft_rpc_register(a, "slow_done", fn_slow_done, NULL);
     if (rank == 1) {
         g_w1 = leaf64(3, 4, 1.0);
     }
@@ -753,4 +817,93 @@ Test(dist_autograd, refusals)
     weft_tensor_release(nog);
     weft_tensor_release(big);
     weft_agent_free(a);
+}
+
+/* ------------------------------------------------------------ options: .grad, the deadline */
+
+static int body_options(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    weft_tensor_t *x = leaf64(5, 3, 3.0);
+    weft_tensor_t *gx, *gw1, *gw2;
+    uint64_t ctx = 0;
+    weft_value_t *v = NULL, *res = NULL;
+
+    local_model(x, &gx, &gw1, &gw2);
+    RANK_CHECK(weft_dist_context_create(a, &ctx) == WEFT_OK, "%s", weft_last_error());
+    weft_value_create(&v);
+    weft_value_add_tensor(v, x);
+    RANK_CHECK(weft_rpc_sync(a, 1, "stage1", v, WAIT_MS, &res) == WEFT_OK, "%s", weft_last_error());
+    weft_value_free(v);
+    weft_tensor_t *y = weft_tensor_retain(weft_value_tensor(res, 0));
+    weft_value_free(res);
+    weft_tensor_t *y2 = NULL;
+    weft_op_mul(y, y, &y2);
+    weft_tensor_t *loss = sum_all(y2);
+    weft_dist_backward_opts_t bo;
+    weft_dist_backward_opts_init(&bo);
+    bo.accumulate_grad = true;
+    RANK_CHECK(weft_dist_backward(a, ctx, 1, &loss, &bo) == WEFT_OK, "%s", weft_last_error());
+    /* .grad too, on every worker */
+    RANK_CHECK(same(weft_tensor_grad(x), gx), "x's .grad");
+    weft_value_t *g1 = NULL, *g2 = NULL;
+    RANK_CHECK(weft_rpc_sync(a, 1, "dot_grad", NULL, WAIT_MS, &g1) == WEFT_OK, "%s",
+               weft_last_error());
+    RANK_CHECK(weft_rpc_sync(a, 2, "dot_grad", NULL, WAIT_MS, &g2) == WEFT_OK, "%s",
+               weft_last_error());
+    RANK_CHECK(same(weft_value_tensor(g1, 0), gw1) && same(weft_value_tensor(g2, 0), gw2),
+               "the workers' .grad differ from the local engine's");
+    weft_value_free(g1);
+    weft_value_free(g2);
+    RANK_CHECK(weft_dist_context_release(a, ctx, WAIT_MS) == WEFT_OK, "%s", weft_last_error());
+
+    /* A bound on the whole backward: rank 1's node sleeps past it. */
+    weft_tensor_t *t1 = leaf64(2, 2, 0.5);
+    RANK_CHECK(weft_dist_context_create(a, &ctx) == WEFT_OK, "%s", weft_last_error());
+    weft_value_create(&v);
+    weft_value_add_tensor(v, t1);
+    weft_value_add_tensor(v, t1);
+    RANK_CHECK(weft_rpc_sync(a, 1, "slow_add", v, WAIT_MS, &res) == WEFT_OK, "%s",
+               weft_last_error());
+    weft_value_free(v);
+    weft_tensor_t *l2 = sum_all(weft_value_tensor(res, 0));
+    bo.accumulate_grad = false;
+    bo.timeout_ms = 300;
+    weft_status_t st = weft_dist_backward(a, ctx, 1, &l2, &bo);
+    RANK_CHECK(st == WEFT_ERR_TIMEOUT, "status %s: %s", weft_status_name(st), weft_last_error());
+    /* It returned at its bound, not when rank 1's node was done. */
+    weft_value_t *sd = NULL;
+    RANK_CHECK(weft_rpc_sync(a, 1, "slow_done", NULL, WAIT_MS, &sd) == WEFT_OK, "%s",
+               weft_last_error());
+    size_t sdl = 0;
+    RANK_CHECK(*(const int64_t *)weft_value_payload(sd, &sdl) == 0,
+               "the backward waited for the node past its bound");
+    weft_value_free(sd);
+    /* The release waits for rank 1's part to stop. */
+    RANK_CHECK(weft_dist_context_release(a, ctx, WAIT_MS) == WEFT_OK, "%s", weft_last_error());
+    RANK_CHECK(remote_count(a, 1) == 0, "rank 1 kept the context");
+    weft_value_free(res);
+    weft_tensor_release(l2);
+    weft_tensor_release(t1);
+    weft_tensor_release(gx);
+    weft_tensor_release(gw1);
+    weft_tensor_release(gw2);
+    weft_tensor_release(loss);
+    weft_tensor_release(y2);
+    weft_tensor_release(y);
+    weft_tensor_release(x);
+    return 0;
+}
+
+Test(dist_autograd, accumulate_grad_and_the_deadline)
+{
+    ranks_opts_t o;
+    ranks_opts_init(&o, 3, body_options);
+    o.setup = setup;
+    int codes[3];
+    cr_assert_eq(ranks_run(&o, codes), 0);
 }
