@@ -1406,6 +1406,14 @@ static weft_status_t ones_like(const weft_tensor_t *t, weft_tensor_t **out_p)
     return WEFT_OK;
 }
 
+static int cmp_ptr(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t) * (void *const *)a;
+    uintptr_t y = (uintptr_t) * (void *const *)b;
+
+    return x < y ? -1 : x > y;
+}
+
 void weft_backward_opts_init(weft_backward_opts_t *opts)
 {
     if (opts != NULL) {
@@ -1420,6 +1428,8 @@ weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots, weft_tens
     run_t r = {0};
     weft__ag_node_t **root_nodes = NULL;
     weft_tensor_t **root_grads = NULL;
+    weft__ag_node_t **root_extra = NULL;
+    size_t n_extra = 0;
     weft_status_t status = WEFT_OK;
     int n_roots;
 
@@ -1497,10 +1507,26 @@ weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots, weft_tens
         goto out;
     }
     /* Root gradients enter as if delivered along an edge (count them all first, so that a
-     * node that is the grad_fn of two roots runs once). */
+     * node that is the grad_fn of two roots runs once). Root nodes (given once each, however
+     * often they are listed) count one more, balanced below. */
     for (int i = 0; i < n_roots; i++) {
         if (root_nodes[i] != NULL) {
             root_nodes[i]->deps++; /* balanced by deliver() */
+        }
+    }
+    if (o.n_root_nodes > 0) {
+        root_extra = weft_calloc(o.n_root_nodes, sizeof(*root_extra));
+        if (root_extra == NULL) {
+            status = weft__set_error(WEFT_ERR_NO_MEMORY, "backward: out of memory");
+            goto out;
+        }
+        memcpy(root_extra, o.root_nodes, o.n_root_nodes * sizeof(*root_extra));
+        qsort(root_extra, o.n_root_nodes, sizeof(*root_extra), cmp_ptr);
+        for (size_t i = 0; i < o.n_root_nodes; i++) {
+            if (i == 0 || root_extra[i] != root_extra[i - 1]) {
+                root_extra[n_extra++] = root_extra[i];
+                root_extra[n_extra - 1]->deps++;
+            }
         }
     }
     for (int i = 0; i < n_roots; i++) {
@@ -1516,24 +1542,11 @@ weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots, weft_tens
         }
         WEFT_CHECK_GOTO(deliver(&r, &e, g), status, out);
     }
-    /* Root nodes start without a gradient, once whatever else leads to them has run (a node
-     * given twice counts once). */
-    for (size_t i = 0; i < o.n_root_nodes; i++) {
-        weft__ag_node_t *rn = o.root_nodes[i];
+    /* Root nodes start without a gradient, once whatever else leads to them has run. */
+    for (size_t i = 0; i < n_extra; i++) {
+        weft__ag_edge_t e = {.node = root_extra[i]};
 
-        if (rn->seq >= 0) {
-            rn->deps++;
-            rn->seq = -1 - rn->seq; /* marks "counted" until the loop below */
-        }
-    }
-    for (size_t i = 0; i < o.n_root_nodes; i++) {
-        weft__ag_node_t *rn = o.root_nodes[i];
-        weft__ag_edge_t e = {.node = rn};
-
-        if (rn->seq < 0) {
-            rn->seq = -1 - rn->seq;
-            WEFT_CHECK_GOTO(deliver(&r, &e, NULL), status, out);
-        }
+        WEFT_CHECK_GOTO(deliver(&r, &e, NULL), status, out);
     }
     /* Run ready nodes, later-created first; resume waiting nodes as their futures complete, and
      * sleep on those futures only when nothing else is ready. */
@@ -1548,7 +1561,7 @@ weft_status_t weft_backward_run(size_t n, weft_tensor_t *const *roots, weft_tens
             break;
         }
         if (o.idle_fn != NULL) {
-            o.idle_fn(o.idle_arg);
+            o.idle_fn(o.idle_arg, r.n_waits);
         }
         WEFT_CHECK_GOTO(sleep_until_resumable(&r), status, out);
         WEFT_CHECK_GOTO(resume_ready(&r), status, out);
@@ -1585,6 +1598,7 @@ out:
     }
     weft_free(root_grads);
     weft_free(root_nodes);
+    weft_free(root_extra);
     weft_free(r.nodes);
     weft_free(r.heap);
     weft_free(r.leaves);

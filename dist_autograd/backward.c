@@ -61,12 +61,15 @@ static weft_status_t run_start_locked(dctx_t *c, uint32_t pass, bool root, int r
         weft_free(r);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "dist_autograd: no memory for a backward");
     }
+    atomic_init(&r->refs, 1);
     for (size_t i = 0; i < c->n_sends; i++) {
         dsend_t *s = c->sends[i];
         weft_future_t *f = NULL;
 
+        if (s->dead) {
+            continue; /* its frame never got through: nothing will come for it */
+        }
         if (weft_future_create(&f) != WEFT_OK) {
-            r->n_sends = (int)i;
             dist__run_unref(r);
             return weft__set_error(WEFT_ERR_NO_MEMORY, "dist_autograd: no memory for a backward");
         }
@@ -74,12 +77,11 @@ static weft_status_t run_start_locked(dctx_t *c, uint32_t pass, bool root, int r
         s->arrived = f;
         s->pass = pass;
         s->got = false;
-        r->nodes[i] = weft_ag_node_retain(s->node);
+        r->nodes[r->n_sends] = weft_ag_node_retain(s->node);
         atomic_fetch_add(&s->refs, 1);
-        r->sends[i] = s;
+        r->sends[r->n_sends++] = s;
     }
-    r->n_sends = (int)c->n_sends;
-    atomic_init(&r->refs, 2); /* the context's and the caller's */
+    atomic_fetch_add(&r->refs, 1); /* the context's and the caller's */
     r->c = c;
     r->pass = pass;
     r->root = root;
@@ -147,12 +149,8 @@ drun_t *dist__run_stop_locked(dctx_t *c, uint32_t pass, bool finish, weft_status
     (void)st;
     (void)why;
     if (r == NULL || r->pass != pass) {
-        /* No part of this pass ran here: every send function of the context missed it. */
-        if (finish && out != NULL) {
-            for (size_t i = 0; i < c->n_sends; i++) {
-                unused_add(out, n_out, c->d->rank, c->sends[i]);
-            }
-        }
+        /* No part of this pass ran here: this worker took no part in the backward. Its send
+         * functions' frames were not used, and nobody waits for them: they are not reported. */
         return NULL;
     }
     if (!r->ended) {
@@ -228,7 +226,7 @@ static void ack(weft_call_t *call, uint32_t pending, deferred_t *d)
  * it sent answered, every one it received taken)? Then a busy non-root worker answers the call
  * that made it busy; the root knows the pass is over everywhere, and its send functions still
  * waiting never get a gradient. */
-static void run_idle(void *arg)
+static void run_idle(void *arg, size_t n_waiting)
 {
     drun_t *r = arg;
     dctx_t *c = r->c;
@@ -239,7 +237,11 @@ static void run_idle(void *arg)
     deferred_t dfr = {0};
 
     pthread_mutex_lock(&c->mu);
-    if (r->unacked == 0 && r->delivered == 0 && !r->stopping) {
+    /* Idle only when every waiting node is one of ours: a send function waiting for its gradient
+     * (none has come: delivered == 0, and no receive function waits: unacked == 0); a node of
+     * the user's own that waits on its future is work still going on. */
+    if (r->unacked == 0 && r->delivered == 0 && !r->stopping &&
+        n_waiting == (size_t)(r->n_sends - r->resumed)) {
         if (r->root) {
             for (int i = 0; i < r->n_sends; i++) {
                 dsend_t *s = r->sends[i];
@@ -323,7 +325,11 @@ static weft_status_t leaf_give(void *arg, weft_tensor_t *leaf, weft_tensor_t *gr
         e->grad = NULL;
     }
     if (grad != NULL) {
-        if (e->grad == NULL) {
+        if (weft_tensor_numel(grad) != weft_tensor_numel(leaf) ||
+            weft_tensor_dtype(grad) != weft_tensor_dtype(leaf)) {
+            st = weft__set_error(WEFT_ERR_SHAPE, "dist_autograd: a leaf's gradient does not match "
+                                                 "it");
+        } else if (e->grad == NULL) {
             st = weft_tensor_clone(grad, &e->grad);
         } else {
             grad_add(e->grad, grad);
@@ -408,16 +414,33 @@ static weft_status_t send_resume(weft_ag_node_t *n, weft_future_t *f, void *arg,
     (void)grad_out;
     pthread_mutex_lock(&r->c->mu);
     r->delivered--;
+    r->resumed++;
+    bool dead = s->dead;
     pthread_mutex_unlock(&r->c->mu);
     WEFT_CHECK(weft_future_take_value(f, &v));
+    if (v == NULL && dead) {
+        return WEFT_OK; /* its call failed: no gradient */
+    }
     if (v == NULL || weft_value_num_tensors(v) != (size_t)s->n) {
         st = weft__set_error(WEFT_ERR_PROTOCOL,
                              "the gradient for '%s' (%s) came with %zu tensors for %d", s->fn,
                              s->reply ? "answer" : "arguments",
                              v == NULL ? (size_t)0 : weft_value_num_tensors(v), s->n);
     } else {
-        for (int i = 0; i < s->n; i++) {
-            grad_in[i] = weft_tensor_retain(weft_value_tensor(v, (size_t)i));
+        for (int i = 0; i < s->n && st == WEFT_OK; i++) {
+            weft_tensor_t *g = weft_value_tensor(v, (size_t)i);
+
+            if (weft_tensor_dtype(g) != s->dtype[i] || weft_tensor_numel(g) != s->numel[i]) {
+                st = weft__set_error(WEFT_ERR_PROTOCOL,
+                                     "the gradient for tensor %d of '%s' (%s) is %s of %lld "
+                                     "elements, for %s of %lld",
+                                     i, s->fn, s->reply ? "answer" : "arguments",
+                                     weft_dtype_name(weft_tensor_dtype(g)),
+                                     (long long)weft_tensor_numel(g),
+                                     weft_dtype_name(s->dtype[i]), (long long)s->numel[i]);
+                break;
+            }
+            grad_in[i] = weft_tensor_retain(g);
         }
     }
     weft_value_free(v);
@@ -465,9 +488,28 @@ static weft_status_t defer_locked(drun_t *r, uint64_t msg, int n, weft_tensor_t 
     if (r->defer_body == NULL) {
         WEFT_CHECK(weft_value_create(&r->defer_body));
     }
+    /* Whole or not at all: a partial entry would shift every later one. */
+    size_t before = weft_value_num_tensors(r->defer_body);
+    weft_value_t *tmp = NULL;
+    WEFT_CHECK(weft_value_create(&tmp));
     for (int i = 0; i < n; i++) {
-        WEFT_CHECK(weft_value_add_tensor(r->defer_body, grads[i]));
+        weft_status_t st = weft_value_add_tensor(tmp, grads[i]);
+        if (st != WEFT_OK) {
+            weft_value_free(tmp);
+            return st;
+        }
     }
+    for (int i = 0; i < n; i++) {
+        weft_status_t st = weft_value_add_tensor(r->defer_body, weft_value_tensor(tmp, (size_t)i));
+        if (st != WEFT_OK) {
+            /* Cannot take the added ones back: this run's answer is spoiled. */
+            weft_value_free(tmp);
+            (void)before;
+            r->stopping = true;
+            return st;
+        }
+    }
+    weft_value_free(tmp);
     r->defer_msg[r->n_defer] = msg;
     r->defer_count[r->n_defer] = (uint32_t)n;
     r->n_defer++;
@@ -774,19 +816,19 @@ void dist__handle_grad(weft_call_t *call, void *arg)
         }
     }
     pthread_mutex_unlock(&c->mu);
-    if (start) {
-        atomic_fetch_add(&c->refs, 1); /* the runner's */
-        dist__run_task(d, run_main, r);
-    }
     if (st != WEFT_OK) {
         weft_call_fail(call, st, "%s", why);
     } else {
         weft_future_complete(f, WEFT_OK, NULL, body);
         body = NULL;
         weft_future_release(f);
-        if (answer_now) {
-            ack(call, 0, NULL);
-        }
+    }
+    if (start) {
+        atomic_fetch_add(&c->refs, 1); /* the runner's */
+        dist__run_task(d, run_main, r);
+    }
+    if (st == WEFT_OK && answer_now) {
+        ack(call, 0, NULL);
     }
     dist__ctx_unref(c);
 out:
@@ -931,7 +973,12 @@ weft_status_t weft_dist_backward(weft_agent_t *a, uint64_t id, size_t n,
                                (unsigned long long)id, d->name);
     }
     pthread_mutex_lock(&c->mu);
-    if (c->run != NULL && !c->run->ended) {
+    if (c->origin != d->rank) {
+        st = weft__set_error(WEFT_ERR_INVALID_STATE,
+                             "dist_backward: context %llx was created on rank %d; its backward runs "
+                             "there",
+                             (unsigned long long)id, c->origin);
+    } else if (c->run != NULL && !c->run->ended) {
         st = weft__set_error(WEFT_ERR_INVALID_STATE,
                              "dist_backward: a backward already runs in context %llx on %s",
                              (unsigned long long)id, d->name);
@@ -1036,9 +1083,9 @@ weft_status_t weft_dist_get_gradients(weft_agent_t *a, uint64_t id, weft_dist_gr
         return weft__set_error(WEFT_ERR_NO_MEMORY, "dist_get_gradients: no memory");
     }
     for (size_t i = 0; i < c->n_grads; i++) {
-        if (c->grads[i].grad != NULL) {
+        if (c->grads[i].grad != NULL &&
+            weft_tensor_clone(c->grads[i].grad, &g->grad[g->n]) == WEFT_OK) {
             g->leaf[g->n] = weft_tensor_retain(c->grads[i].leaf);
-            g->grad[g->n] = weft_tensor_retain(c->grads[i].grad);
             g->n++;
         }
     }

@@ -44,6 +44,8 @@ void dist__send_unref(dsend_t *s)
     if (s != NULL && atomic_fetch_sub(&s->refs, 1) == 1) {
         weft_future_release(s->arrived);
         weft_free(s->fn);
+        weft_free(s->dtype);
+        weft_free(s->numel);
         weft_free(s);
     }
 }
@@ -261,7 +263,9 @@ static weft_status_t on_send(void *arg, int to, const char *fn, bool reply, cons
     dist__known_add_locked(c, to);
     c->touched_ns = weft__now_ns();
     pthread_mutex_unlock(&c->mu);
-    if (nt == 0 || !weft_grad_enabled()) {
+    /* An answer is recorded whatever the answering thread's grad mode: its tensors require
+     * gradients because the handler computed them so. */
+    if (nt == 0 || (!reply && !weft_grad_enabled())) {
         dist__ctx_unref(c);
         return WEFT_OK;
     }
@@ -279,7 +283,12 @@ static weft_status_t on_send(void *arg, int to, const char *fn, bool reply, cons
     }
     idx = weft_alloc((size_t)k * sizeof(*idx));
     s = weft_calloc(1, sizeof(*s));
-    if (in == NULL || idx == NULL || s == NULL || (s->fn = weft_strdup(fn != NULL ? fn : "?")) == NULL) {
+    if (s != NULL) {
+        s->dtype = weft_calloc((size_t)k, sizeof(*s->dtype));
+        s->numel = weft_calloc((size_t)k, sizeof(*s->numel));
+    }
+    if (in == NULL || idx == NULL || s == NULL || s->dtype == NULL || s->numel == NULL ||
+        (s->fn = weft_strdup(fn != NULL ? fn : "?")) == NULL) {
         st = weft__set_error(WEFT_ERR_NO_MEMORY, "dist_autograd: no memory to record a call");
         goto fail;
     }
@@ -289,6 +298,8 @@ static weft_status_t on_send(void *arg, int to, const char *fn, bool reply, cons
 
         if (weft_tensor_requires_grad(t)) {
             in[k] = t;
+            s->dtype[k] = weft_tensor_dtype(t);
+            s->numel[k] = weft_tensor_numel(t);
             idx[k++] = (uint32_t)i;
         }
     }
@@ -358,7 +369,15 @@ static weft_status_t on_recv(void *arg, int from, const char *fn, bool reply,
         return weft__set_error(WEFT_ERR_PROTOCOL, "'%s' from rank %d carries context %llx of no rank",
                                fn != NULL ? fn : "?", from, (unsigned long long)ag->context);
     }
-    WEFT_CHECK(ctx_get(d, ag->context, true, &c));
+    /* A context comes to life here only by another worker's call: an answer, or a call in one
+     * of this worker's own contexts, that finds none came after its release. */
+    if (ctx_get(d, ag->context, !reply && (int)(ag->context >> 48) != d->rank, &c) != WEFT_OK) {
+        return weft__set_error(WEFT_ERR_NOT_FOUND,
+                               "%s '%s' from rank %d is in distributed autograd context %llx, "
+                               "which %s no longer holds (released)",
+                               reply ? "the answer of" : "a call of", fn != NULL ? fn : "?", from,
+                               (unsigned long long)ag->context, d->name);
+    }
     pthread_mutex_lock(&c->mu);
     dist__known_add_locked(c, from);
     c->touched_ns = weft__now_ns();
@@ -418,6 +437,40 @@ out:
     }
     dist__ctx_unref(c);
     return st;
+}
+
+static void on_dead(void *arg, uint64_t context, uint64_t message)
+{
+    dist_t *d = arg;
+    dctx_t *c = dist__find(d, context);
+    weft_future_t *f = NULL;
+
+    if (c == NULL) {
+        return;
+    }
+    pthread_mutex_lock(&c->mu);
+    for (size_t i = 0; i < c->n_sends; i++) {
+        dsend_t *s = c->sends[i];
+        drun_t *r = c->run;
+
+        if (s->msg != message) {
+            continue;
+        }
+        s->dead = true;
+        /* A run waiting for it lets it go without a gradient. */
+        if (r != NULL && !r->ended && !r->stopping && s->pass == r->pass && !s->got) {
+            s->got = true;
+            r->delivered++;
+            f = weft_future_retain(s->arrived);
+        }
+        break;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (f != NULL) {
+        weft_future_complete(f, WEFT_OK, NULL, NULL);
+        weft_future_release(f);
+    }
+    dist__ctx_unref(c);
 }
 
 /* ------------------------------------------------------------------ control messages */
@@ -614,12 +667,18 @@ weft_status_t dist__propagate(dist_t *d, dctx_t *c, const Weft__V1__DistControl 
             gather_item_done(g);
             continue;
         }
-        (void)weft_future_then(f, forwarded_done, g);
+        if (weft_future_then(f, forwarded_done, g) != WEFT_OK) {
+            gather_fail(g, WEFT_ERR_NO_MEMORY, "dist_autograd: no memory");
+            weft_future_release(f);
+            gather_item_done(g);
+        }
     }
     weft_value_free(v);
     weft_free(to);
-    if (local_done_f != NULL) {
-        (void)weft_future_then(weft_future_retain(local_done_f), local_done, g);
+    if (local_done_f != NULL &&
+        weft_future_then(weft_future_retain(local_done_f), local_done, g) != WEFT_OK) {
+        weft_future_release(local_done_f);
+        gather_item_done(g);
     }
     gather_item_done(g);
     return WEFT_OK;
@@ -825,17 +884,29 @@ void dist__run_task(dist_t *d, void (*fn)(void *arg), void *arg)
     for (dtask_t *q = d->tasks; q != NULL; q = q->next) {
         queued++;
     }
+    bool inline_run = false;
     if (queued > d->idle) {
         pthread_attr_t at;
         pthread_attr_init(&at);
         pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
         if (pthread_create(&th, &at, runner_main, d) == 0) {
             d->live++;
+        } else if (d->live == 0) {
+            /* No thread at all: this one runs it (it counts as blocked where it waits). */
+            d->tasks = t->next;
+            if (d->tasks == NULL) {
+                d->tasks_tail = NULL;
+            }
+            inline_run = true;
         }
         pthread_attr_destroy(&at);
     }
     pthread_cond_signal(&d->run_cv);
     pthread_mutex_unlock(&d->run_mu);
+    if (inline_run) {
+        weft_free(t);
+        fn(arg);
+    }
 }
 
 /* ------------------------------------------------------------------ expiry and peer loss */
@@ -945,7 +1016,7 @@ static weft_status_t on_shutdown(void *state, int64_t deadline_ms)
 static weft_status_t dist_create(weft_agent_t *a, void **state_p)
 {
     dist_t *d = weft_calloc(1, sizeof(*d));
-    weft_call_hooks_t hooks = {.on_send = on_send, .on_recv = on_recv};
+    weft_call_hooks_t hooks = {.on_send = on_send, .on_recv = on_recv, .on_dead = on_dead};
     weft_status_t st;
 
     if (d == NULL) {
@@ -974,6 +1045,7 @@ static weft_status_t dist_create(weft_agent_t *a, void **state_p)
     pthread_cond_init(&d->run_cv, NULL);
     pthread_cond_init(&d->run_idle_cv, NULL);
     pthread_mutex_init(&d->opt_mu, NULL);
+    pthread_mutex_init(&d->step_mu, NULL);
     atomic_init(&d->next_ctx, 1);
     atomic_init(&d->next_msg, 1);
     atomic_init(&d->next_opt, 1);
@@ -1000,13 +1072,7 @@ static void dist_destroy(void *state)
     size_t n = 0;
     dctx_t **all;
 
-    pthread_mutex_lock(&d->run_mu);
-    d->stopping = true;
-    pthread_cond_broadcast(&d->run_cv);
-    while (d->live > 0) {
-        pthread_cond_wait(&d->run_idle_cv, &d->run_mu);
-    }
-    pthread_mutex_unlock(&d->run_mu);
+    /* The contexts first: their runs' waiting nodes fail, so the runner threads come back. */
     all = ctx_snapshot(d, &n);
     for (size_t i = 0; all != NULL && i < n; i++) {
         weft_future_t *w = ctx_drop(d, all[i], WEFT_ERR_SHUTDOWN, "the agent was freed");
@@ -1014,6 +1080,13 @@ static void dist_destroy(void *state)
         dist__ctx_unref(all[i]);
     }
     weft_free(all);
+    pthread_mutex_lock(&d->run_mu);
+    d->stopping = true;
+    pthread_cond_broadcast(&d->run_cv);
+    while (d->live > 0) {
+        pthread_cond_wait(&d->run_idle_cv, &d->run_mu);
+    }
+    pthread_mutex_unlock(&d->run_mu);
     dist__opts_free(d);
     weft_free(d->buckets);
     weft_free(d->name);
@@ -1022,6 +1095,7 @@ static void dist_destroy(void *state)
     pthread_cond_destroy(&d->run_cv);
     pthread_cond_destroy(&d->run_idle_cv);
     pthread_mutex_destroy(&d->opt_mu);
+    pthread_mutex_destroy(&d->step_mu);
     weft_free(d);
 }
 

@@ -47,6 +47,9 @@ typedef struct dsend {
     bool reply;   /* an answer (else a request's arguments) */
     char *fn;
     int n;                /* marked tensors: the node's inputs, in order */
+    weft_dtype_t *dtype;  /* each input's dtype and element count, to check gradients against */
+    int64_t *numel;
+    bool dead;            /* its frame will get no gradient (not sent, or its call failed) */
     weft_ag_node_t *node; /* held by the context's list, not by this record */
     /* the current pass (under the context's lock) */
     uint32_t pass;
@@ -90,6 +93,7 @@ struct drun {
     bool engaged;        /* has work or answers outstanding (the root always) */
     weft_call_t *parent; /* the gradient call that engaged it: answered once it is idle */
     int unacked;         /* gradients this worker sent, not answered yet */
+    int resumed;         /* send functions resumed (the others still wait in the engine) */
     int delivered;       /* gradients delivered to its send functions, not taken yet */
     bool remote_pending; /* an answer said some worker still has send functions waiting */
     bool unused_fired;   /* the root failed its waiting send functions as unused */
@@ -154,6 +158,7 @@ struct dist {
     bool stopping;
     /* the distributed optimizer's local optimizers on this worker (optimizer.c) */
     pthread_mutex_t opt_mu;
+    pthread_mutex_t step_mu; /* one step at a time on this owner: optimizers may share parameters */
     struct dopt *opts;
     _Atomic uint64_t next_opt;
 };

@@ -188,7 +188,9 @@ static weft_status_t owner_step(dist_t *d, uint64_t id, uint64_t ctx)
     }
     pthread_mutex_unlock(&c->mu);
     /* The local optimizer steps with the context's gradients in place of the parameters' own,
-     * which come back afterwards. */
+     * which come back afterwards; one step at a time on this owner, as optimizers of several
+     * workers may hold the same parameters. */
+    pthread_mutex_lock(&d->step_mu);
     for (int i = 0; i < n; i++) {
         weft_tensor_t *p = weft_param_list_get(o->params, i);
         old[i] = weft_tensor_retain(weft_tensor_grad(p));
@@ -198,6 +200,7 @@ static weft_status_t owner_step(dist_t *d, uint64_t id, uint64_t ctx)
     for (int i = 0; i < n; i++) {
         (void)weft_tensor_set_grad(weft_param_list_get(o->params, i), old[i]);
     }
+    pthread_mutex_unlock(&d->step_mu);
 
 out:
     for (int i = 0; old != NULL && g != NULL && i < n; i++) {
@@ -423,14 +426,18 @@ weft_status_t weft_dist_optim_create(weft_agent_t *a, const weft_dist_optim_conf
     if (st == WEFT_OK) {
         st = call_owners(o, msgs, 0, answers);
     }
-    for (int k = 0; st == WEFT_OK && k < o->n_owners; k++) {
+    /* Every owner that made its optimizer is known, also when another failed: the free below
+     * drops them. */
+    for (int k = 0; k < o->n_owners; k++) {
         Weft__V1__DistOptim *rep = NULL;
 
-        st = weft_msg_unpack(answers[k], &weft__v1__dist_optim__descriptor,
-                             (ProtobufCMessage **)&rep, NULL);
-        if (st == WEFT_OK) {
+        if (answers[k] != NULL &&
+            weft_msg_unpack(answers[k], &weft__v1__dist_optim__descriptor,
+                            (ProtobufCMessage **)&rep, NULL) == WEFT_OK) {
             o->owners[k].id = rep->id;
             weft_msg_header_free(&rep->base);
+        } else if (st == WEFT_OK) {
+            st = weft__set_error(WEFT_ERR_PROTOCOL, "dist_optim_create: an answer did not decode");
         }
     }
 
@@ -492,17 +499,22 @@ void weft_dist_optim_free(weft_dist_optim_t *o)
     }
     msgs = weft_calloc((size_t)o->n_owners + 1, sizeof(*msgs));
     if (msgs != NULL) {
-        bool ok = true;
-        for (int k = 0; k < o->n_owners && ok; k++) {
+        /* Only the owners that made one (a failed create frees what it made). */
+        int kept = 0;
+        for (int k = 0; k < o->n_owners; k++) {
             Weft__V1__DistOptim m = WEFT__V1__DIST_OPTIM__INIT;
 
+            if (o->owners[k].id == 0) {
+                continue;
+            }
             m.op = WEFT__V1__DIST_OPTIM_OP__DIST_OPTIM_FREE;
             m.id = o->owners[k].id;
-            ok = o->owners[k].id == 0 || weft_msg_pack(&m.base, NULL, &msgs[k]) == WEFT_OK;
+            if (weft_msg_pack(&m.base, NULL, &msgs[kept]) == WEFT_OK) {
+                o->owners[kept++] = o->owners[k];
+            }
         }
-        if (ok) {
-            (void)call_owners(o, msgs, 0, NULL);
-        }
+        o->n_owners = kept;
+        (void)call_owners(o, msgs, 0, NULL);
         for (int k = 0; k < o->n_owners; k++) {
             weft_value_free(msgs[k]);
         }

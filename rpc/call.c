@@ -63,6 +63,13 @@ weft_status_t weft_agent_set_call_hooks(weft_agent_t *a, const weft_call_hooks_t
     return WEFT_OK;
 }
 
+void weft__call_ag_dead(weft_agent_t *a, uint64_t context, uint64_t message)
+{
+    if (message != 0 && atomic_load(&a->has_call_hooks) && a->call_hooks.on_dead != NULL) {
+        a->call_hooks.on_dead(a->call_hooks.arg, context, message);
+    }
+}
+
 weft_status_t weft__call_ag_recv(weft_agent_t *a, const Weft__V1__Envelope *env, int from,
                                  const char *fn, bool reply, weft_value_t **v_p)
 {
@@ -518,6 +525,9 @@ static void pending_finish(weft_agent_t *a, weft__pending_t *p, weft_status_t st
     if (p->timer_id != 0 && a->timer != NULL) {
         (void)weft__timer_cancel(a->timer, p->timer_id);
     }
+    if (st != WEFT_OK) {
+        weft__call_ag_dead(a, p->ag_context, p->ag_message);
+    }
     weft_future_complete(p->f, st, text, v);
     pending_free(p);
 }
@@ -876,6 +886,7 @@ static weft_status_t rpc_async(weft_agent_t *a, int to, const char *fn, const we
                                int64_t timeout_ms, bool internal, const weft_rpc_into_t *into,
                                size_t n_into, weft_future_t **f_p)
 {
+    uint64_t ag_message = 0;
     weft_status_t st;
     weft_future_t *f;
     weft__pending_t *p;
@@ -930,7 +941,10 @@ static weft_status_t rpc_async(weft_agent_t *a, int to, const char *fn, const we
         .request_id = id,
         .timeout_ms = timeout_ms,
         .user_request = !internal,
-        .ag_context = weft__thread_ag_context,
+        /* A module's calls are not recorded (its own protocol), but rref's, which carry the
+         * user's tensors. */
+        .ag_context = internal && strncmp(fn, "__weft.rref.", 12) != 0 ? 0 : weft__thread_ag_context,
+        .ag_message_p = &ag_message,
     };
     weft__path_t path;
     st = weft__route(a, &fr, &path);
@@ -956,6 +970,8 @@ static weft_status_t rpc_async(weft_agent_t *a, int to, const char *fn, const we
         }
         /* Not sent: the call fails through its future like any lost call. */
         if (q != NULL) {
+            q->ag_context = fr.ag_context;
+            q->ag_message = ag_message;
             pending_finish(a, q, st, why, NULL);
         }
     } else {
@@ -963,8 +979,15 @@ static weft_status_t rpc_async(weft_agent_t *a, int to, const char *fn, const we
         weft__pending_t *q = pending_find(a, id);
         if (q != NULL) {
             q->path = path;
+            q->ag_context = fr.ag_context;
+            q->ag_message = ag_message;
         }
         pthread_mutex_unlock(&a->pend_mu);
+        if (q == NULL && ag_message != 0 && weft_future_done(f) &&
+            weft_future_status(f) != WEFT_OK) {
+            /* It failed before its send function was known to the pending call. */
+            weft__call_ag_dead(a, fr.ag_context, ag_message);
+        }
     }
     *f_p = f;
     return WEFT_OK;

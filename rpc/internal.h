@@ -172,6 +172,7 @@ typedef struct {
     weft_future_t *sent;            /* ONEWAY: completes once handed over (taken by the route) */
     bool user_request;              /* counted by shutdown */
     uint64_t ag_context;            /* REQUEST, RESPONSE: distributed autograd's context, or 0 */
+    uint64_t *ag_message_p;         /* REQUEST: gets the send function on_send recorded, or 0 */
 } weft__frame_t;
 
 /* The way a frame went: a request's answer is accepted only back this way. */
@@ -301,6 +302,7 @@ typedef struct weft__pending {
     bool landing;         /* a direct reader is writing the answer into @into right now */
     bool expired;         /* its deadline passed while landing: it finishes when the reader is done */
     weft_status_t held;   /* a failure that came while landing (a lost peer), or WEFT_OK */
+    uint64_t ag_context, ag_message; /* distributed autograd's send function of the request */
     char *held_why;
     struct weft__pending *next;
 } weft__pending_t;
@@ -523,6 +525,8 @@ weft_status_t weft__call_timeout(const weft_agent_t *a, int64_t timeout_ms, int6
 
 /* The thread's distributed autograd context (call.c). */
 extern _Thread_local uint64_t weft__thread_ag_context;
+/* Tells distributed autograd that a recorded frame gets no gradient (call.c). */
+void weft__call_ag_dead(weft_agent_t *a, uint64_t context, uint64_t message);
 /* Runs the autograd hook on a received request or answer with a context (call.c). */
 weft_status_t weft__call_ag_recv(weft_agent_t *a, const Weft__V1__Envelope *env, int from,
                                  const char *fn, bool reply, weft_value_t **v_p);

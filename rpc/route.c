@@ -71,6 +71,7 @@ weft_status_t weft__route(weft_agent_t *a, const weft__frame_t *fr, weft__path_t
     weft__outmsg_t *m = NULL;
     weft__refs_out_t *refs = NULL;
     Weft__V1__Envelope env = WEFT__V1__ENVELOPE__INIT;
+    weft_call_autograd_t ag = {0};
 
     if (path_p != NULL) {
         path_p->handed = false;
@@ -99,7 +100,10 @@ weft_status_t weft__route(weft_agent_t *a, const weft__frame_t *fr, weft__path_t
     /* A failed answer carries no value. */
     const weft_value_t *v =
         fr->kind == WEFT__V1__KIND__KIND_RESPONSE && fr->status != WEFT_OK ? NULL : fr->value;
-    weft_call_autograd_t ag = {.context = fr->ag_context};
+    ag.context = fr->ag_context;
+    if (fr->ag_message_p != NULL) {
+        *fr->ag_message_p = 0;
+    }
     if (ag.context != 0 && fr->kind != WEFT__V1__KIND__KIND_ONEWAY &&
         (fr->kind == WEFT__V1__KIND__KIND_REQUEST || fr->status == WEFT_OK) &&
         atomic_load(&a->has_call_hooks)) {
@@ -108,6 +112,7 @@ weft_status_t weft__route(weft_agent_t *a, const weft__frame_t *fr, weft__path_t
                                    fr->kind == WEFT__V1__KIND__KIND_RESPONSE, v, &ag);
         if (st != WEFT_OK) {
             weft_free(ag.grads);
+            ag.message = 0;
             goto err_release_sent;
         }
         env.autograd_context = ag.context;
@@ -125,6 +130,9 @@ weft_status_t weft__route(weft_agent_t *a, const weft__frame_t *fr, weft__path_t
     if (st != WEFT_OK) {
         weft__refs_out_free(refs, false);
         goto err_release_sent;
+    }
+    if (fr->ag_message_p != NULL) {
+        *fr->ag_message_p = ag.message;
     }
     m->refs = refs; /* from here on, freeing @p m unsent runs the codecs' unsent */
     m->sent = fr->sent;
@@ -151,6 +159,9 @@ weft_status_t weft__route(weft_agent_t *a, const weft__frame_t *fr, weft__path_t
                      m->nbytes, who, (unsigned long long)limit);
         }
         weft__outmsg_free(m, WEFT_ERR_TOO_LARGE, why);
+        if (ag.message != 0) {
+            weft__call_ag_dead(a, ag.context, ag.message);
+        }
         return weft__set_error(WEFT_ERR_TOO_LARGE, "%s", why);
     }
     weft__tp_id_t tp = choose(a, fr, m);
@@ -178,6 +189,13 @@ weft_status_t weft__route(weft_agent_t *a, const weft__frame_t *fr, weft__path_t
     return a->transports[tp]->send(a, fr->to, via, m, fr->flags, path_p);
 
 err_release_sent:
+    if (ag.message != 0) {
+        weft_status_t keep = st;
+        char text[WEFT__ERROR_MAX];
+        snprintf(text, sizeof(text), "%s", weft_last_error());
+        weft__call_ag_dead(a, ag.context, ag.message);
+        weft__set_error(keep, "%s", text);
+    }
     if (fr->sent != NULL) {
         weft_future_release(fr->sent);
     }

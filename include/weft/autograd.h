@@ -145,10 +145,10 @@ typedef struct {
     void *leaf_arg;
     bool leaf_also_grad;
     /**
-     * Called on the engine's thread each time nothing can run and every node left waits on a
-     * future, just before the engine sleeps on them (it may complete some of those futures).
+     * Called on the engine's thread each time nothing can run and the @p n_waiting nodes left all
+     * wait on futures, just before the engine sleeps on them (it may complete some of them).
      */
-    void (*idle_fn)(void *arg);
+    void (*idle_fn)(void *arg, size_t n_waiting);
     void *idle_arg;
 } weft_backward_opts_t;
 

@@ -167,7 +167,8 @@ typedef struct {
 /**
  * Hooks of the module that records calls for distributed autograd (one per agent). rpc calls
  * on_send for every request made while the calling thread is in a context
- * (weft_rpc_thread_context) and every answer to a request that came with one, before the frame is
+ * (weft_rpc_thread_context; a module's own calls, under "__weft.", carry none, but for rref's)
+ * and every answer to a request that came with one, before the frame is
  * encoded: it fills @p ag (context already set) or fails the send with its status. rpc calls
  * on_recv for every request or answer that came with a context, before the handler runs or the
  * caller's future completes, with the value (NULL: none) whose tensors it may attach nodes to; a
@@ -179,6 +180,11 @@ typedef struct {
                              weft_call_autograd_t *ag);
     weft_status_t (*on_recv)(void *arg, int from, const char *fn, bool reply,
                              const weft_call_autograd_t *ag, weft_value_t *v);
+    /**
+     * A frame on_send marked (@p message of @p context) will get no gradient: it was not sent
+     * after all, or its call failed (an error answer, a deadline, a lost peer). Any thread.
+     */
+    void (*on_dead)(void *arg, uint64_t context, uint64_t message);
     void *arg;
 } weft_call_hooks_t;
 

@@ -543,6 +543,43 @@ static int body_unused(weft_agent_t *a, int rank, int world, void *arg)
     return 0;
 }
 
+/* A call that failed (an unknown function: its request's send function never gets a gradient,
+ * and nothing waits for it) does not fail a later backward. */
+static int body_failed_call(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    weft_tensor_t *t1 = leaf64(2, 2, 0.5), *w = leaf64(2, 2, 0.7);
+    uint64_t ctx = 0;
+    weft_value_t *v = NULL, *res = NULL;
+
+    RANK_CHECK(weft_dist_context_create(a, &ctx) == WEFT_OK, "%s", weft_last_error());
+    weft_value_create(&v);
+    weft_value_add_tensor(v, t1);
+    RANK_CHECK(weft_rpc_sync(a, 1, "no_such_fn", v, WAIT_MS, &res) == WEFT_ERR_NO_SUCH_FUNCTION,
+               "the call did not fail");
+    weft_value_free(v);
+    weft_tensor_t *loss = sum_all(w);
+    RANK_CHECK(weft_dist_backward(a, ctx, 1, &loss, NULL) == WEFT_OK, "%s", weft_last_error());
+    RANK_CHECK(weft_dist_context_release(a, ctx, WAIT_MS) == WEFT_OK, "%s", weft_last_error());
+    weft_tensor_release(loss);
+    weft_tensor_release(t1);
+    weft_tensor_release(w);
+    return 0;
+}
+
+Test(dist_autograd, failed_calls_are_not_waited_for)
+{
+    ranks_opts_t o;
+    ranks_opts_init(&o, 2, body_failed_call);
+    o.setup = setup;
+    int codes[3];
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 Test(dist_autograd, unused_output_is_an_error_naming_the_call)
 {
     ranks_opts_t o;
