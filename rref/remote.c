@@ -663,6 +663,13 @@ static void op_start(op_t *op)
         /* Waiting for the target may outlast the call's own deadline: a timer bounds it. */
         op_deadline_arm(op);
     }
+    if (r != NULL && weft_future_done(r->ready)) {
+        /* At once: a callback added now would queue behind the ones the ready future may still
+         * be running, one of which may be the caller itself (a handler that got this reference
+         * in its arguments runs from the fork's readiness and waits for this operation). */
+        op_target_ready(r->ready, op);
+        return;
+    }
     if (r != NULL) {
         if (weft_future_then(op->r->ready, op_target_ready, op) != WEFT_OK) {
             op_fail(op, WEFT_ERR_NO_MEMORY, "rref: no memory");

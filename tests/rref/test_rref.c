@@ -62,6 +62,26 @@ static void fn_take_rref(weft_call_t *call, void *arg)
     weft_call_reply_future(call, f);
 }
 
+/* The same with a blocking to_here in the handler (torch's def use(rref): return
+ * rref.to_here()): the handler runs from the fork's readiness and must not wait behind it. */
+static void fn_take_rref_sync(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_rref_t *r = weft_value_rref(weft_call_args(call), 0);
+    weft_value_t *v = NULL;
+
+    if (r == NULL) {
+        weft_call_fail(call, WEFT_ERR_INVALID_ARG, "no rref in the arguments");
+        return;
+    }
+    weft_status_t st = weft_rref_to_here(r, 5000, &v);
+    if (st != WEFT_OK) {
+        weft_call_fail(call, st, "to_here: %s", weft_last_error());
+        return;
+    }
+    weft_call_reply(call, v);
+}
+
 /* Forwards its RRef to the rank in its payload ("take_rref" there). */
 static void fn_forward(weft_call_t *call, void *arg)
 {
@@ -282,6 +302,7 @@ static void setup(weft_agent_t *a, int rank, void *arg)
     weft_rpc_register(a, "echo", fn_echo, NULL);
     weft_rpc_register(a, "slow", fn_slow, NULL);
     weft_rpc_register(a, "take_rref", fn_take_rref, NULL);
+    weft_rpc_register(a, "take_rref_sync", fn_take_rref_sync, NULL);
     weft_rpc_register(a, "forward", fn_forward, NULL);
     weft_rpc_register(a, "return_rref", fn_return_rref, NULL);
     weft_rpc_register(a, "keep_rref", fn_keep_rref, NULL);
@@ -418,6 +439,11 @@ static int body_flows(weft_agent_t *a, int rank, int world, void *arg)
     /* user -> user */
     st = weft_rpc_sync(a, 2, "take_rref", args, 5000, &v);
     RANK_CHECK(st == WEFT_OK && is_hello(v), "user->user: %s", weft_last_error());
+    weft_value_free(v);
+    /* user -> user, the receiver's handler blocking in to_here */
+    st = weft_rpc_sync(a, 2, "take_rref_sync", args, 5000, &v);
+    RANK_CHECK(st == WEFT_OK && is_hello(v), "user->user, blocking to_here: %s",
+               weft_last_error());
     weft_value_free(v);
     /* user -> user -> user (rank 2 forwards to rank 3) and user -> user -> owner */
     int to = 3;
