@@ -19,7 +19,7 @@ every split count, and its best split's speedup over 1 split at least torch's
 
 Systems and their programs (same counts and warm-up for both):
   weft       BUILDDIR/bench/bench_dist_autograd (bench/dist_autograd.c); the pipeline:
-             BUILDDIR/tools/weftrun -n 3 BUILDDIR/examples/pipeline_train --timing-only --json
+             BUILDDIR/tools/weftrun -n 3 BUILDDIR/examples/pipeline_train --epochs 0 --json
   torch_rpc  bench/torch_dist_autograd.py under a python that has torch (Debian's python3-torch at
              /usr/bin/python3 when this python has none)
 
@@ -80,7 +80,7 @@ def main():
         groups.append(g)
     batches = 4 if a.quick else 10
     if os.access(pipeline, os.X_OK) and os.access(weftrun, os.X_OK):
-        g = [("weft", [weftrun, "-n", "3", "--no-prefix", pipeline, "--timing-only", "--json",
+        g = [("weft", [weftrun, "-n", "3", "--no-prefix", pipeline, "--epochs", "0", "--json",
                        "--timing-batches", str(batches)], "pipeline", pipeline_mapper)]
         if torch_cmd:
             for k in SPLITS:
