@@ -336,7 +336,16 @@ void weft_call_reply_future(weft_call_t *call, weft_future_t *f)
     }
 }
 
-/* The objects of the arguments' references are ready (or one failed): run the handler. */
+static void handler_task(void *arg)
+{
+    weft_call_t *call = arg;
+
+    run_handler(call, call->handler, call->handler_arg);
+}
+
+/* The objects of the arguments' references are ready (or one failed): run the handler, on a bulk
+ * worker: the thread that made the last object ready may be any (the timer's, a module's) and
+ * must not be held by a handler that blocks (a bulk worker that blocks gets company). */
 static void args_ready(weft_status_t st, const char *text, void *arg)
 {
     weft_call_t *call = arg;
@@ -345,7 +354,9 @@ static void args_ready(weft_status_t st, const char *text, void *arg)
         weft_call_fail(call, st, "%s", text);
         return;
     }
-    run_handler(call, call->handler, call->handler_arg);
+    if (call->agent->bulk == NULL || weft__bulk_submit(call->agent->bulk, handler_task, call) != WEFT_OK) {
+        run_handler(call, call->handler, call->handler_arg);
+    }
 }
 
 void weft__call_refuse(weft_agent_t *a, const weft__origin_t *o, const Weft__V1__Envelope *env,

@@ -5,6 +5,7 @@
  * optimizer. */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -940,6 +941,129 @@ Test(dist_autograd, accumulate_grad_and_the_deadline)
 {
     ranks_opts_t o;
     ranks_opts_init(&o, 3, body_options);
+    o.setup = setup;
+    int codes[3];
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* ------------------------------------------------------------ a worker lost mid-backward */
+
+typedef struct {
+    weft_agent_t *a;
+    uint64_t ctx;
+    weft_tensor_t *loss;
+    weft_status_t st;
+    char error[512];
+} bw_thread_t;
+
+static void *bw_thread(void *arg)
+{
+    bw_thread_t *b = arg;
+    b->st = weft_dist_backward(b->a, b->ctx, 1, &b->loss, NULL);
+    snprintf(b->error, sizeof(b->error), "%s", b->st == WEFT_OK ? "" : weft_last_error());
+    return NULL;
+}
+
+static int body_lost_mid(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank == 2) {
+        RANK_WAIT(g_done, 4 * WAIT_MS, "rank 0 never said it was done");
+        return 0;
+    }
+    if (rank == 1) {
+        RANK_WAIT(0, 4 * WAIT_MS, "never told to exit");
+        return 1;
+    }
+    weft_tensor_t *t1 = leaf64(2, 2, 0.5);
+    uint64_t ctx = 0;
+    weft_value_t *v = NULL, *r1 = NULL, *r2 = NULL;
+
+    RANK_CHECK(weft_dist_context_create(a, &ctx) == WEFT_OK, "%s", weft_last_error());
+    weft_value_create(&v);
+    weft_value_add_tensor(v, t1);
+    weft_value_add_tensor(v, t1);
+    RANK_CHECK(weft_rpc_sync(a, 1, "slow_add", v, WAIT_MS, &r1) == WEFT_OK, "%s",
+               weft_last_error());
+    RANK_CHECK(weft_rpc_sync(a, 2, "add", v, WAIT_MS, &r2) == WEFT_OK, "%s", weft_last_error());
+    weft_value_free(v);
+    weft_tensor_t *s = NULL;
+    weft_op_add(weft_value_tensor(r1, 0), weft_value_tensor(r2, 0), &s);
+    bw_thread_t b = {.a = a, .ctx = ctx, .loss = sum_all(s)};
+    pthread_t th;
+    pthread_create(&th, NULL, bw_thread, &b);
+    /* Rank 1's part sleeps in its node for 3 s: it dies in the middle of it. */
+    RANK_WAIT(remote_count(a, 2) == 1, WAIT_MS, "rank 2 has no context");
+    weft_future_t *f = NULL;
+    weft_rpc_async(a, 1, "exit", NULL, WAIT_MS, &f);
+    weft_future_wait(f, WAIT_MS);
+    weft_future_release(f);
+    pthread_join(th, NULL);
+    RANK_CHECK(b.st == WEFT_ERR_PEER_LOST, "status %s: %s", weft_status_name(b.st), b.error);
+    RANK_CHECK(weft_dist_context_release(a, ctx, WAIT_MS) == WEFT_OK, "%s", weft_last_error());
+    RANK_CHECK(remote_count(a, 2) == 0, "rank 2 kept the context");
+    weft_value_t *res = NULL;
+    (void)weft_rpc_sync(a, 2, "done", NULL, WAIT_MS, &res);
+    weft_value_free(res);
+    weft_value_free(r1);
+    weft_value_free(r2);
+    weft_tensor_release(b.loss);
+    weft_tensor_release(s);
+    weft_tensor_release(t1);
+    return 0;
+}
+
+Test(dist_autograd, worker_lost_mid_backward_fails_it)
+{
+    ranks_opts_t o;
+    ranks_opts_init(&o, 3, body_lost_mid);
+    o.setup = setup;
+    o.no_shutdown = 1;
+    o.peer_timeout_ms = 1000;
+    int codes[3];
+    ranks_run(&o, codes);
+    cr_assert_eq(codes[0], 0);
+    cr_assert_eq(codes[2], 0);
+}
+
+/* ------------------------------------------------------------ expiry */
+
+/* A context another worker's call brought, never released (its creator lives on and forgets
+ * it), goes after WEFT_DIST_CONTEXT_TTL_MS. */
+static int body_ttl(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    uint64_t ctx = 0;
+    weft_value_t *v = NULL, *res = NULL;
+    weft_tensor_t *t1 = leaf64(2, 2, 0.5);
+
+    RANK_CHECK(weft_dist_context_create(a, &ctx) == WEFT_OK, "%s", weft_last_error());
+    weft_value_create(&v);
+    weft_value_add_tensor(v, t1);
+    weft_value_add_tensor(v, t1);
+    RANK_CHECK(weft_rpc_sync(a, 1, "add", v, WAIT_MS, &res) == WEFT_OK, "%s", weft_last_error());
+    weft_value_free(v);
+    weft_value_free(res);
+    weft_rpc_set_thread_context(0); /* forgotten, not released */
+    RANK_CHECK(remote_count(a, 1) == 1, "rank 1 has no context");
+    RANK_WAIT(remote_count(a, 1) == 0, WAIT_MS, "rank 1 kept an unused context past its TTL");
+    /* The creator's own is not expired: its user holds it. */
+    RANK_CHECK(weft_dist_context_count(a) == 1, "the creator's context expired");
+    RANK_CHECK(weft_dist_context_release(a, ctx, WAIT_MS) == WEFT_OK, "%s", weft_last_error());
+    weft_tensor_release(t1);
+    return 0;
+}
+
+Test(dist_autograd, unused_contexts_expire)
+{
+    setenv("WEFT_DIST_CONTEXT_TTL_MS", "300", 1);
+    ranks_opts_t o;
+    ranks_opts_init(&o, 2, body_ttl);
     o.setup = setup;
     int codes[3];
     cr_assert_eq(ranks_run(&o, codes), 0);
