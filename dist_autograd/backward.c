@@ -647,7 +647,7 @@ weft_status_t dist__recv_backward(weft_ag_node_t *n, weft_tensor_t *const *grad_
     h.pass = r->pass;
     h.root = r->root_rank;
     h.time_left_ms = left;
-    h.accumulate_grad = r->accumulate_grad;
+    h.accumulate_grad = false; /* .grad is the root's leaves' only */
     h.retain_graph = r->retain_graph;
     st = weft_value_create(&body);
     for (int i = 0; st == WEFT_OK && i < rv->n; i++) {
@@ -1132,4 +1132,69 @@ void weft_dist_grads_free(weft_dist_grads_t *g)
     weft_free(g->leaf);
     weft_free(g->grad);
     weft_free(g);
+}
+
+weft_status_t weft_dist_context_set_gradient(weft_agent_t *a, uint64_t id, weft_tensor_t *leaf,
+                                             const weft_tensor_t *grad)
+{
+    dist_t *d = NULL;
+    dctx_t *c;
+    weft_tensor_t *copy = NULL;
+    weft_status_t st = WEFT_OK;
+
+    if (leaf == NULL || grad == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "dist_context_set_gradient: NULL argument");
+    }
+    if (weft_tensor_dtype(grad) != weft_tensor_dtype(leaf) ||
+        weft_tensor_numel(grad) != weft_tensor_numel(leaf)) {
+        return weft__set_error(WEFT_ERR_SHAPE,
+                               "dist_context_set_gradient: a %s gradient of %lld elements for a "
+                               "%s leaf of %lld",
+                               weft_dtype_name(weft_tensor_dtype(grad)),
+                               (long long)weft_tensor_numel(grad),
+                               weft_dtype_name(weft_tensor_dtype(leaf)),
+                               (long long)weft_tensor_numel(leaf));
+    }
+    WEFT_CHECK(dist__get(a, &d));
+    c = dist__find(d, id);
+    if (c == NULL) {
+        return weft__set_error(WEFT_ERR_NOT_FOUND,
+                               "dist_context_set_gradient: context %llx does not exist on %s",
+                               (unsigned long long)id, d->name);
+    }
+    WEFT_CHECK_GOTO(weft_tensor_empty(weft_tensor_dtype(leaf), weft_tensor_ndim(leaf),
+                                      weft_tensor_shape(leaf), &copy),
+                    st, out);
+    memcpy(weft_tensor_data(copy), weft_tensor_data(grad), weft_tensor_nbytes(copy));
+    pthread_mutex_lock(&c->mu);
+    dgrad_t *e = NULL;
+    for (size_t i = 0; i < c->n_grads; i++) {
+        if (c->grads[i].leaf == leaf) {
+            e = &c->grads[i];
+            break;
+        }
+    }
+    if (e == NULL && c->n_grads == c->cap_grads) {
+        size_t ncap = c->cap_grads == 0 ? 8 : c->cap_grads * 2;
+        dgrad_t *g = weft_realloc(c->grads, ncap * sizeof(*g));
+        if (g == NULL) {
+            pthread_mutex_unlock(&c->mu);
+            weft_tensor_release(copy);
+            st = weft__set_error(WEFT_ERR_NO_MEMORY, "dist_context_set_gradient: no memory");
+            goto out;
+        }
+        c->grads = g;
+        c->cap_grads = ncap;
+    }
+    if (e == NULL) {
+        e = &c->grads[c->n_grads++];
+        e->leaf = weft_tensor_retain(leaf);
+        e->grad = NULL;
+    }
+    weft_tensor_release(e->grad);
+    e->grad = copy;
+    pthread_mutex_unlock(&c->mu);
+out:
+    dist__ctx_unref(c);
+    return st;
 }

@@ -769,11 +769,41 @@ static void drop_unused(weft_ddp_t *d)
     }
 }
 
+typedef struct {
+    weft_tensor_t *loss;
+    weft_tensor_t *grad;
+} local_bw_t;
+
+static weft_status_t local_backward(void *arg)
+{
+    local_bw_t *l = arg;
+    weft_tensor_t *roots[1] = {l->loss}, *grads[1] = {l->grad};
+
+    return weft_backward_run(1, roots, grads, NULL);
+}
+
+static weft_status_t ddp_step(weft_ddp_t *d, weft_ddp_backward_fn_t run, void *arg);
+
 weft_status_t weft_ddp_backward(weft_ddp_t *d, weft_tensor_t *loss, weft_tensor_t *grad)
 {
+    local_bw_t l = {loss, grad};
+
     if (d == NULL || loss == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "ddp: NULL reducer or loss");
     }
+    return ddp_step(d, local_backward, &l);
+}
+
+weft_status_t weft_ddp_backward_with(weft_ddp_t *d, weft_ddp_backward_fn_t run, void *arg)
+{
+    if (d == NULL || run == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "ddp: NULL reducer or backward");
+    }
+    return ddp_step(d, run, arg);
+}
+
+static weft_status_t ddp_step(weft_ddp_t *d, weft_ddp_backward_fn_t run, void *arg)
+{
     weft_status_t st = WEFT_OK;
     if (d->sync && d->rebuild_due) {
         d->rebuild_due = false;
@@ -787,7 +817,7 @@ weft_status_t weft_ddp_backward(weft_ddp_t *d, weft_tensor_t *loss, weft_tensor_
     WEFT_CHECK(attach_views(d));
     if (!d->sync) {
         /* no_sync: backward accumulates into the buckets; the next synchronised step averages. */
-        return weft_backward(loss, grad, 0);
+        return run(arg);
     }
     for (int i = 0; i < d->n; i++) {
         d->p[i].ready = false;
@@ -800,8 +830,7 @@ weft_status_t weft_ddp_backward(weft_ddp_t *d, weft_tensor_t *loss, weft_tensor_
     d->n_order = 0;
     d->bytes = 0;
     d->in_step = true;
-    weft_tensor_t *roots[1] = {loss}, *grads[1] = {grad};
-    weft_status_t bst = weft_backward_run(1, roots, grads, NULL);
+    weft_status_t bst = run(arg);
     char bwhy[512] = "";
     if (bst != WEFT_OK) {
         snprintf(bwhy, sizeof(bwhy), "%s", weft_last_error());

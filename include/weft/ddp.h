@@ -103,6 +103,28 @@ WEFT_API void weft_ddp_free(weft_ddp_t *ddp);
  */
 WEFT_API weft_status_t weft_ddp_backward(weft_ddp_t *ddp, weft_tensor_t *loss, weft_tensor_t *grad);
 
+/** A backward for weft_ddp_backward_with: returns its status (weft_last_error() its text). */
+typedef weft_status_t (*weft_ddp_backward_fn_t)(void *arg);
+/**
+ * weft_ddp_backward with the backward run by @p run(@p arg) instead of the local engine's: any
+ * backward that accumulates into the parameters' gradients and runs their hooks, as a
+ * distributed backward does with accumulate_grad (torch's DDP under distributed autograd):
+ *
+ *     static weft_status_t dist_bw(void *arg) {
+ *         step_t *s = arg;
+ *         weft_dist_backward_opts_t o;
+ *         weft_dist_backward_opts_init(&o);
+ *         o.accumulate_grad = true;
+ *         return weft_dist_backward(s->agent, s->ctx, 1, &s->loss, &o);
+ *     }
+ *     weft_ddp_backward_with(ddp, dist_bw, &step);   // the parameters' .grad: averaged
+ *
+ * The context keeps each worker's own gradients; weft_dist_context_set_gradient puts the averaged
+ * ones there for a DistributedOptimizer. Collective over the group, as weft_ddp_backward.
+ */
+WEFT_API weft_status_t weft_ddp_backward_with(weft_ddp_t *ddp, weft_ddp_backward_fn_t run,
+                                              void *arg);
+
 /**
  * false: later backwards only accumulate locally (torch's no_sync, for gradient accumulation);
  * true again: the next weft_ddp_backward averages everything accumulated since.

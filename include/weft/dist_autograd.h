@@ -84,8 +84,9 @@ WEFT_API size_t weft_dist_context_count(weft_agent_t *a);
 /** Options of weft_dist_backward. Fill with weft_dist_backward_opts_init. */
 typedef struct {
     bool retain_graph; /**< keep the graph (on every worker) for another backward in the context */
-    /** Also add each local leaf's gradient into its .grad (and run its hooks), besides the
-     * context (on every worker). */
+    /** Also add the gradients of this worker's own leaves (the root's) into their .grad and run
+     * their hooks (a DDP reducer's: weft_ddp_backward_with), besides the context. Other workers'
+     * leaves get theirs in the context only. */
     bool accumulate_grad;
     /** The bound on the whole backward, on every worker; 0: the agent's call timeout. */
     int64_t timeout_ms;
@@ -124,6 +125,15 @@ WEFT_API weft_tensor_t *weft_dist_grads_grad(const weft_dist_grads_t *g, size_t 
 /** The gradient of @p leaf in the list (borrowed), NULL if it has none. */
 WEFT_API weft_tensor_t *weft_dist_grads_find(const weft_dist_grads_t *g, const weft_tensor_t *leaf);
 WEFT_API void weft_dist_grads_free(weft_dist_grads_t *g);
+/**
+ * Replaces the gradient context @p ctx holds for this worker's leaf @p leaf with a copy of
+ * @p grad (same dtype and element count): after a DDP reducer averaged the replicated part's
+ * gradients (weft_ddp_backward_with), the averaged ones are what a DistributedOptimizer steps.
+ * @return WEFT_ERR_NOT_FOUND (unknown context), WEFT_ERR_SHAPE, WEFT_ERR_INVALID_ARG.
+ */
+WEFT_API weft_status_t weft_dist_context_set_gradient(weft_agent_t *a, uint64_t ctx,
+                                                      weft_tensor_t *leaf,
+                                                      const weft_tensor_t *grad);
 
 /* ---- the distributed optimizer -------------------------------------------------------------- */
 
