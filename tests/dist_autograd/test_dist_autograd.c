@@ -1066,3 +1066,57 @@ Test(dist_autograd, unused_contexts_expire)
     int codes[3];
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
+
+/* ------------------------------------------------------------ remote() with tensors */
+
+/* t3 = remote(worker1, add, t1, t2).to_here(): the arguments travel with remote()'s call, the
+ * value with to_here's answer; both record, and the gradients reach t1 and t2. */
+static int body_remote_args(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    weft_tensor_t *t1 = leaf64(3, 3, 0.1), *t2 = leaf64(3, 3, 0.2), *t4 = leaf64(3, 3, 0.3);
+    uint64_t ctx = 0;
+    weft_value_t *v = NULL, *res = NULL;
+    weft_rref_t *r = NULL;
+
+    RANK_CHECK(weft_dist_context_create(a, &ctx) == WEFT_OK, "%s", weft_last_error());
+    weft_value_create(&v);
+    weft_value_add_tensor(v, t1);
+    weft_value_add_tensor(v, t2);
+    RANK_CHECK(weft_rref_remote(a, 1, "add", v, WAIT_MS, &r) == WEFT_OK, "%s", weft_last_error());
+    weft_value_free(v);
+    RANK_CHECK(weft_rref_to_here(r, WAIT_MS, &res) == WEFT_OK, "%s", weft_last_error());
+    weft_tensor_t *t3 = weft_tensor_retain(weft_value_tensor(res, 0));
+    weft_value_free(res);
+    weft_tensor_t *m = NULL;
+    weft_op_mul(t3, t4, &m);
+    weft_tensor_t *loss = sum_all(m);
+    RANK_CHECK(weft_dist_backward(a, ctx, 1, &loss, NULL) == WEFT_OK, "%s", weft_last_error());
+    weft_tensor_t *g1 = grad_of(a, ctx, t1), *g2 = grad_of(a, ctx, t2);
+    RANK_CHECK(same(g1, t4) && same(g2, t4), "remote()'s arguments did not get t4");
+    weft_rref_release(r);
+    RANK_CHECK(weft_dist_context_release(a, ctx, WAIT_MS) == WEFT_OK, "%s", weft_last_error());
+    RANK_CHECK(remote_count(a, 1) == 0, "rank 1 kept the context");
+    weft_tensor_release(g1);
+    weft_tensor_release(g2);
+    weft_tensor_release(loss);
+    weft_tensor_release(m);
+    weft_tensor_release(t3);
+    weft_tensor_release(t1);
+    weft_tensor_release(t2);
+    weft_tensor_release(t4);
+    return 0;
+}
+
+Test(dist_autograd, rref_remote_with_tensor_arguments)
+{
+    ranks_opts_t o;
+    ranks_opts_init(&o, 2, body_remote_args);
+    o.setup = setup;
+    int codes[3];
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
