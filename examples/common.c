@@ -237,6 +237,75 @@ int ex_ps_start(const char *prog, weft_agent_t **a_p, weft_ps_t **ps_p)
     return 0;
 }
 
+int ex_ps_workers_group(const char *prog, weft_agent_t *a, weft_ps_t *ps, weft_pg_t **wpg_p)
+{
+    int world = weft_agent_world_size(a);
+    int64_t one = 1;
+    int64_t nworld = world;
+    int *ranks = calloc((size_t)world, sizeof(*ranks));
+    weft_pg_t *pg = NULL;
+    weft_tensor_t *in = NULL;
+    weft_tensor_t *out = NULL;
+    int n = 0;
+    weft_status_t st;
+
+    if (ranks == NULL) {
+        fprintf(stderr, "%s: the workers' group: out of memory\n", prog);
+        return -1;
+    }
+    st = weft_pg_world(a, &pg);
+    if (st == WEFT_OK) {
+        st = weft_tensor_create(WEFT_I32, 1, &one, &in);
+    }
+    if (st == WEFT_OK) {
+        st = weft_tensor_create(WEFT_I32, 1, &nworld, &out);
+    }
+    if (st == WEFT_OK) {
+        ((int32_t *)weft_tensor_data(in))[0] = weft_ps_worker_index(ps);
+        st = weft_coll_all_gather(pg, in, out, NULL);
+    }
+    for (int r = 0; st == WEFT_OK && r < world; r++) {
+        int32_t w = ((int32_t *)weft_tensor_data(out))[r];
+
+        if (w >= 0 && w < world) {
+            ranks[w] = r;
+            n++;
+        }
+    }
+    if (st == WEFT_OK && (size_t)n != weft_ps_num_workers(ps)) {
+        fprintf(stderr, "%s: %d ranks say they work, the parameter server has %zu workers\n", prog,
+                n, weft_ps_num_workers(ps));
+        st = WEFT_ERR_INVALID_STATE;
+    }
+    if (st == WEFT_OK) {
+        st = weft_pg_new(a, ranks, n, wpg_p);
+    }
+    weft_tensor_release(in);
+    weft_tensor_release(out);
+    weft_pg_free(pg);
+    free(ranks);
+    if (st != WEFT_OK) {
+        ex_fail(prog, "the workers' group", st);
+        return -1;
+    }
+    return 0;
+}
+
+int ex_ps_end_step(const char *prog, weft_ps_t *ps, weft_future_t **fs, int n)
+{
+    weft_status_t st;
+
+    if (ex_wait_all(prog, fs, n, "push") != 0) {
+        return -1;
+    }
+    st = weft_ps_clock(ps, 0);
+    if (st != WEFT_OK) {
+        ex_fail(prog, "clock", st);
+        return -1;
+    }
+    return 0;
+}
+
 int ex_ps_finish(const char *prog, weft_ps_t *ps, int rc)
 {
     weft_status_t st = weft_ps_finish(ps, 0);
@@ -470,6 +539,16 @@ int ex_peak_rss(const char *prog, weft_pg_t *pg, double *max_p, double *sum_p)
         return -1;
     }
     return 0;
+}
+
+void ex_json_num(const char *name, double v, const char *fmt)
+{
+    printf(",\"%s\":", name);
+    if (isfinite(v)) {
+        printf(fmt, v);
+    } else {
+        printf("null");
+    }
 }
 
 void ex_print_params_check(int same, int world, uint64_t hash)

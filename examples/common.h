@@ -132,6 +132,22 @@ int ex_wait_all(const char *prog, weft_future_t **fs, int n, const char *what);
 int ex_ps_start(const char *prog, weft_agent_t **a_p, weft_ps_t **ps_p);
 
 /**
+ * The group of the parameter server's workers, group rank = worker index: every rank tells the
+ * world its worker index (one all_gather over the world), then weft_pg_new. Every rank calls it;
+ * a rank that does not work gets a non-member.
+ * @param[out] wpg_p set on success; caller frees with weft_pg_free.
+ * @return 0, or -1 after a message ("PROG: the workers' group: ...").
+ */
+int ex_ps_workers_group(const char *prog, weft_agent_t *a, weft_ps_t *ps, weft_pg_t **wpg_p);
+
+/**
+ * The end of a worker's step: waits for its @p n pushes @p fs (ex_wait_all: released) and, if
+ * they all succeeded, ends the step (weft_ps_clock).
+ * @return 0, or -1 after a message ("PROG: push: ..." or "PROG: clock: ...").
+ */
+int ex_ps_end_step(const char *prog, weft_ps_t *ps, weft_future_t **fs, int n);
+
+/**
  * weft_ps_finish: servers serve until every worker is done; workers say they are.
  * @return @p rc, or 1 if it was 0 and the finish failed (after a message).
  */
@@ -216,6 +232,9 @@ weft_status_t ex_mlp_for_tables(const char *prog, int n_sizes, const int64_t *si
  * @return 0, or -1 after a message ("PROG: peak memory: ...").
  */
 int ex_peak_rss(const char *prog, weft_pg_t *pg, double *max_p, double *sum_p);
+
+/** Prints a JSON field ,"NAME":V with @p v in @p fmt, or ,"NAME":null when @p v is not finite. */
+void ex_json_num(const char *name, double v, const char *fmt);
 
 /** Prints "parameters bit-identical|DIFFER on all W ranks (fnv1a64 HASH)" (ex_params_identical's).
  */

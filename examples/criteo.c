@@ -1,6 +1,7 @@
 /*
- * Criteo display-advertising data for examples/ctr_train: a loader for the TSV format and a
- * synthetic generator of the same shape.
+ * Criteo display-advertising data for examples/ctr_train and examples/hybrid_train: a loader for
+ * the TSV format and a synthetic generator of the same shape; then the CTR model's pieces the two
+ * programs share (criteo.h).
  *
  * The TSV format (Criteo's Kaggle train.txt and the 1TB click logs' day_N files): one sample per
  * line, 40 tab-separated fields: the label (0 or 1), 13 integer features (counts; they may be
@@ -46,6 +47,10 @@
 #define SYNTH_MISSING 0.05
 #define SYNTH_CTR     0.25
 #define SYNTH_CALIB   100000 /* samples the bias is set on */
+#define EMB_INIT      0.01
+#define EMB_ACC       3e-5 /* Adagrad's initial accumulator for a batch of EMB_ACC_BATCH */
+#define EMB_ACC_BATCH 1024
+#define MAX_OPTS      64
 
 /* ------------------------------------------------------------------ common */
 
@@ -386,4 +391,541 @@ int criteo_synth(const criteo_synth_opts_t *o, criteo_set_t *set)
         set->label[i] = weft_rng_uniform(&rng) < p;
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------ options */
+
+void criteo_cfg_defaults(criteo_cfg_t *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->epochs = 2;
+    c->batch = 1024;
+    c->lr = 0.002;
+    c->emb_lr = 0.05;
+    c->dim = 16;
+    c->rows = 1000000;
+    c->samples = 1000000;
+    c->values = 10000;
+    c->zipf = 1.2;
+    c->hidden.n = 2;
+    c->hidden.v[0] = 64;
+    c->hidden.v[1] = 32;
+    c->seed = 1;
+    c->mode = WEFT_PS_SYNC;
+    c->staleness = 2;
+    c->threads = 1;
+}
+
+void criteo_cfg_usage(FILE *out)
+{
+    fprintf(out, "  --mode M        sync, async or bounded (default sync)\n"
+                 "  --staleness S   bounded mode: steps a worker may run ahead (default 2)\n"
+                 "  --epochs N      passes over the training split (default 2)\n"
+                 "  --batch N       samples per step, over all workers (default 1024)\n"
+                 "  --lr X          Adam learning rate of the MLP (default 0.002)\n"
+                 "  --emb-lr X      Adagrad learning rate of the embeddings (default 0.05)\n"
+                 "  --dim N         embedding dimension (default 16)\n"
+                 "  --rows N        rows per embedding table, the id bound (default 1000000)\n"
+                 "  --hidden N,...  hidden layer sizes of the MLP (default 64,32)\n"
+                 "  --samples N     synthetic samples, 10%% held out (default 1000000)\n"
+                 "  --values N      synthetic: distinct values per feature (default 10000)\n"
+                 "  --zipf X        synthetic: Zipf exponent of the ids (default 1.2)\n"
+                 "  --seed N        data, initialisation and shuffling seed (default 1)\n"
+                 "  --data FILE     Criteo TSV file instead of synthetic data\n"
+                 "  --threads N     BLAS threads per worker (default 1)\n"
+                 "  --json          print a JSON summary line at the end (first worker)\n");
+}
+
+int criteo_parse_opts(const char *prog, int argc, char **argv, criteo_cfg_t *c,
+                      const ex_opt_t *extra, size_t n_extra, void (*usage)(FILE *out))
+{
+    const ex_opt_t own[] = {
+        EX_INT("epochs", &c->epochs, 1, 100000),
+        EX_I64("batch", &c->batch, 1, 1 << 22),
+        EX_DOUBLE("lr", &c->lr, 0.0, 1e6),
+        EX_DOUBLE("emb-lr", &c->emb_lr, 0.0, 1e6),
+        EX_I64("dim", &c->dim, 1, 4096),
+        EX_I64("rows", &c->rows, 2, UINT32_MAX),
+        EX_SIZES("hidden", &c->hidden),
+        EX_I64("samples", &c->samples, 2, 1LL << 31),
+        EX_I64("values", &c->values, 1, 1 << 20),
+        EX_DOUBLE("zipf", &c->zipf, 0.0, 10.0),
+        EX_U64("seed", &c->seed, 0, INT64_MAX),
+        EX_STR("data", &c->data),
+        EX_MODE("mode", &c->mode),
+        {"staleness", EX_OPT_I64, &c->staleness, 0, 1000000, 0, 0, &c->staleness_set},
+        EX_INT("threads", &c->threads, 1, 256),
+        EX_FLAG("json", &c->json),
+    };
+    const size_t n_own = sizeof(own) / sizeof(own[0]);
+    ex_opt_t opts[MAX_OPTS];
+    int rc;
+
+    if (n_own + n_extra > MAX_OPTS) {
+        fprintf(stderr, "%s: %zu options, at most %d\n", prog, n_own + n_extra, MAX_OPTS);
+        return EX_EXIT_USAGE;
+    }
+    memcpy(opts, own, sizeof(own));
+    if (n_extra > 0) {
+        memcpy(opts + n_own, extra, n_extra * sizeof(*extra));
+    }
+    rc = ex_parse_opts(prog, argc, argv, opts, n_own + n_extra, usage);
+    if (rc != 0) {
+        return rc;
+    }
+    if (c->staleness_set && c->mode != WEFT_PS_BOUNDED) {
+        fprintf(stderr, "%s: --staleness is for --mode bounded\n", prog);
+        return EX_EXIT_USAGE;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ tables */
+
+void criteo_table_common(const criteo_cfg_t *c, weft_ps_table_spec_t *spec)
+{
+    spec->seed = c->seed;
+    spec->consistency = c->mode;
+    spec->staleness = c->mode == WEFT_PS_BOUNDED ? c->staleness : 0;
+}
+
+/* Adagrad's initial accumulator for the rows: a prior that keeps a row seen a few times from
+ * moving far on those few samples (with 0, a row's first step is lr in every coordinate, whatever
+ * the gradient; a second epoch then overfits and the held-out AUC falls). Gradients are of a
+ * mean over the batch, so it scales with 1 / batch^2. */
+static double emb_accumulator(const criteo_cfg_t *c)
+{
+    double r = (double)EMB_ACC_BATCH / (double)c->batch;
+
+    return EMB_ACC * r * r;
+}
+
+int criteo_emb_tables_create(const char *prog, weft_ps_t *ps, const criteo_cfg_t *c,
+                             weft_ps_table_t **emb)
+{
+    char name[32];
+    weft_ps_table_spec_t spec;
+
+    for (int f = 0; f < CRITEO_SPARSE; f++) {
+        snprintf(name, sizeof(name), "emb.C%d", f + 1);
+        weft_ps_table_spec_init(&spec, name, WEFT_PS_SPARSE);
+        criteo_table_common(c, &spec);
+        spec.dim = c->dim;
+        spec.id_bound = (uint64_t)c->rows;
+        spec.init = WEFT_PS_UNIFORM;
+        spec.init_a = -EMB_INIT;
+        spec.init_b = EMB_INIT;
+        spec.optimizer = WEFT_PS_ADAGRAD;
+        spec.adagrad.lr = c->emb_lr;
+        spec.adagrad.initial_accumulator_value = emb_accumulator(c);
+        if (ex_ps_table_create(prog, ps, &spec, &emb[f]) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int criteo_synth_cfg(const char *prog, const criteo_cfg_t *c, int print, criteo_set_t *set)
+{
+    criteo_synth_opts_t so;
+    double t0 = ex_now();
+    int64_t pos = 0;
+
+    criteo_synth_opts_init(&so, c->samples, (uint64_t)c->rows, c->seed);
+    so.values = c->values;
+    so.zipf_s = c->zipf;
+    if (criteo_synth(&so, set) != 0) {
+        fprintf(stderr, "%s: cannot generate %lld samples: out of memory\n", prog,
+                (long long)c->samples);
+        return -1;
+    }
+    if (print) {
+        for (int64_t i = 0; i < set->n; i++) {
+            pos += set->label[i];
+        }
+        printf("synthetic Criteo-like data: %lld samples (seed %llu, Zipf %g over %lld values per "
+               "feature, click rate %.3f), made in %.1f s\n",
+               (long long)set->n, (unsigned long long)c->seed, c->zipf, (long long)c->values,
+               (double)pos / (double)set->n, ex_now() - t0);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ lookups */
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a;
+    uint64_t y = *(const uint64_t *)b;
+
+    return x < y ? -1 : x > y;
+}
+
+void criteo_lookup_free(criteo_lookup_t *lk)
+{
+    for (int f = 0; f < CRITEO_SPARSE; f++) {
+        free(lk->ids[f]);
+        weft_tensor_release(lk->pos[f]);
+        weft_tensor_release(lk->rows[f]);
+    }
+    free(lk->keys);
+    memset(lk, 0, sizeof(*lk));
+}
+
+/* Sorting (id << 32 | position) keys groups each id's samples. */
+weft_status_t criteo_lookup_prepare(const criteo_set_t *set, const int64_t *idx, int64_t k,
+                                    int64_t dim, criteo_lookup_t *lk)
+{
+    weft_status_t st = WEFT_OK;
+
+    memset(lk, 0, sizeof(*lk));
+    lk->k = k;
+    lk->keys = malloc((size_t)k * sizeof(*lk->keys));
+    if (lk->keys == NULL) {
+        return WEFT_ERR_NO_MEMORY;
+    }
+    for (int f = 0; st == WEFT_OK && f < CRITEO_SPARSE; f++) {
+        int64_t *pos;
+        int64_t shape[2] = {0, dim};
+        size_t n = 0;
+
+        for (int64_t i = 0; i < k; i++) {
+            lk->keys[i] = (uint64_t)set->cat[idx[i] * CRITEO_SPARSE + f] << 32 | (uint64_t)i;
+        }
+        qsort(lk->keys, (size_t)k, sizeof(*lk->keys), cmp_u64);
+        lk->ids[f] = malloc((size_t)k * sizeof(*lk->ids[f]));
+        if (lk->ids[f] == NULL) {
+            st = WEFT_ERR_NO_MEMORY;
+            break;
+        }
+        st = weft_tensor_empty(WEFT_I64, 1, &k, &lk->pos[f]);
+        if (st != WEFT_OK) {
+            break;
+        }
+        pos = weft_tensor_data(lk->pos[f]);
+        for (int64_t i = 0; i < k; i++) {
+            uint64_t id = lk->keys[i] >> 32;
+
+            if (n == 0 || lk->ids[f][n - 1] != id) {
+                lk->ids[f][n++] = id;
+            }
+            pos[lk->keys[i] & 0xffffffffu] = (int64_t)n - 1;
+        }
+        lk->n[f] = n;
+        shape[0] = (int64_t)n;
+        st = weft_tensor_empty(WEFT_F32, 2, shape, &lk->rows[f]);
+    }
+    if (st != WEFT_OK) {
+        criteo_lookup_free(lk);
+    }
+    return st;
+}
+
+weft_status_t criteo_lookup_pull(weft_ps_table_t *const *emb, criteo_lookup_t *lk,
+                                 weft_future_t **fs, int *n_p)
+{
+    for (int f = 0; f < CRITEO_SPARSE; f++) {
+        weft_status_t st =
+            weft_ps_pull_rows_async(emb[f], lk->ids[f], lk->n[f], lk->rows[f], 0, &fs[*n_p]);
+
+        if (st != WEFT_OK) {
+            return st;
+        }
+        (*n_p)++;
+    }
+    return WEFT_OK;
+}
+
+/* ------------------------------------------------------------------ forward and loss */
+
+weft_status_t criteo_forward(weft_nn_mlp_t *mlp, const criteo_set_t *set, const int64_t *idx,
+                             const criteo_lookup_t *lk, weft_tensor_t **z_p)
+{
+    weft_tensor_t *parts[1 + CRITEO_SPARSE] = {NULL};
+    int64_t shape[2] = {lk->k, CRITEO_DENSE};
+    weft_tensor_t *x = NULL;
+    weft_status_t st;
+
+    st = weft_tensor_empty(WEFT_F32, 2, shape, &parts[0]);
+    if (st == WEFT_OK) {
+        float *d = weft_tensor_data(parts[0]);
+
+        for (int64_t i = 0; i < lk->k; i++) {
+            memcpy(d + i * CRITEO_DENSE, set->dense + idx[i] * CRITEO_DENSE,
+                   CRITEO_DENSE * sizeof(float));
+        }
+    }
+    for (int f = 0; st == WEFT_OK && f < CRITEO_SPARSE; f++) {
+        st = weft_op_embedding(lk->rows[f], lk->pos[f], 0, &parts[1 + f]);
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_concat(1 + CRITEO_SPARSE, parts, 1, &x);
+    }
+    if (st == WEFT_OK) {
+        st = weft_nn_mlp_forward(mlp, x, z_p);
+    }
+    weft_tensor_release(x);
+    for (int i = 0; i < 1 + CRITEO_SPARSE; i++) {
+        weft_tensor_release(parts[i]);
+    }
+    return st;
+}
+
+/* The mean binary cross-entropy of logits @p z against labels @p y (both [k, 1]), in the stable
+ * form max(z, 0) + log(1 + exp(-|z|)) - y z. */
+static weft_status_t bce_with_logits(weft_tensor_t *z, weft_tensor_t *y, weft_tensor_t **loss_p)
+{
+    weft_tensor_t *t[10] = {NULL};
+    weft_status_t st;
+
+    st = weft_op_relu(z, &t[0]); /* max(z, 0) */
+    if (st == WEFT_OK) {
+        st = weft_op_neg(z, &t[1]);
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_relu(t[1], &t[2]); /* max(-z, 0) */
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_add(t[0], t[2], &t[3]); /* |z| */
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_neg(t[3], &t[4]);
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_exp(t[4], &t[5]);
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_add_scalar(t[5], 1.0, &t[6]);
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_log(t[6], &t[7]);
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_add(t[0], t[7], &t[8]); /* softplus(z) */
+    }
+    if (st == WEFT_OK) {
+        st = weft_op_mul(y, z, &t[9]);
+    }
+    if (st == WEFT_OK) {
+        weft_tensor_t *per = NULL;
+
+        st = weft_op_sub(t[8], t[9], &per);
+        if (st == WEFT_OK) {
+            st = weft_op_mean(per, 0, NULL, 0, loss_p);
+        }
+        weft_tensor_release(per);
+    }
+    for (int i = 0; i < 10; i++) {
+        weft_tensor_release(t[i]);
+    }
+    return st;
+}
+
+weft_status_t criteo_loss(weft_nn_mlp_t *mlp, const criteo_set_t *set, const int64_t *idx,
+                          criteo_lookup_t *lk, weft_tensor_t **loss_p)
+{
+    int64_t yshape[2] = {lk->k, 1};
+    weft_tensor_t *y = NULL;
+    weft_tensor_t *z = NULL;
+    weft_status_t st = WEFT_OK;
+
+    for (int f = 0; st == WEFT_OK && f < CRITEO_SPARSE; f++) {
+        st = weft_tensor_set_requires_grad(lk->rows[f], 1);
+    }
+    if (st == WEFT_OK) {
+        st = weft_tensor_empty(WEFT_F32, 2, yshape, &y);
+    }
+    if (st == WEFT_OK) {
+        for (int64_t i = 0; i < lk->k; i++) {
+            ((float *)weft_tensor_data(y))[i] = set->label[idx[i]];
+        }
+        st = criteo_forward(mlp, set, idx, lk, &z);
+    }
+    if (st == WEFT_OK) {
+        st = bce_with_logits(z, y, loss_p);
+    }
+    weft_tensor_release(z);
+    weft_tensor_release(y);
+    return st;
+}
+
+/* ------------------------------------------------------------------ metrics */
+
+typedef struct {
+    float score;
+    uint8_t label;
+} scored_t;
+
+static int cmp_score(const void *a, const void *b)
+{
+    float x = ((const scored_t *)a)->score;
+    float y = ((const scored_t *)b)->score;
+
+    return x < y ? -1 : x > y;
+}
+
+/* The exact AUC (Mann-Whitney: tied scores get their mean rank); NAN without both classes.
+ * Sorts @p s. */
+static double auc(scored_t *s, int64_t n)
+{
+    double rank_sum = 0;
+    int64_t pos = 0;
+
+    qsort(s, (size_t)n, sizeof(*s), cmp_score);
+    for (int64_t i = 0; i < n;) {
+        int64_t j = i;
+        int64_t p = 0;
+
+        while (j < n && s[j].score == s[i].score) {
+            p += s[j].label;
+            j++;
+        }
+        rank_sum += (double)p * 0.5 * (double)(i + 1 + j); /* ranks i+1 .. j */
+        pos += p;
+        i = j;
+    }
+    if (pos == 0 || pos == n) {
+        return NAN;
+    }
+    return (rank_sum - 0.5 * (double)pos * (double)(pos + 1)) / ((double)pos * (double)(n - pos));
+}
+
+/* The binary cross-entropy of logit @p z for label @p y. */
+static double bce(double z, int y)
+{
+    return fmax(z, 0.0) + log1p(exp(-fabs(z))) - (y ? z : 0.0);
+}
+
+int criteo_score(const char *prog, const criteo_set_t *set, int64_t first, int64_t n,
+                 weft_ps_table_t *const *emb, weft_nn_mlp_t *mlp, int64_t dim, float *scores)
+{
+    int64_t *idx = malloc(CRITEO_EVAL_CHUNK * sizeof(*idx));
+    int prev = weft_grad_set_enabled(0);
+    int rc = -1;
+
+    if (idx == NULL) {
+        fprintf(stderr, "%s: out of memory\n", prog);
+        goto out;
+    }
+    for (int64_t start = 0; start < n; start += CRITEO_EVAL_CHUNK) {
+        int64_t k = n - start < CRITEO_EVAL_CHUNK ? n - start : CRITEO_EVAL_CHUNK;
+        weft_future_t *fs[CRITEO_SPARSE];
+        int nf = 0;
+        criteo_lookup_t lk;
+        weft_tensor_t *z = NULL;
+        weft_status_t st;
+
+        for (int64_t i = 0; i < k; i++) {
+            idx[i] = first + start + i;
+        }
+        st = criteo_lookup_prepare(set, idx, k, dim, &lk);
+        if (st != WEFT_OK) {
+            ex_fail(prog, "evaluate", st);
+            goto out;
+        }
+        st = criteo_lookup_pull(emb, &lk, fs, &nf);
+        if (st != WEFT_OK) {
+            ex_fail(prog, "evaluate: pull", st);
+        }
+        if (ex_wait_all(prog, fs, nf, "evaluate: pull") != 0 || st != WEFT_OK) {
+            criteo_lookup_free(&lk);
+            goto out;
+        }
+        st = criteo_forward(mlp, set, idx, &lk, &z);
+        criteo_lookup_free(&lk);
+        if (st != WEFT_OK) {
+            ex_fail(prog, "evaluate", st);
+            goto out;
+        }
+        memcpy(scores + start, weft_tensor_data(z), (size_t)k * sizeof(*scores));
+        weft_tensor_release(z);
+    }
+    rc = 0;
+out:
+    weft_grad_set_enabled(prev);
+    free(idx);
+    return rc;
+}
+
+int criteo_metrics(const criteo_set_t *set, int64_t first, int64_t n, const float *scores,
+                   double *logloss_p, double *auc_p)
+{
+    scored_t *s = malloc((size_t)n * sizeof(*s));
+    double loss = 0;
+
+    if (s == NULL) {
+        return -1;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        s[i].score = scores[i];
+        s[i].label = set->label[first + i];
+        loss += bce(scores[i], s[i].label);
+    }
+    *logloss_p = loss / (double)n;
+    *auc_p = auc(s, n);
+    free(s);
+    return 0;
+}
+
+int criteo_evaluate(const char *prog, const criteo_set_t *set, int64_t first, int64_t n,
+                    weft_ps_table_t *const *emb, weft_nn_mlp_t *mlp, int64_t dim, double *logloss_p,
+                    double *auc_p)
+{
+    float *scores = malloc((size_t)n * sizeof(*scores));
+    int rc = -1;
+
+    if (scores == NULL) {
+        fprintf(stderr, "%s: out of memory\n", prog);
+        return -1;
+    }
+    if (criteo_score(prog, set, first, n, emb, mlp, dim, scores) == 0) {
+        rc = criteo_metrics(set, first, n, scores, logloss_p, auc_p);
+        if (rc != 0) {
+            fprintf(stderr, "%s: out of memory\n", prog);
+        }
+    }
+    free(scores);
+    return rc;
+}
+
+void criteo_ceiling(const criteo_set_t *set, int64_t first, int64_t n, double *logloss_p,
+                    double *auc_p)
+{
+    *logloss_p = NAN;
+    *auc_p = NAN;
+    if (set->logit != NULL) {
+        criteo_metrics(set, first, n, set->logit + first, logloss_p, auc_p);
+    }
+}
+
+/* ------------------------------------------------------------------ reports */
+
+void criteo_print_ceiling(double ceil_ll, double ceil_auc)
+{
+    if (isfinite(ceil_auc)) {
+        printf("planted model on the held-out split: logloss %.4f, AUC %.4f (the ceiling)\n",
+               ceil_ll, ceil_auc);
+    }
+}
+
+void criteo_print_epoch(int epoch, int epochs, double train_loss, double logloss, double auc,
+                        double ceil_auc, double t_epoch, double rate)
+{
+    printf("epoch %d/%d: train logloss %.4f, held-out logloss %.4f AUC %.4f", epoch + 1, epochs,
+           train_loss, logloss, auc);
+    if (isfinite(ceil_auc)) {
+        printf(" (ceiling %.4f)", ceil_auc);
+    }
+    printf(", %.1f s, %.0f samples/s\n", t_epoch, rate);
+}
+
+void criteo_print_final(double auc, double ceil_auc, double logloss, double rate, int64_t steps,
+                        double seconds)
+{
+    printf("final: held-out AUC %.4f", auc);
+    if (isfinite(ceil_auc)) {
+        printf(", ceiling %.4f (gap %.4f)", ceil_auc, ceil_auc - auc);
+    }
+    printf(", logloss %.4f, %.0f samples/s, %lld steps, %.1f s\n", logloss, rate, (long long)steps,
+           seconds);
 }

@@ -68,108 +68,20 @@
 #include "common.h"
 #include "criteo.h"
 
-#define PROG          "ctr_train"
-#define MAX_PARAMS    (2 * EX_MAX_LAYERS)
-#define N_PULLS       (CRITEO_SPARSE + MAX_PARAMS)
-#define EXIT_USAGE    EX_EXIT_USAGE
-#define EVAL_CHUNK    8192
-#define EMB_INIT      0.01
-#define EMB_ACC       3e-5 /* Adagrad's initial accumulator for a batch of EMB_ACC_BATCH */
-#define EMB_ACC_BATCH 1024
-#define CHUNK_BYTES   (64 * 1024)
+#define PROG        "ctr_train"
+#define MAX_PARAMS  (2 * EX_MAX_LAYERS)
+#define N_PULLS     (CRITEO_SPARSE + MAX_PARAMS)
+#define EXIT_USAGE  EX_EXIT_USAGE
+#define CHUNK_BYTES (64 * 1024)
 
 /* ---------------------------------------------------------- configuration */
 
-typedef struct {
-    int epochs;
-    int64_t batch; /* global: the workers share it */
-    double lr;     /* the MLP's Adam */
-    double emb_lr; /* the embeddings' Adagrad */
-    int64_t dim;
-    int64_t rows; /* id_bound of every sparse table */
-    int64_t samples;
-    int64_t values; /* synthetic: distinct values per feature */
-    double zipf;    /* synthetic: Zipf exponent */
-    ex_sizes_t hidden;
-    uint64_t seed;
-    const char *data;
-    weft_ps_consistency_t mode;
-    int64_t staleness;
-    int staleness_set;
-    int json;
-    int threads;
-} config_t;
+typedef criteo_cfg_t config_t;
 
 static void usage(FILE *out)
 {
-    fprintf(out, "usage: weftrun -n N --servers S ctr_train [options]\n"
-                 "  --mode M        sync, async or bounded (default sync)\n"
-                 "  --staleness S   bounded mode: steps a worker may run ahead (default 2)\n"
-                 "  --epochs N      passes over the training split (default 2)\n"
-                 "  --batch N       samples per step, over all workers (default 1024)\n"
-                 "  --lr X          Adam learning rate of the MLP (default 0.002)\n"
-                 "  --emb-lr X      Adagrad learning rate of the embeddings (default 0.05)\n"
-                 "  --dim N         embedding dimension (default 16)\n"
-                 "  --rows N        rows per embedding table, the id bound (default 1000000)\n"
-                 "  --hidden N,...  hidden layer sizes of the MLP (default 64,32)\n"
-                 "  --samples N     synthetic samples, 10%% held out (default 1000000)\n"
-                 "  --values N      synthetic: distinct values per feature (default 10000)\n"
-                 "  --zipf X        synthetic: Zipf exponent of the ids (default 1.2)\n"
-                 "  --seed N        data, initialisation and shuffling seed (default 1)\n"
-                 "  --data FILE     Criteo TSV file instead of synthetic data\n"
-                 "  --threads N     BLAS threads per worker (default 1)\n"
-                 "  --json          print a JSON summary line at the end (first worker)\n");
-}
-
-/* Returns 0, 1 after --help, or EXIT_USAGE after a message. */
-static int parse_args(int argc, char **argv, config_t *cfg)
-{
-    const ex_opt_t opts[] = {
-        EX_INT("epochs", &cfg->epochs, 1, 100000),
-        EX_I64("batch", &cfg->batch, 1, 1 << 22),
-        EX_DOUBLE("lr", &cfg->lr, 0.0, 1e6),
-        EX_DOUBLE("emb-lr", &cfg->emb_lr, 0.0, 1e6),
-        EX_I64("dim", &cfg->dim, 1, 4096),
-        EX_I64("rows", &cfg->rows, 2, UINT32_MAX),
-        EX_SIZES("hidden", &cfg->hidden),
-        EX_I64("samples", &cfg->samples, 2, 1LL << 31),
-        EX_I64("values", &cfg->values, 1, 1 << 20),
-        EX_DOUBLE("zipf", &cfg->zipf, 0.0, 10.0),
-        EX_U64("seed", &cfg->seed, 0, INT64_MAX),
-        EX_STR("data", &cfg->data),
-        EX_MODE("mode", &cfg->mode),
-        {"staleness", EX_OPT_I64, &cfg->staleness, 0, 1000000, 0, 0, &cfg->staleness_set},
-        EX_INT("threads", &cfg->threads, 1, 256),
-        EX_FLAG("json", &cfg->json),
-    };
-    int rc;
-
-    memset(cfg, 0, sizeof(*cfg));
-    cfg->epochs = 2;
-    cfg->batch = 1024;
-    cfg->lr = 0.002;
-    cfg->emb_lr = 0.05;
-    cfg->dim = 16;
-    cfg->rows = 1000000;
-    cfg->samples = 1000000;
-    cfg->values = 10000;
-    cfg->zipf = 1.2;
-    cfg->hidden.n = 2;
-    cfg->hidden.v[0] = 64;
-    cfg->hidden.v[1] = 32;
-    cfg->seed = 1;
-    cfg->mode = WEFT_PS_SYNC;
-    cfg->staleness = 2;
-    cfg->threads = 1;
-    rc = ex_parse_opts(PROG, argc, argv, opts, sizeof(opts) / sizeof(opts[0]), usage);
-    if (rc != 0) {
-        return rc;
-    }
-    if (cfg->staleness_set && cfg->mode != WEFT_PS_BOUNDED) {
-        fprintf(stderr, PROG ": --staleness is for --mode bounded\n");
-        return EXIT_USAGE;
-    }
-    return 0;
+    fprintf(out, "usage: weftrun -n N --servers S ctr_train [options]\n");
+    criteo_cfg_usage(out);
 }
 
 /* ------------------------------------------------------------------ tables */
@@ -188,23 +100,6 @@ static void fail(const char *what, weft_status_t st)
     ex_fail(PROG, what, st);
 }
 
-/* Adagrad's initial accumulator for the rows: a prior that keeps a row seen a few times from
- * moving far on those few samples (with 0, a row's first step is lr in every coordinate, whatever
- * the gradient). Gradients are of a mean over the batch, so it scales with 1 / batch^2. */
-static double emb_accumulator(const config_t *cfg)
-{
-    double r = (double)EMB_ACC_BATCH / (double)cfg->batch;
-
-    return EMB_ACC * r * r;
-}
-
-static void table_common(const config_t *cfg, weft_ps_table_spec_t *spec)
-{
-    spec->seed = cfg->seed;
-    spec->consistency = cfg->mode;
-    spec->staleness = cfg->mode == WEFT_PS_BOUNDED ? cfg->staleness : 0;
-}
-
 /* Every rank, in the same order: the 26 sparse tables, then the MLP's weight and bias tables. */
 static int tables_create(weft_ps_t *ps, const config_t *cfg, tables_t *tb)
 {
@@ -215,27 +110,14 @@ static int tables_create(weft_ps_t *ps, const config_t *cfg, tables_t *tb)
     tb->n_sizes = ex_mlp_sizes(&cfg->hidden, CRITEO_DENSE + CRITEO_SPARSE * cfg->dim, 1, tb->sizes);
     tb->n_dense = 2 * (tb->n_sizes - 1);
 
-    for (int f = 0; f < CRITEO_SPARSE; f++) {
-        snprintf(name, sizeof(name), "emb.C%d", f + 1);
-        weft_ps_table_spec_init(&spec, name, WEFT_PS_SPARSE);
-        table_common(cfg, &spec);
-        spec.dim = cfg->dim;
-        spec.id_bound = (uint64_t)cfg->rows;
-        spec.init = WEFT_PS_UNIFORM;
-        spec.init_a = -EMB_INIT;
-        spec.init_b = EMB_INIT;
-        spec.optimizer = WEFT_PS_ADAGRAD;
-        spec.adagrad.lr = cfg->emb_lr;
-        spec.adagrad.initial_accumulator_value = emb_accumulator(cfg);
-        if (ex_ps_table_create(PROG, ps, &spec, &tb->emb[f]) != 0) {
-            return -1;
-        }
+    if (criteo_emb_tables_create(PROG, ps, cfg, tb->emb) != 0) {
+        return -1;
     }
     for (int i = 0; i < tb->n_dense; i++) {
         ex_linear_name(i, tb->names[i], sizeof(tb->names[i]));
         snprintf(name, sizeof(name), "mlp.%s", tb->names[i]);
         ex_ps_linear_spec(tb->sizes, i, name, &spec);
-        table_common(cfg, &spec);
+        criteo_table_common(cfg, &spec);
         spec.optimizer = WEFT_PS_ADAM;
         spec.adam.lr = cfg->lr;
         spec.chunk_bytes = CHUNK_BYTES;
@@ -251,88 +133,6 @@ static int tables_create(weft_ps_t *ps, const config_t *cfg, tables_t *tb)
 static int wait_all(weft_future_t **fs, int n, const char *what)
 {
     return ex_wait_all(PROG, fs, n, what);
-}
-
-/* ------------------------------------------------------------------ lookups */
-
-/* The embedding rows one forward needs: per feature, the unique ids of the samples, each
- * sample's position among them (i64 [k]), and the pulled rows ([n_unique, dim]). */
-typedef struct {
-    int64_t k;
-    uint64_t *keys; /* [k] scratch */
-    uint64_t *ids[CRITEO_SPARSE];
-    size_t n[CRITEO_SPARSE];
-    weft_tensor_t *pos[CRITEO_SPARSE];
-    weft_tensor_t *rows[CRITEO_SPARSE];
-} lookup_t;
-
-static int cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a;
-    uint64_t y = *(const uint64_t *)b;
-
-    return x < y ? -1 : x > y;
-}
-
-static void lookup_free(lookup_t *lk)
-{
-    for (int f = 0; f < CRITEO_SPARSE; f++) {
-        free(lk->ids[f]);
-        weft_tensor_release(lk->pos[f]);
-        weft_tensor_release(lk->rows[f]);
-    }
-    free(lk->keys);
-    memset(lk, 0, sizeof(*lk));
-}
-
-/* De-duplicates the ids of samples idx[0..k) of @p set, feature by feature (sorting
- * (id << 32 | position) keys), and makes the row tensors to pull into. */
-static weft_status_t lookup_prepare(const criteo_set_t *set, const int64_t *idx, int64_t k,
-                                    int64_t dim, lookup_t *lk)
-{
-    weft_status_t st = WEFT_OK;
-
-    memset(lk, 0, sizeof(*lk));
-    lk->k = k;
-    lk->keys = malloc((size_t)k * sizeof(*lk->keys));
-    if (lk->keys == NULL) {
-        return WEFT_ERR_NO_MEMORY;
-    }
-    for (int f = 0; st == WEFT_OK && f < CRITEO_SPARSE; f++) {
-        int64_t *pos;
-        int64_t shape[2] = {0, dim};
-        size_t n = 0;
-
-        for (int64_t i = 0; i < k; i++) {
-            lk->keys[i] = (uint64_t)set->cat[idx[i] * CRITEO_SPARSE + f] << 32 | (uint64_t)i;
-        }
-        qsort(lk->keys, (size_t)k, sizeof(*lk->keys), cmp_u64);
-        lk->ids[f] = malloc((size_t)k * sizeof(*lk->ids[f]));
-        if (lk->ids[f] == NULL) {
-            st = WEFT_ERR_NO_MEMORY;
-            break;
-        }
-        st = weft_tensor_empty(WEFT_I64, 1, &k, &lk->pos[f]);
-        if (st != WEFT_OK) {
-            break;
-        }
-        pos = weft_tensor_data(lk->pos[f]);
-        for (int64_t i = 0; i < k; i++) {
-            uint64_t id = lk->keys[i] >> 32;
-
-            if (n == 0 || lk->ids[f][n - 1] != id) {
-                lk->ids[f][n++] = id;
-            }
-            pos[lk->keys[i] & 0xffffffffu] = (int64_t)n - 1;
-        }
-        lk->n[f] = n;
-        shape[0] = (int64_t)n;
-        st = weft_tensor_empty(WEFT_F32, 2, shape, &lk->rows[f]);
-    }
-    if (st != WEFT_OK) {
-        lookup_free(lk);
-    }
-    return st;
 }
 
 /* ------------------------------------------------------------------ model */
@@ -358,19 +158,16 @@ static weft_status_t model_init(model_t *m, const config_t *cfg, const tables_t 
     return WEFT_OK;
 }
 
-/* Issues the pulls of @p lk's rows and, with @p m, of the MLP's tables; waits for all. */
-static int pull_all(const tables_t *tb, lookup_t *lk, const model_t *m)
+/* Issues the pulls of @p lk's rows (with @p lk) and, with @p m, of the MLP's tables; waits for
+ * all. */
+static int pull_all(const tables_t *tb, criteo_lookup_t *lk, const model_t *m)
 {
     weft_future_t *fs[N_PULLS];
     int n = 0;
     weft_status_t st = WEFT_OK;
 
-    for (int f = 0; lk != NULL && f < CRITEO_SPARSE; f++) {
-        st = weft_ps_pull_rows_async(tb->emb[f], lk->ids[f], lk->n[f], lk->rows[f], 0, &fs[n]);
-        if (st != WEFT_OK) {
-            break;
-        }
-        n++;
+    if (lk != NULL) {
+        st = criteo_lookup_pull(tb->emb, lk, fs, &n);
     }
     for (int i = 0; st == WEFT_OK && m != NULL && i < m->n; i++) {
         st = weft_ps_pull_async(tb->dense[i], weft_param_list_get(m->params, i), 0, &fs[n]);
@@ -384,137 +181,6 @@ static int pull_all(const tables_t *tb, lookup_t *lk, const model_t *m)
         return -1;
     }
     return wait_all(fs, n, "pull");
-}
-
-/* Logits [k, 1] of samples idx[0..k) from the pulled rows of @p lk. */
-static weft_status_t forward(const model_t *m, const criteo_set_t *set, const int64_t *idx,
-                             const lookup_t *lk, weft_tensor_t **z_p)
-{
-    weft_tensor_t *parts[1 + CRITEO_SPARSE] = {NULL};
-    int64_t shape[2] = {lk->k, CRITEO_DENSE};
-    weft_tensor_t *x = NULL;
-    weft_status_t st;
-
-    st = weft_tensor_empty(WEFT_F32, 2, shape, &parts[0]);
-    if (st == WEFT_OK) {
-        float *d = weft_tensor_data(parts[0]);
-
-        for (int64_t i = 0; i < lk->k; i++) {
-            memcpy(d + i * CRITEO_DENSE, set->dense + idx[i] * CRITEO_DENSE,
-                   CRITEO_DENSE * sizeof(float));
-        }
-    }
-    for (int f = 0; st == WEFT_OK && f < CRITEO_SPARSE; f++) {
-        st = weft_op_embedding(lk->rows[f], lk->pos[f], 0, &parts[1 + f]);
-    }
-    if (st == WEFT_OK) {
-        st = weft_op_concat(1 + CRITEO_SPARSE, parts, 1, &x);
-    }
-    if (st == WEFT_OK) {
-        st = weft_nn_mlp_forward(m->mlp, x, z_p);
-    }
-    weft_tensor_release(x);
-    for (int i = 0; i < 1 + CRITEO_SPARSE; i++) {
-        weft_tensor_release(parts[i]);
-    }
-    return st;
-}
-
-/* The mean binary cross-entropy of logits @p z against labels @p y (both [k, 1]), in the stable
- * form max(z, 0) + log(1 + exp(-|z|)) - y z. */
-static weft_status_t bce_with_logits(weft_tensor_t *z, weft_tensor_t *y, weft_tensor_t **loss_p)
-{
-    weft_tensor_t *t[10] = {NULL};
-    weft_status_t st;
-
-    st = weft_op_relu(z, &t[0]); /* max(z, 0) */
-    if (st == WEFT_OK) {
-        st = weft_op_neg(z, &t[1]);
-    }
-    if (st == WEFT_OK) {
-        st = weft_op_relu(t[1], &t[2]); /* max(-z, 0) */
-    }
-    if (st == WEFT_OK) {
-        st = weft_op_add(t[0], t[2], &t[3]); /* |z| */
-    }
-    if (st == WEFT_OK) {
-        st = weft_op_neg(t[3], &t[4]);
-    }
-    if (st == WEFT_OK) {
-        st = weft_op_exp(t[4], &t[5]);
-    }
-    if (st == WEFT_OK) {
-        st = weft_op_add_scalar(t[5], 1.0, &t[6]);
-    }
-    if (st == WEFT_OK) {
-        st = weft_op_log(t[6], &t[7]);
-    }
-    if (st == WEFT_OK) {
-        st = weft_op_add(t[0], t[7], &t[8]); /* softplus(z) */
-    }
-    if (st == WEFT_OK) {
-        st = weft_op_mul(y, z, &t[9]);
-    }
-    if (st == WEFT_OK) {
-        weft_tensor_t *per = NULL;
-
-        st = weft_op_sub(t[8], t[9], &per);
-        if (st == WEFT_OK) {
-            st = weft_op_mean(per, 0, NULL, 0, loss_p);
-        }
-        weft_tensor_release(per);
-    }
-    for (int i = 0; i < 10; i++) {
-        weft_tensor_release(t[i]);
-    }
-    return st;
-}
-
-/* ------------------------------------------------------------------ metrics */
-
-typedef struct {
-    float score;
-    uint8_t label;
-} scored_t;
-
-static int cmp_score(const void *a, const void *b)
-{
-    float x = ((const scored_t *)a)->score;
-    float y = ((const scored_t *)b)->score;
-
-    return x < y ? -1 : x > y;
-}
-
-/* The exact AUC (Mann-Whitney: tied scores get their mean rank); NAN without both classes.
- * Sorts @p s. */
-static double auc(scored_t *s, int64_t n)
-{
-    double rank_sum = 0;
-    int64_t pos = 0;
-
-    qsort(s, (size_t)n, sizeof(*s), cmp_score);
-    for (int64_t i = 0; i < n;) {
-        int64_t j = i;
-        int64_t p = 0;
-
-        while (j < n && s[j].score == s[i].score) {
-            p += s[j].label;
-            j++;
-        }
-        rank_sum += (double)p * 0.5 * (double)(i + 1 + j); /* ranks i+1 .. j */
-        pos += p;
-        i = j;
-    }
-    if (pos == 0 || pos == n) {
-        return NAN;
-    }
-    return (rank_sum - 0.5 * (double)pos * (double)(pos + 1)) / ((double)pos * (double)(n - pos));
-}
-
-/* The binary cross-entropy of logit @p z for label @p y. */
-static double bce(double z, int y)
-{
-    return fmax(z, 0.0) + log1p(exp(-fabs(z))) - (y ? z : 0.0);
 }
 
 /* --------------------------------------------------------------------- train */
@@ -535,100 +201,24 @@ typedef struct {
 /* The held-out logloss and AUC of the model on the servers now. */
 static int evaluate(const job_t *job, const model_t *m, double *logloss_p, double *auc_p)
 {
-    scored_t *s = malloc((size_t)job->n_eval * sizeof(*s));
-    int64_t *idx = malloc(EVAL_CHUNK * sizeof(*idx));
-    double loss = 0;
-    int prev = weft_grad_set_enabled(0);
-    int rc = -1;
-
-    if (s == NULL || idx == NULL) {
-        fprintf(stderr, PROG ": out of memory\n");
-        goto out;
-    }
     if (pull_all(job->tb, NULL, m) != 0) {
-        goto out;
+        return -1;
     }
-    for (int64_t start = 0; start < job->n_eval; start += EVAL_CHUNK) {
-        int64_t k = job->n_eval - start < EVAL_CHUNK ? job->n_eval - start : EVAL_CHUNK;
-        lookup_t lk;
-        weft_tensor_t *z = NULL;
-        weft_status_t st;
-
-        for (int64_t i = 0; i < k; i++) {
-            idx[i] = job->n_train + start + i;
-        }
-        st = lookup_prepare(job->set, idx, k, job->cfg->dim, &lk);
-        if (st != WEFT_OK) {
-            fail("evaluate", st);
-            goto out;
-        }
-        if (pull_all(job->tb, &lk, NULL) != 0) {
-            lookup_free(&lk);
-            goto out;
-        }
-        st = forward(m, job->set, idx, &lk, &z);
-        lookup_free(&lk);
-        if (st != WEFT_OK) {
-            fail("evaluate", st);
-            goto out;
-        }
-        for (int64_t i = 0; i < k; i++) {
-            float zi = ((const float *)weft_tensor_data(z))[i];
-            uint8_t y = job->set->label[idx[i]];
-
-            s[start + i].score = zi;
-            s[start + i].label = y;
-            loss += bce(zi, y);
-        }
-        weft_tensor_release(z);
-    }
-    *logloss_p = loss / (double)job->n_eval;
-    *auc_p = auc(s, job->n_eval);
-    rc = 0;
-out:
-    weft_grad_set_enabled(prev);
-    free(idx);
-    free(s);
-    return rc;
-}
-
-/* The planted model's held-out logloss and AUC (synthetic data), else NAN. */
-static void ceiling(const job_t *job, double *logloss_p, double *auc_p)
-{
-    scored_t *s;
-    double loss = 0;
-
-    *logloss_p = NAN;
-    *auc_p = NAN;
-    if (job->set->logit == NULL || (s = malloc((size_t)job->n_eval * sizeof(*s))) == NULL) {
-        return;
-    }
-    for (int64_t i = 0; i < job->n_eval; i++) {
-        int64_t j = job->n_train + i;
-
-        s[i].score = job->set->logit[j];
-        s[i].label = job->set->label[j];
-        loss += bce(job->set->logit[j], job->set->label[j]);
-    }
-    *logloss_p = loss / (double)job->n_eval;
-    *auc_p = auc(s, job->n_eval);
-    free(s);
+    return criteo_evaluate(PROG, job->set, job->n_train, job->n_eval, job->tb->emb, m->mlp,
+                           job->cfg->dim, logloss_p, auc_p);
 }
 
 /* One step on samples idx[0..k): pull, forward, backward, push; *loss_p gets the mean loss. */
 static int step(const job_t *job, const model_t *m, const int64_t *idx, int64_t k, double *loss_p)
 {
-    int64_t yshape[2] = {k, 1};
     weft_future_t *fs[N_PULLS];
     int nf = 0;
-    lookup_t lk;
-    weft_tensor_t *y = NULL;
-    weft_tensor_t *z = NULL;
+    criteo_lookup_t lk;
     weft_tensor_t *loss = NULL;
     weft_status_t st;
     int rc = -1;
 
-    st = lookup_prepare(job->set, idx, k, job->cfg->dim, &lk);
+    st = criteo_lookup_prepare(job->set, idx, k, job->cfg->dim, &lk);
     if (st != WEFT_OK) {
         fail("step", st);
         return -1;
@@ -636,21 +226,7 @@ static int step(const job_t *job, const model_t *m, const int64_t *idx, int64_t 
     if (pull_all(job->tb, &lk, m) != 0) {
         goto out;
     }
-    for (int f = 0; st == WEFT_OK && f < CRITEO_SPARSE; f++) {
-        st = weft_tensor_set_requires_grad(lk.rows[f], 1);
-    }
-    if (st == WEFT_OK) {
-        st = weft_tensor_empty(WEFT_F32, 2, yshape, &y);
-    }
-    if (st == WEFT_OK) {
-        for (int64_t i = 0; i < k; i++) {
-            ((float *)weft_tensor_data(y))[i] = job->set->label[idx[i]];
-        }
-        st = forward(m, job->set, idx, &lk, &z);
-    }
-    if (st == WEFT_OK) {
-        st = bce_with_logits(z, y, &loss);
-    }
+    st = criteo_loss(m->mlp, job->set, idx, &lk, &loss);
     if (st == WEFT_OK) {
         *loss_p = ((const float *)weft_tensor_data(loss))[0];
         st = weft_backward(loss, NULL, 0);
@@ -680,32 +256,15 @@ static int step(const job_t *job, const model_t *m, const int64_t *idx, int64_t 
         wait_all(fs, nf, "push");
         goto out;
     }
-    if (wait_all(fs, nf, "push") != 0) {
-        goto out;
-    }
-    st = weft_ps_clock(job->ps, 0);
-    if (st != WEFT_OK) {
-        fail("clock", st);
+    if (ex_ps_end_step(PROG, job->ps, fs, nf) != 0) {
         goto out;
     }
     rc = 0;
 out:
     weft_param_list_zero_grad(m->params);
     weft_tensor_release(loss);
-    weft_tensor_release(z);
-    weft_tensor_release(y);
-    lookup_free(&lk);
+    criteo_lookup_free(&lk);
     return rc;
-}
-
-static void json_num(const char *name, double v, const char *fmt)
-{
-    printf(",\"%s\":", name);
-    if (isfinite(v)) {
-        printf(fmt, v);
-    } else {
-        printf("null");
-    }
 }
 
 static int train(const job_t *job)
@@ -744,11 +303,8 @@ static int train(const job_t *job)
         }
         printf("; %lld train / %lld held-out samples, %lld steps per epoch\n",
                (long long)job->n_train, (long long)job->n_eval, (long long)job->steps);
-        ceiling(job, &ceil_ll, &ceil_auc);
-        if (isfinite(ceil_auc)) {
-            printf("planted model on the held-out split: logloss %.4f, AUC %.4f (the ceiling)\n",
-                   ceil_ll, ceil_auc);
-        }
+        criteo_ceiling(job->set, job->n_train, job->n_eval, &ceil_ll, &ceil_auc);
+        criteo_print_ceiling(ceil_ll, ceil_auc);
     }
     for (int epoch = 0; epoch < cfg->epochs; epoch++) {
         double t_epoch = 0;
@@ -777,24 +333,15 @@ static int train(const job_t *job)
             if (evaluate(job, &m, &ll, &au) != 0) {
                 goto out;
             }
-            printf("epoch %d/%d: train logloss %.4f, held-out logloss %.4f AUC %.4f", epoch + 1,
-                   cfg->epochs, train_loss, ll, au);
-            if (isfinite(ceil_auc)) {
-                printf(" (ceiling %.4f)", ceil_auc);
-            }
-            printf(", %.1f s, %.0f samples/s\n", t_epoch,
-                   train_time > 0 ? (double)samples / train_time : 0.0);
+            criteo_print_epoch(epoch, cfg->epochs, train_loss, ll, au, ceil_auc, t_epoch,
+                               train_time > 0 ? (double)samples / train_time : 0.0);
         }
     }
     if (lead) {
         double rate = train_time > 0 ? (double)samples / train_time : 0.0;
 
-        printf("final: held-out AUC %.4f", au);
-        if (isfinite(ceil_auc)) {
-            printf(", ceiling %.4f (gap %.4f)", ceil_auc, ceil_auc - au);
-        }
-        printf(", logloss %.4f, %.0f samples/s, %lld steps, %.1f s\n", ll, rate,
-               (long long)weft_ps_worker_clock(job->ps), ex_now() - t_start);
+        criteo_print_final(au, ceil_auc, ll, rate, weft_ps_worker_clock(job->ps),
+                           ex_now() - t_start);
         if (cfg->json) {
             printf("{\"system\":\"weft-ps\",\"example\":\"ctr_train\",\"mode\":\"%s\","
                    "\"servers\":%zu,\"workers\":%d,\"batch\":%lld,\"dim\":%lld,\"epochs\":%d,"
@@ -803,12 +350,12 @@ static int train(const job_t *job)
                    (long long)job->batch, (long long)cfg->dim, cfg->epochs,
                    (long long)weft_ps_worker_clock(job->ps), (long long)job->n_train,
                    (long long)job->n_eval);
-            json_num("auc", au, "%.5f");
-            json_num("logloss", ll, "%.5f");
-            json_num("ceiling", ceil_auc, "%.5f");
-            json_num("ceiling_logloss", ceil_ll, "%.5f");
-            json_num("train_logloss", train_loss, "%.5f");
-            json_num("samples_per_s", rate, "%.1f");
+            ex_json_num("auc", au, "%.5f");
+            ex_json_num("logloss", ll, "%.5f");
+            ex_json_num("ceiling", ceil_auc, "%.5f");
+            ex_json_num("ceiling_logloss", ceil_ll, "%.5f");
+            ex_json_num("train_logloss", train_loss, "%.5f");
+            ex_json_num("samples_per_s", rate, "%.1f");
             printf("}\n");
         }
     }
@@ -833,7 +380,8 @@ int main(int argc, char **argv)
     int rc;
 
     setvbuf(stdout, NULL, _IOLBF, 0);
-    rc = parse_args(argc, argv, &cfg);
+    criteo_cfg_defaults(&cfg);
+    rc = criteo_parse_opts(PROG, argc, argv, &cfg, NULL, 0, usage);
     if (rc != 0) {
         return rc == 1 ? 0 : rc;
     }
@@ -862,27 +410,7 @@ int main(int argc, char **argv)
         job.w = weft_ps_worker_index(ps);
         job.nw = (int)weft_ps_num_workers(ps);
         if (cfg.data == NULL) {
-            criteo_synth_opts_t so;
-            double t0 = ex_now();
-
-            criteo_synth_opts_init(&so, cfg.samples, (uint64_t)cfg.rows, cfg.seed);
-            so.values = cfg.values;
-            so.zipf_s = cfg.zipf;
-            if (criteo_synth(&so, &set) != 0) {
-                fprintf(stderr, PROG ": cannot generate %lld samples: out of memory\n",
-                        (long long)cfg.samples);
-                rc = 1;
-            } else if (job.w == 0) {
-                int64_t pos = 0;
-
-                for (int64_t i = 0; i < set.n; i++) {
-                    pos += set.label[i];
-                }
-                printf("synthetic Criteo-like data: %lld samples (seed %llu, Zipf %g over %lld "
-                       "values per feature, click rate %.3f), made in %.1f s\n",
-                       (long long)set.n, (unsigned long long)cfg.seed, cfg.zipf,
-                       (long long)cfg.values, (double)pos / (double)set.n, ex_now() - t0);
-            }
+            rc = criteo_synth_cfg(PROG, &cfg, job.w == 0, &set) == 0 ? 0 : 1;
         } else if (job.w == 0) {
             printf("loaded %lld samples (%lld skipped) from %s\n", (long long)set.n,
                    (long long)set.skipped, cfg.data);

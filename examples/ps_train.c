@@ -889,61 +889,6 @@ out:
 
 /* ----------------------------------------------------------------- main */
 
-/* The workers' ranks in worker order (every rank tells the world its worker index), and their
- * group. Every rank calls it. */
-static int workers_group(weft_agent_t *a, weft_ps_t *ps, weft_pg_t **wpg_p)
-{
-    int world = weft_agent_world_size(a);
-    int64_t one = 1;
-    int64_t nworld = world;
-    int *ranks = calloc((size_t)world, sizeof(*ranks));
-    weft_pg_t *pg = NULL;
-    weft_tensor_t *in = NULL;
-    weft_tensor_t *out = NULL;
-    int n = 0;
-    weft_status_t st;
-
-    if (ranks == NULL) {
-        return -1;
-    }
-    st = weft_pg_world(a, &pg);
-    if (st == WEFT_OK) {
-        st = weft_tensor_create(WEFT_I32, 1, &one, &in);
-    }
-    if (st == WEFT_OK) {
-        st = weft_tensor_create(WEFT_I32, 1, &nworld, &out);
-    }
-    if (st == WEFT_OK) {
-        ((int32_t *)weft_tensor_data(in))[0] = weft_ps_worker_index(ps);
-        st = weft_coll_all_gather(pg, in, out, NULL);
-    }
-    for (int r = 0; st == WEFT_OK && r < world; r++) {
-        int32_t w = ((int32_t *)weft_tensor_data(out))[r];
-
-        if (w >= 0 && w < world) {
-            ranks[w] = r;
-            n++;
-        }
-    }
-    if (st == WEFT_OK && (size_t)n != weft_ps_num_workers(ps)) {
-        fprintf(stderr, PROG ": %d ranks say they work, the parameter server has %zu workers\n", n,
-                weft_ps_num_workers(ps));
-        st = WEFT_ERR_INVALID_STATE;
-    }
-    if (st == WEFT_OK) {
-        st = weft_pg_new(a, ranks, n, wpg_p);
-    }
-    weft_tensor_release(in);
-    weft_tensor_release(out);
-    weft_pg_free(pg);
-    free(ranks);
-    if (st != WEFT_OK) {
-        fail("the workers' group", st);
-        return -1;
-    }
-    return 0;
-}
-
 int main(int argc, char **argv)
 {
     config_t cfg;
@@ -978,7 +923,7 @@ int main(int argc, char **argv)
         mnist_free(&test_set);
     }
     rc = 1;
-    if (workers_group(a, ps, &wpg) != 0 || tables_create(ps, &cfg, &tb) != 0) {
+    if (ex_ps_workers_group(PROG, a, ps, &wpg) != 0 || tables_create(ps, &cfg, &tb) != 0) {
         goto out_shutdown;
     }
     rc = 0;

@@ -63,6 +63,20 @@ void example_remove_dir(const char *dir)
     cr_assert_eq(system(cmd), 0, "%s", cmd);
 }
 
+void example_resumed_at(const result_t *r, const char *lead, const char *dir, long long v[4])
+{
+    char want[512];
+    const char *line;
+
+    snprintf(want, sizeof(want), "%sresumed at step ", lead);
+    line = find_line(r->out, want, true);
+    cr_assert(line != NULL, "no line %s\nstdout:\n%s\nstderr:\n%s", want, r->out, r->err);
+    snprintf(want, sizeof(want),
+             "%sresumed at step %%lld from %s: continuing with epoch %%lld, step %%lld of %%lld",
+             lead, dir);
+    cr_assert(sscanf(line, want, &v[0], &v[1], &v[2], &v[3]) == 4, "%.300s", line);
+}
+
 void example_assert_lines(const result_t *r, const char *const *want)
 {
     for (; *want != NULL; want++) {

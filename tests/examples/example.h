@@ -63,6 +63,13 @@ void example_tmp_dir(char *dir, size_t n, const char *what);
 /** Removes @p dir and everything in it. */
 void example_remove_dir(const char *dir);
 
+/**
+ * The numbers of the line "@p lead resumed at step S from @p dir: continuing with epoch E, step
+ * P of N" (ps_train's and hybrid_train's after --resume) into @p v (S, E, P, N); fails the test
+ * if stdout has no such line.
+ */
+void example_resumed_at(const result_t *r, const char *lead, const char *dir, long long v[4]);
+
 /** Fails the test unless every line of @p want (NULL-terminated) is a whole line of stdout. */
 void example_assert_lines(const result_t *r, const char *const *want);
 

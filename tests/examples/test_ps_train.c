@@ -205,11 +205,10 @@ Test(ps_train, resume_goes_on_from_the_checkpointed_step, .timeout = 180)
 Test(ps_train, a_killed_job_resumes_mid_epoch, .timeout = 180)
 {
     char dir[128];
-    char want[256];
     result_t r;
     unsigned long long whole, resumed;
-    long long saved, step = -1, epoch = -1, pos = -1, per = -1;
-    const char *line;
+    long long saved;
+    long long v[4] = {-1, -1, -1, -1};
 
     SKIP_WITHOUT_FASHION_MNIST();
     example_tmp_dir(dir, sizeof(dir), "kill");
@@ -235,16 +234,12 @@ Test(ps_train, a_killed_job_resumes_mid_epoch, .timeout = 180)
 
     run_ps_train(&r, "--epochs", "2", "--limit", "30000", "--resume", dir);
     assert_exit(&r, 0);
-    line = run_find_line(r.out, LEAD "resumed at step ", true);
-    cr_assert(line != NULL, "stdout:\n%s\nstderr:\n%s", r.out, r.err);
-    snprintf(want, sizeof(want),
-             LEAD "resumed at step %%lld from %s: continuing with epoch %%lld, step %%lld of %%lld",
-             dir);
-    cr_assert(sscanf(line, want, &step, &epoch, &pos, &per) == 4, "%.300s", line);
+    example_resumed_at(&r, LEAD, dir, v); /* step, epoch, position, steps per epoch */
     /* The last checkpoint it printed, or one it completed as it was killed. */
-    cr_assert(step >= saved && (step % 25 == 0 || step == 2 * per), "%.300s (saved %lld)", line,
+    cr_assert(v[0] >= saved && (v[0] % 25 == 0 || v[0] == 2 * v[3]), "step %lld (saved %lld)", v[0],
               saved);
-    cr_assert(per == 235 && epoch == step / per + 1 && pos == step % per + 1, "%.300s", line);
+    cr_assert(v[3] == 235 && v[1] == v[0] / v[3] + 1 && v[2] == v[0] % v[3] + 1,
+              "%lld %lld %lld %lld", v[0], v[1], v[2], v[3]);
     resumed = final_hash(&r);
     cr_assert_eq(resumed, whole, "resumed %016llx, uninterrupted %016llx", resumed, whole);
     result_free(&r);
