@@ -328,7 +328,85 @@ int ex_agent_shutdown(const char *prog, weft_agent_t *a, int rc)
     return rc;
 }
 
+int64_t ex_call_time_left_ms(const weft_call_t *call)
+{
+    int64_t left = weft_call_time_left_ms(call);
+    return left > 0 ? left : 1;
+}
+
+void ex_reply_payload(weft_call_t *call, const void *p, size_t len)
+{
+    weft_value_t *res = NULL;
+
+    if (weft_value_create(&res) != WEFT_OK || weft_value_set_payload(res, p, len) != WEFT_OK) {
+        weft_value_free(res);
+        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "no memory");
+        return;
+    }
+    weft_call_reply(call, res);
+}
+
+/* ------------------------------------------------------------------ the end of a run */
+
+void ex_wait_done_fn(weft_call_t *call, void *arg)
+{
+    ex_done_t *d = arg;
+
+    pthread_mutex_lock(&d->mu);
+    if (!d->done && d->n < EX_MAX_WAITERS) {
+        d->calls[d->n++] = call; /* answered by ex_done_announce */
+        pthread_mutex_unlock(&d->mu);
+        return;
+    }
+    int done = d->done;
+    pthread_mutex_unlock(&d->mu);
+    if (done) {
+        weft_call_reply(call, NULL);
+    } else {
+        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "too many wait_done calls");
+    }
+}
+
+void ex_done_announce(ex_done_t *d)
+{
+    weft_call_t *calls[EX_MAX_WAITERS];
+    int n;
+
+    pthread_mutex_lock(&d->mu);
+    d->done = 1;
+    n = d->n;
+    memcpy(calls, d->calls, (size_t)n * sizeof(calls[0]));
+    d->n = 0;
+    pthread_mutex_unlock(&d->mu);
+    for (int i = 0; i < n; i++) {
+        weft_call_reply(calls[i], NULL);
+    }
+}
+
+int ex_wait_done(const char *prog, weft_agent_t *a, int first, int last, const char *what)
+{
+    weft_future_t *fs[EX_MAX_WAITERS];
+    int n = 0;
+
+    for (int r = first; r <= last && n < EX_MAX_WAITERS; r++) {
+        weft_status_t st = weft_rpc_async(a, r, "wait_done", NULL, EX_SERVE_TIMEOUT_MS, &fs[n]);
+        if (st != WEFT_OK) {
+            ex_fail(prog, "wait_done", st);
+            (void)ex_wait_all(prog, fs, n, what);
+            return -1;
+        }
+        n++;
+    }
+    return ex_wait_all(prog, fs, n, what);
+}
+
 /* ------------------------------------------------------------------ training */
+
+double ex_rel_diff(double a, double b)
+{
+    double scale = fabs(a) > fabs(b) ? fabs(a) : fabs(b);
+    return scale > 0 ? fabs(a - b) / scale : 0.0;
+}
 
 void ex_progress(int epoch, int epochs, int64_t step, int64_t steps, double loss, double rate,
                  int tty)

@@ -1,13 +1,15 @@
 /*
  * What the example programs share: their command lines (a table of options over getopt_long),
- * the parameter server's start-up and end, and the pieces of their training loops (the clock, the
- * progress bar, the epoch's shuffle, waiting for futures, the workers' bit-for-bit parameter
- * check, the MLP's dense tables). Functions are ex_-prefixed; @p prog is the program's name for
- * messages ("PROG: ..." on stderr).
+ * the parameter server's start-up and end, the end of a run whose serving ranks wait for the
+ * working ones (wait_done), small helpers of RPC handlers, and the pieces of their training loops
+ * (the clock, the progress bar, the epoch's shuffle, waiting for futures, the workers'
+ * bit-for-bit parameter check, the MLP's dense tables). Functions are ex_-prefixed; @p prog is the
+ * program's name for messages ("PROG: ..." on stderr).
  */
 #ifndef WEFT_EXAMPLES_COMMON_H
 #define WEFT_EXAMPLES_COMMON_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -159,7 +161,59 @@ int ex_ps_finish(const char *prog, weft_ps_t *ps, int rc);
  */
 int ex_agent_shutdown(const char *prog, weft_agent_t *a, int rc);
 
+/** The timeout of a call made while serving @p call: what is left of its deadline, at least 1 ms.
+ */
+int64_t ex_call_time_left_ms(const weft_call_t *call);
+
+/** Answers @p call with the @p len bytes at @p p (a copy); fails it with WEFT_ERR_NO_MEMORY
+ * ("no memory") if the answer cannot be made. */
+void ex_reply_payload(weft_call_t *call, const void *p, size_t len);
+
+/* ------------------------------------------------------------------ the end of a run */
+
+/*
+ * The shutdown is collective and bounded (EX_SHUTDOWN_TIMEOUT_MS), while training is not: a rank
+ * that only serves first waits until the ranks that drive the work are done. Each of those
+ * registers "wait_done" (ex_wait_done_fn, its argument an ex_done_t) and, once its main loop has
+ * ended, calls ex_done_announce; a serving rank calls ex_wait_done on them. The call stays open
+ * until then and fails at once with WEFT_ERR_PEER_LOST if the rank is lost (a long deadline,
+ * EX_SERVE_TIMEOUT_MS, bounds it otherwise).
+ */
+#define EX_SERVE_TIMEOUT_MS (7LL * 24 * 3600 * 1000)
+/** wait_done calls one rank holds open at most; ranks one ex_wait_done waits for at most. */
+#define EX_MAX_WAITERS 64
+
+/** A working rank's end, for the wait_done calls. Initialise with EX_DONE_INIT. */
+typedef struct {
+    pthread_mutex_t mu;
+    int done;
+    int n;
+    weft_call_t *calls[EX_MAX_WAITERS];
+} ex_done_t;
+
+#define EX_DONE_INIT                                                                               \
+    {                                                                                              \
+        .mu = PTHREAD_MUTEX_INITIALIZER                                                            \
+    }
+
+/** The "wait_done" handler (@p arg an ex_done_t): answers nothing once ex_done_announce has been
+ * called; fails with WEFT_ERR_NO_MEMORY past EX_MAX_WAITERS open calls. Thread-safe. */
+void ex_wait_done_fn(weft_call_t *call, void *arg);
+
+/** This rank's work is over: answers the wait_done calls, and those still to come at once. */
+void ex_done_announce(ex_done_t *d);
+
+/**
+ * Waits until ranks @p first .. @p last are done (or one of them failed or was lost): calls
+ * "wait_done" on each (at most EX_MAX_WAITERS) and waits for them all (ex_wait_all with @p what).
+ * @return 0, or -1 after a message ("PROG: wait_done: ..." or "PROG: WHAT: ...").
+ */
+int ex_wait_done(const char *prog, weft_agent_t *a, int first, int last, const char *what);
+
 /* ------------------------------------------------------------------ training */
+
+/** |a - b| relative to the larger of |a| and |b| (0 when both are 0). */
+double ex_rel_diff(double a, double b);
 
 /**
  * Prints the progress line of step @p step (0-based) of @p steps in epoch @p epoch (0-based) of

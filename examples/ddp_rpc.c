@@ -45,7 +45,7 @@
  * otherwise); at the end the master compares the embedding's weight before and after training:
  * every row both trainers looked up changed, every row nobody looked up did not.
  *
- * The ps and the master serve until the master's work is over (wait_done, below); the trainers
+ * The ps and the master serve until the master's work is over (common.h's wait_done); the trainers
  * wait for it too, then every rank shuts down (collectively). Each rank uses one BLAS thread.
  *
  * Exit status: 0 on success, 2 for bad options or a world other than 4 ranks, 1 for any other
@@ -286,62 +286,6 @@ static const weft_rref_method_t emb_methods[] = {
     {"parameter_rrefs", emb_parameter_rrefs},
     {"weight", emb_weight},
 };
-
-/* ------------------------------------------------------------------ the end of the run */
-
-/*
- * The shutdown is collective and bounded (EX_SHUTDOWN_TIMEOUT_MS), while training is not: the
- * ranks other than the master first wait until the master's work is over. Each calls "wait_done"
- * on it; the call stays open until the master's main loop has ended, and fails at once with
- * WEFT_ERR_PEER_LOST if the master is lost (a long deadline, SERVE_TIMEOUT_MS, bounds it
- * otherwise). The same long deadline bounds run_trainer, which lasts the whole training.
- */
-#define SERVE_TIMEOUT_MS (7LL * 24 * 3600 * 1000)
-#define MAX_WAITERS      8
-
-typedef struct {
-    pthread_mutex_t mu;
-    int done;
-    int n;
-    weft_call_t *calls[MAX_WAITERS];
-} done_t;
-
-/* wait_done() -> nothing, once this rank's work is over. */
-static void fn_wait_done(weft_call_t *call, void *arg)
-{
-    done_t *d = arg;
-
-    pthread_mutex_lock(&d->mu);
-    if (!d->done && d->n < MAX_WAITERS) {
-        d->calls[d->n++] = call; /* answered by done_announce */
-        pthread_mutex_unlock(&d->mu);
-        return;
-    }
-    int done = d->done;
-    pthread_mutex_unlock(&d->mu);
-    if (done) {
-        weft_call_reply(call, NULL);
-    } else {
-        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "too many wait_done calls");
-    }
-}
-
-/* This rank's work is over: answers the wait_done calls, and those still to come at once. */
-static void done_announce(done_t *d)
-{
-    weft_call_t *calls[MAX_WAITERS];
-    int n;
-
-    pthread_mutex_lock(&d->mu);
-    d->done = 1;
-    n = d->n;
-    memcpy(calls, d->calls, (size_t)n * sizeof(calls[0]));
-    d->n = 0;
-    pthread_mutex_unlock(&d->mu);
-    for (int i = 0; i < n; i++) {
-        weft_call_reply(calls[i], NULL);
-    }
-}
 
 /* ------------------------------------------------------------------ the trainers */
 
@@ -736,7 +680,7 @@ static int trainer_main(weft_agent_t *a, weft_pg_t *pg, trainer_slot_t *slot, co
     size_t which = 0;
     int rc;
 
-    st = weft_rpc_async(a, MASTER, "wait_done", NULL, SERVE_TIMEOUT_MS, &done_f);
+    st = weft_rpc_async(a, MASTER, "wait_done", NULL, EX_SERVE_TIMEOUT_MS, &done_f);
     if (st != WEFT_OK) {
         fail("wait_done", st);
         return 1;
@@ -882,7 +826,8 @@ static int master_main(weft_agent_t *a, const config_t *cfg)
             st = weft_value_add_rref(args, emb);
         }
         if (st == WEFT_OK) {
-            st = weft_rpc_async(a, r, "run_trainer", args, SERVE_TIMEOUT_MS, &fs[r]);
+            /* wait_done's long deadline: run_trainer lasts the whole training. */
+            st = weft_rpc_async(a, r, "run_trainer", args, EX_SERVE_TIMEOUT_MS, &fs[r]);
         }
         weft_value_free(args);
         args = NULL;
@@ -939,7 +884,7 @@ int main(int argc, char **argv)
     weft_agent_opts_t opts;
     weft_agent_t *a = NULL;
     weft_pg_t *pg = NULL;
-    done_t done = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    ex_done_t done = EX_DONE_INIT;
     trainer_slot_t slot = {.mu = PTHREAD_MUTEX_INITIALIZER};
     const int trainer_ranks[N_TRAINERS] = {0, 1};
     weft_status_t st;
@@ -985,7 +930,7 @@ int main(int argc, char **argv)
                                      (int)(sizeof(emb_methods) / sizeof(emb_methods[0])), NULL);
     }
     if (st == WEFT_OK && rank == MASTER) {
-        st = weft_rpc_register(a, "wait_done", fn_wait_done, &done);
+        st = weft_rpc_register(a, "wait_done", ex_wait_done_fn, &done);
     }
     if (st == WEFT_OK && rank < N_TRAINERS) {
         st = weft_rpc_register(a, "run_trainer", fn_run_trainer, &slot);
@@ -1009,18 +954,10 @@ int main(int argc, char **argv)
         rc = 1;
     } else if (rank == MASTER) {
         rc = master_main(a, &cfg);
-        done_announce(&done);
+        ex_done_announce(&done);
     } else if (rank == PS) {
-        weft_future_t *f = NULL;
-
         /* The parameter server serves until the master is done. */
-        st = weft_rpc_async(a, MASTER, "wait_done", NULL, SERVE_TIMEOUT_MS, &f);
-        if (st != WEFT_OK) {
-            fail("wait_done", st);
-            rc = 1;
-        } else {
-            rc = ex_wait_all(PROG, &f, 1, "waiting for the master") == 0 ? 0 : 1;
-        }
+        rc = ex_wait_done(PROG, a, MASTER, MASTER, "waiting for the master") == 0 ? 0 : 1;
     } else {
         rc = trainer_main(a, pg, &slot, &cfg);
     }

@@ -71,8 +71,9 @@
  * pipelines without a context. --json prints one line at the end.
  *
  * The stages' ranks (the idle ones too, with --replicas 1) serve until the master is done
- * (pipeline_train's wait_done), then every rank shuts down collectively. Each rank uses one BLAS
- * thread.
+ * (common.h's wait_done), then every rank shuts down collectively. Each rank uses one BLAS
+ * thread. The stage type's layers and forward, the ranks' thread pool and the micro-batch driver
+ * are pipeline_stage.c's, shared with pipeline_train.
  *
  * Exit status: 0 on success, 2 for bad options, a world other than 5 ranks, or missing or corrupt
  * data, 1 for any other failure (a check included).
@@ -88,16 +89,15 @@
 
 #include "common.h"
 #include "mnist.h"
+#include "pipeline_stage.h"
 
 #define PROG            "pipeline_ddp"
-#define NCLASS          MNIST_CLASSES
-#define IMAGE_SIDE      28
-#define STAGE2_IN       (64 * 7 * 7)
+#define IMAGE_SIDE      PIPE_IMAGE_SIDE
 #define MASTER          0
 #define N_STAGES        2
-#define MAX_REPLICAS    2
+#define MAX_REPLICAS    PIPE_MAX_LINES
 #define WORLD           (1 + N_STAGES * MAX_REPLICAS)
-#define MAX_SPLITS      64
+#define MAX_SPLITS      PIPE_MAX_SPLITS
 #define CHECK_RTOL      1e-4
 #define CALL_TIMEOUT_MS 0 /* the agent's call timeout */
 
@@ -223,151 +223,15 @@ typedef struct {
     uint64_t hash; /* FNV-1a 64 of this replica's packed parameters */
 } check_msg_t;
 
-/* A stage replica on its rank. The lock serialises its forward passes and its steps. */
-typedef struct {
-    int k;
-    int replicas;
-    int rank;
-    pthread_mutex_t mu;
-    weft_nn_conv2d_t *conv1, *conv2; /* stage 1 */
-    weft_nn_linear_t *fc1, *fc2;     /* stage 2 */
-    weft_param_list_t *params;
-    weft_optimizer_t *opt;
-    int64_t forwards; /* under mu */
-    int64_t recorded; /* of which in a context (graph recorded) */
-    int64_t steps;
-} stage_t;
-
-/*
- * The forward passes, steps and group operations run on a few threads of the stage's rank
- * (torch's RPC thread pool): the methods hand their calls to them and return. A forward blocks
- * in to_here until the previous stage's output exists, a step in the all_reduce until its twin
- * gets there; on threads of their own they keep the agent's transport threads free meanwhile.
- */
-#define STAGE_THREADS 8
-
-typedef struct server server_t;
-typedef void (*task_fn_t)(server_t *sv, stage_t *s, weft_call_t *call);
-
-typedef struct task {
-    struct task *next;
-    task_fn_t fn;
-    stage_t *s;
-    weft_call_t *call;
-} task_t;
-
-/* What a rank that holds stage replicas serves them with: the type's argument. */
-struct server {
-    weft_agent_t *a;
-    weft_pg_t *pg; /* this rank's stage group: set after the join, before any object exists */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    task_t *head, *tail;
-    int stop;
-    int n_threads;
-    pthread_t threads[STAGE_THREADS];
-};
-
-static void *server_main(void *arg)
-{
-    server_t *sv = arg;
-
-    pthread_mutex_lock(&sv->mu);
-    for (;;) {
-        while (sv->head == NULL && !sv->stop) {
-            pthread_cond_wait(&sv->cv, &sv->mu);
-        }
-        if (sv->head == NULL) {
-            break;
-        }
-        task_t *t = sv->head;
-        sv->head = t->next;
-        if (sv->head == NULL) {
-            sv->tail = NULL;
-        }
-        pthread_mutex_unlock(&sv->mu);
-        t->fn(sv, t->s, t->call);
-        free(t);
-        pthread_mutex_lock(&sv->mu);
-    }
-    pthread_mutex_unlock(&sv->mu);
-    return NULL;
-}
-
-/* Starts the pool's threads. @return 0, or -1 after a message. */
-static int server_start(server_t *sv, weft_agent_t *a)
-{
-    memset(sv, 0, sizeof(*sv));
-    sv->a = a;
-    pthread_mutex_init(&sv->mu, NULL);
-    pthread_cond_init(&sv->cv, NULL);
-    for (int i = 0; i < STAGE_THREADS; i++) {
-        if (pthread_create(&sv->threads[i], NULL, server_main, sv) != 0) {
-            fprintf(stderr, PROG ": cannot start the stage's threads\n");
-            return -1;
-        }
-        sv->n_threads++;
-    }
-    return 0;
-}
-
-/* Lets the threads finish what is queued, then joins them. */
-static void server_stop(server_t *sv)
-{
-    pthread_mutex_lock(&sv->mu);
-    sv->stop = 1;
-    pthread_cond_broadcast(&sv->cv);
-    pthread_mutex_unlock(&sv->mu);
-    for (int i = 0; i < sv->n_threads; i++) {
-        pthread_join(sv->threads[i], NULL);
-    }
-    pthread_cond_destroy(&sv->cv);
-    pthread_mutex_destroy(&sv->mu);
-}
-
-/* Queues @p call for @p fn on a thread of the pool, which answers it. */
-static void server_queue(server_t *sv, task_fn_t fn, stage_t *s, weft_call_t *call)
-{
-    task_t *t = calloc(1, sizeof(*t));
-
-    if (t == NULL) {
-        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "stage %d: no memory for a task", s->k);
-        return;
-    }
-    t->fn = fn;
-    t->s = s;
-    t->call = call;
-    pthread_mutex_lock(&sv->mu);
-    if (sv->tail != NULL) {
-        sv->tail->next = t;
-    } else {
-        sv->head = t;
-    }
-    sv->tail = t;
-    pthread_cond_signal(&sv->cv);
-    pthread_mutex_unlock(&sv->mu);
-}
-
-static void stage_free(stage_t *s)
-{
-    weft_optimizer_free(s->opt);
-    weft_param_list_free(s->params);
-    weft_nn_linear_free(s->fc2);
-    weft_nn_linear_free(s->fc1);
-    weft_nn_conv2d_free(s->conv2);
-    weft_nn_conv2d_free(s->conv1);
-    pthread_mutex_destroy(&s->mu);
-    free(s);
-}
-
+/* A stage replica on its rank (pipe_stage_t: its lock serialises its forward passes and its
+ * steps), served by the rank's pool (pipe_pool_t, whose pg is this rank's stage group: set after
+ * the join, before any object exists). */
 static weft_status_t stage_ctor(const weft_value_t *args, void *type_arg, void **obj_p)
 {
-    server_t *sv = type_arg;
-    weft_nn_conv2d_config_t cc = WEFT_NN_CONV2D_DEFAULTS;
+    pipe_pool_t *sv = type_arg;
     weft_optim_sgd_config_t oc = WEFT_OPTIM_SGD_DEFAULTS;
     const stage_msg_t *m;
-    stage_t *s;
-    weft_rng_t rng;
+    pipe_stage_t *s = NULL;
     size_t len = 0;
     weft_status_t st;
 
@@ -382,47 +246,17 @@ static weft_status_t stage_ctor(const weft_value_t *args, void *type_arg, void *
          weft_pg_world_rank(sv->pg, 0) != stage_rank(m->k - 1, 0))) {
         return WEFT_ERR_INVALID_STATE;
     }
-    s = calloc(1, sizeof(*s));
-    if (s == NULL) {
-        return WEFT_ERR_NO_MEMORY;
+    st = pipe_stage_create(m->k, m->seed, &s);
+    if (st != WEFT_OK) {
+        return st;
     }
-    pthread_mutex_init(&s->mu, NULL);
-    s->k = m->k;
     s->replicas = m->replicas;
     s->rank = weft_agent_rank(sv->a);
-    weft_rng_init(&rng, m->seed, (uint64_t)m->k);
-    st = weft_param_list_create(&s->params);
-    if (st == WEFT_OK && s->k == 1) {
-        cc.padding[0] = cc.padding[1] = 1;
-        st = weft_nn_conv2d_create(1, 32, (const int64_t[]){3, 3}, &cc, &rng, &s->conv1);
-        if (st == WEFT_OK) {
-            st = weft_nn_conv2d_create(32, 64, (const int64_t[]){3, 3}, &cc, &rng, &s->conv2);
-        }
-        if (st == WEFT_OK) {
-            st = weft_param_list_extend(s->params, "0", weft_nn_conv2d_params(s->conv1));
-        }
-        if (st == WEFT_OK) {
-            st = weft_param_list_extend(s->params, "3", weft_nn_conv2d_params(s->conv2));
-        }
-    } else if (st == WEFT_OK) {
-        st = weft_nn_linear_create(STAGE2_IN, 128, 1, WEFT_F32, &rng, &s->fc1);
-        if (st == WEFT_OK) {
-            st = weft_nn_linear_create(128, NCLASS, 1, WEFT_F32, &rng, &s->fc2);
-        }
-        if (st == WEFT_OK) {
-            st = weft_param_list_extend(s->params, "1", weft_nn_linear_params(s->fc1));
-        }
-        if (st == WEFT_OK) {
-            st = weft_param_list_extend(s->params, "3", weft_nn_linear_params(s->fc2));
-        }
-    }
-    if (st == WEFT_OK) {
-        oc.lr = m->lr;
-        oc.momentum = m->momentum;
-        st = weft_optimizer_sgd_create(s->params, &oc, &s->opt);
-    }
+    oc.lr = m->lr;
+    oc.momentum = m->momentum;
+    st = weft_optimizer_sgd_create(s->params, &oc, &s->opt);
     if (st != WEFT_OK) {
-        stage_free(s);
+        pipe_stage_free(s);
         return st;
     }
     *obj_p = s;
@@ -431,153 +265,14 @@ static weft_status_t stage_ctor(const weft_value_t *args, void *type_arg, void *
 
 static void stage_dtor(void *obj, void *type_arg)
 {
-    stage_t *s = obj;
+    pipe_stage_t *s = obj;
 
     (void)type_arg;
     printf("stage %d replica (%d replica%s) freed by its owner after %lld forward passes (%lld in "
            "a context) and %lld steps\n",
            s->k, s->replicas, s->replicas > 1 ? "s" : "", (long long)s->forwards,
            (long long)s->recorded, (long long)s->steps);
-    stage_free(s);
-}
-
-/* Stage 1's layers on x [m, 784] or [m, 1, 28, 28]; stage 2's on x [m, 64, 7, 7]. Called with
- * s->mu held. */
-static weft_status_t stage_layers_locked(stage_t *s, weft_tensor_t *x, weft_tensor_t **y_p)
-{
-    const int64_t m = weft_tensor_shape(x)[0];
-    weft_tensor_t *t[8] = {NULL};
-    weft_status_t st;
-    int i = 0;
-
-    if (s->k == 1) {
-        st = weft_op_reshape(x, 4, (const int64_t[]){m, 1, IMAGE_SIDE, IMAGE_SIDE}, &t[i]);
-        if (st == WEFT_OK) {
-            st = weft_nn_conv2d_forward(s->conv1, t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_relu(t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_max_pool2d(t[i], (const int64_t[]){2, 2}, NULL, NULL, &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_nn_conv2d_forward(s->conv2, t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_relu(t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_max_pool2d(t[i], (const int64_t[]){2, 2}, NULL, NULL, y_p);
-        }
-    } else {
-        st = weft_op_flatten(x, 1, -1, &t[i]);
-        if (st == WEFT_OK) {
-            st = weft_nn_linear_forward(s->fc1, t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_relu(t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_nn_linear_forward(s->fc2, t[i], y_p);
-        }
-    }
-    for (int j = 0; j < 8; j++) {
-        weft_tensor_release(t[j]);
-    }
-    return st;
-}
-
-/* The timeout of a call made for @p call: what is left of its deadline, at least 1 ms. */
-static int64_t time_left_ms(const weft_call_t *call)
-{
-    int64_t left = weft_call_time_left_ms(call);
-    return left > 0 ? left : 1;
-}
-
-/*
- * pipeline_train's forward: x = to_here(x_rref), then the stage's layers under the stage's lock,
- * in the call's distributed autograd context (entered on this thread), so the owner of x records
- * a send function for its answer and this worker a receive function; the graph of the layers is
- * recorded, and the answer's send function leads back to the parameters. Without a context
- * (evaluation) no graph is recorded.
- */
-static void stage_forward_run(server_t *sv, stage_t *s, weft_call_t *call)
-{
-    weft_rref_t *in = weft_value_rref(weft_call_args(call), 0); /* borrowed */
-    const uint64_t ctx = weft_call_context(call);
-    weft_value_t *xv = NULL;
-    weft_value_t *res = NULL;
-    weft_tensor_t *x;
-    weft_tensor_t *y = NULL;
-    uint64_t prev_ctx = 0;
-    weft_status_t st;
-    int prev;
-
-    if (in == NULL) {
-        weft_call_fail(call, WEFT_ERR_INVALID_ARG, "stage %d: forward wants an RRef", s->k);
-        return;
-    }
-    st = weft_dist_context_enter(sv->a, ctx, &prev_ctx);
-    if (st == WEFT_OK) {
-        st = weft_rref_to_here(in, time_left_ms(call), &xv);
-        (void)weft_dist_context_enter(sv->a, prev_ctx, NULL);
-    }
-    if (st != WEFT_OK) {
-        weft_call_fail(call, st, "stage %d: to_here of its input: %s", s->k, weft_last_error());
-        return;
-    }
-    x = weft_value_tensor(xv, 0);
-    if (x == NULL || weft_tensor_dtype(x) != WEFT_F32 || weft_tensor_ndim(x) < 2 ||
-        weft_tensor_shape(x)[0] < 1 ||
-        weft_tensor_numel(x) !=
-            weft_tensor_shape(x)[0] * (s->k == 1 ? IMAGE_SIDE * IMAGE_SIDE : STAGE2_IN)) {
-        weft_value_free(xv);
-        weft_call_fail(call, WEFT_ERR_SHAPE, "stage %d: the input has the wrong shape", s->k);
-        return;
-    }
-    prev = weft_grad_set_enabled(ctx != 0);
-    pthread_mutex_lock(&s->mu);
-    st = stage_layers_locked(s, x, &y);
-    s->forwards++;
-    s->recorded += ctx != 0;
-    pthread_mutex_unlock(&s->mu);
-    weft_grad_set_enabled(prev);
-    weft_value_free(xv);
-    if (st == WEFT_OK) {
-        st = weft_value_create(&res);
-    }
-    if (st == WEFT_OK) {
-        st = weft_value_push_tensor(res, y);
-    }
-    if (st != WEFT_OK) {
-        weft_tensor_release(y);
-        weft_value_free(res);
-        weft_call_fail(call, st, "stage %d: forward: %s", s->k, weft_last_error());
-        return;
-    }
-    /* The answer records its send function in the call's context, from any thread. */
-    weft_call_reply(call, res);
-}
-
-/* Answers @p call with the @p len bytes at @p p. */
-static void reply_payload(weft_call_t *call, const void *p, size_t len)
-{
-    weft_value_t *res = NULL;
-
-    if (weft_value_create(&res) != WEFT_OK || weft_value_set_payload(res, p, len) != WEFT_OK) {
-        weft_value_free(res);
-        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "no memory");
-        return;
-    }
-    weft_call_reply(call, res);
+    pipe_stage_free(s);
 }
 
 /*
@@ -588,7 +283,7 @@ static void reply_payload(weft_call_t *call, const void *p, size_t len)
  * averages become the parameters' .grad and the local SGD steps. Both twins take part in the
  * all_reduce whatever happened before it, so that neither waits for the other in vain.
  */
-static void stage_step_run(server_t *sv, stage_t *s, weft_call_t *call)
+static void stage_step_run(pipe_pool_t *sv, pipe_stage_t *s, weft_call_t *call)
 {
     size_t len = 0;
     const uint64_t *ctx = weft_value_payload(weft_call_args(call), &len);
@@ -689,11 +384,11 @@ static void stage_step_run(server_t *sv, stage_t *s, weft_call_t *call)
                        weft_last_error());
         return;
     }
-    reply_payload(call, &m, sizeof(m));
+    ex_reply_payload(call, &m, sizeof(m));
 }
 
 /* The replica's parameters packed into a new flat tensor @p flat_p. Called with s->mu held. */
-static weft_status_t pack_params_locked(stage_t *s, weft_tensor_t **flat_p)
+static weft_status_t pack_params_locked(pipe_stage_t *s, weft_tensor_t **flat_p)
 {
     int64_t n = weft_param_list_numel(s->params);
     weft_tensor_t *flat = NULL;
@@ -711,7 +406,7 @@ static weft_status_t pack_params_locked(stage_t *s, weft_tensor_t **flat_p)
 }
 
 /* sync() -> nothing: group rank 0's parameters broadcast to its twin (DDP's construction). */
-static void stage_sync_run(server_t *sv, stage_t *s, weft_call_t *call)
+static void stage_sync_run(pipe_pool_t *sv, pipe_stage_t *s, weft_call_t *call)
 {
     weft_tensor_t *flat = NULL;
     weft_status_t st = WEFT_OK;
@@ -738,7 +433,7 @@ static void stage_sync_run(server_t *sv, stage_t *s, weft_call_t *call)
 
 /* check() -> check_msg_t: with two replicas ex_params_identical over the stage's group; with one,
  * the replica's hash alone. */
-static void stage_check_run(server_t *sv, stage_t *s, weft_call_t *call)
+static void stage_check_run(pipe_pool_t *sv, pipe_stage_t *s, weft_call_t *call)
 {
     check_msg_t m;
     int same = 1;
@@ -766,31 +461,26 @@ static void stage_check_run(server_t *sv, stage_t *s, weft_call_t *call)
     }
     m.same = same;
     m.hash = hash;
-    reply_payload(call, &m, sizeof(m));
-}
-
-static void stage_forward(void *obj, weft_call_t *call, void *type_arg)
-{
-    server_queue(type_arg, stage_forward_run, obj, call);
+    ex_reply_payload(call, &m, sizeof(m));
 }
 
 static void stage_step(void *obj, weft_call_t *call, void *type_arg)
 {
-    server_queue(type_arg, stage_step_run, obj, call);
+    pipe_pool_queue(type_arg, stage_step_run, obj, call);
 }
 
 static void stage_sync(void *obj, weft_call_t *call, void *type_arg)
 {
-    server_queue(type_arg, stage_sync_run, obj, call);
+    pipe_pool_queue(type_arg, stage_sync_run, obj, call);
 }
 
 static void stage_check(void *obj, weft_call_t *call, void *type_arg)
 {
-    server_queue(type_arg, stage_check_run, obj, call);
+    pipe_pool_queue(type_arg, stage_check_run, obj, call);
 }
 
 static const weft_rref_method_t stage_methods[] = {
-    {"forward", stage_forward},
+    {"forward", pipe_stage_forward},
     {"step", stage_step},
     {"sync", stage_sync},
     {"check", stage_check},
@@ -917,170 +607,20 @@ static int model_init(model_t *m, weft_agent_t *a, const config_t *cfg, int repl
 
 /* ------------------------------------------------------------------ the pipelines */
 
-/* Sends micro-batch @p x through pipeline @p p: x_rref here, y_rref = stage 1's forward kept on
- * its rank, then stage 2's forward of y_rref, whose answer completes *f_p. */
-static weft_status_t micro_start(model_t *m, int p, weft_tensor_t *x, weft_future_t **f_p)
-{
-    weft_value_t *xv = NULL;
-    weft_value_t *args = NULL;
-    weft_rref_t *x_rref = NULL;
-    weft_rref_t *y_rref = NULL;
-    weft_status_t st;
-
-    st = weft_value_create(&xv);
-    if (st == WEFT_OK) {
-        st = weft_value_add_tensor(xv, x);
-    }
-    if (st == WEFT_OK) {
-        st = weft_rref_create(m->a, xv, &x_rref); /* takes xv */
-    }
-    if (st != WEFT_OK) {
-        weft_value_free(xv);
-        return st;
-    }
-    st = weft_value_create(&args);
-    if (st == WEFT_OK) {
-        st = weft_value_add_rref(args, x_rref);
-    }
-    if (st == WEFT_OK) {
-        st = weft_rref_remote_method(m->stage[0][p], "forward", args, CALL_TIMEOUT_MS, &y_rref);
-    }
-    weft_value_free(args);
-    args = NULL;
-    /* The call holds what it needs: the fork of x_rref keeps the value alive on this owner. */
-    weft_rref_release(x_rref);
-    if (st == WEFT_OK) {
-        st = weft_value_create(&args);
-    }
-    if (st == WEFT_OK) {
-        st = weft_value_add_rref(args, y_rref);
-    }
-    if (st == WEFT_OK) {
-        st = weft_rref_rpc_async(m->stage[1][p], "forward", args, CALL_TIMEOUT_MS, f_p);
-    }
-    weft_value_free(args);
-    weft_rref_release(y_rref);
-    return st;
-}
-
-/* Waits for micro-batch @p i of pipeline @p p (future @p *f, released and cleared) into
- * @p out_p; on a failure says so on stderr. @return 0, or -1 after the message. */
-static int micro_finish(weft_future_t **f, int p, int i, weft_tensor_t **out_p)
-{
-    weft_status_t st = weft_future_wait(*f, 0);
-    weft_value_t *v = NULL;
-    weft_tensor_t *z;
-    int rc = -1;
-
-    if (st != WEFT_OK) {
-        fprintf(stderr, PROG ": pipeline %c, micro-batch %d: %s: %s\n", 'A' + p, i,
-                weft_status_name(st), weft_future_error(*f));
-        goto out;
-    }
-    (void)weft_future_take_value(*f, &v);
-    z = weft_value_tensor(v, 0);
-    if (z == NULL || weft_tensor_ndim(z) != 2 || weft_tensor_shape(z)[1] != NCLASS) {
-        fprintf(stderr, PROG ": pipeline %c, micro-batch %d: stage 2 answered the wrong shape\n",
-                'A' + p, i);
-        goto out;
-    }
-    *out_p = weft_tensor_retain(z);
-    rc = 0;
-
-out:
-    weft_value_free(v);
-    weft_future_release(*f);
-    *f = NULL;
-    return rc;
-}
-
-/*
- * The forward of batch @p x [b, ...] through the model's pipelines (in the thread's current
- * context, if any): pipeline p gets its share of the rows (the first b % replicas one more), cut
- * into min(@p splits, share) micro-batches (tensor_split), at most @p splits of each pipeline in
- * flight at a time; both pipelines are fed at once. The outputs, concatenated in row order (A's,
- * then B's), into @p out_p [b, 10] (caller releases). @return 0, or -1 after a message.
- */
+/* The forward of batch @p x [b, ...] through the model's pipelines, both fed at once
+ * (pipe_forward: pipeline p gets its share of the rows, in min(@p splits, share) micro-batches,
+ * at most @p splits of each in flight), into @p out_p [b, 10] (caller releases).
+ * @return 0, or -1 after a message. */
 static int pipelines_forward(model_t *m, weft_tensor_t *x, int splits, weft_tensor_t **out_p)
 {
-    const int64_t b = weft_tensor_shape(x)[0];
-    const int window = splits;
-    int64_t sizes[MAX_REPLICAS * MAX_SPLITS];
-    weft_tensor_t *parts[MAX_REPLICAS * MAX_SPLITS] = {NULL};
-    weft_tensor_t *outs[MAX_REPLICAS * MAX_SPLITS] = {NULL};
-    weft_future_t *fs[MAX_REPLICAS * MAX_SPLITS] = {NULL};
-    int first[MAX_REPLICAS] = {0}, count[MAX_REPLICAS] = {0};
-    int started[MAX_REPLICAS] = {0}, done[MAX_REPLICAS] = {0};
-    int total = 0, finished = 0;
-    weft_status_t st;
-    int rc = -1;
+    const pipe_lines_t l = {.prog = PROG,
+                            .a = m->a,
+                            .n = m->replicas,
+                            .first = m->stage[0],
+                            .second = m->stage[1],
+                            .named = 1};
 
-    for (int p = 0; p < m->replicas; p++) {
-        const int64_t share = b / m->replicas + (p < b % m->replicas ? 1 : 0);
-        const int n = (int64_t)splits < share ? splits : (int)share;
-
-        first[p] = total;
-        count[p] = n;
-        for (int i = 0; i < n; i++) {
-            sizes[total++] = share / n + (i < share % n ? 1 : 0);
-        }
-    }
-    st = weft_op_split(x, total, sizes, 0, parts);
-    if (st != WEFT_OK) {
-        fail("split", st);
-        return -1;
-    }
-    while (finished < total) {
-        int progressed = 0;
-        int next = -1;
-
-        /* Micro-batch i of A, then of B, then i + 1 of A ...: both pipelines fill together. */
-        for (int p = 0; p < m->replicas; p++) {
-            if (started[p] < count[p] && started[p] - done[p] < window) {
-                const int j = first[p] + started[p];
-                st = micro_start(m, p, parts[j], &fs[j]);
-                if (st != WEFT_OK) {
-                    fail("micro-batch", st);
-                    goto out;
-                }
-                started[p]++;
-                progressed = 1;
-            }
-        }
-        if (progressed) {
-            continue;
-        }
-        /* Nothing may start: wait for the oldest micro-batch of the pipeline least far along. */
-        for (int p = 0; p < m->replicas; p++) {
-            if (done[p] < started[p] && (next < 0 || done[p] < done[next])) {
-                next = p;
-            }
-        }
-        if (micro_finish(&fs[first[next] + done[next]], next, done[next],
-                         &outs[first[next] + done[next]]) != 0) {
-            goto out;
-        }
-        done[next]++;
-        finished++;
-    }
-    st = weft_op_concat(total, outs, 0, out_p);
-    if (st != WEFT_OK) {
-        fail("concat", st);
-        goto out;
-    }
-    rc = 0;
-
-out:
-    /* After a failure, the micro-batches still in flight end before their inputs go. */
-    for (int i = 0; i < total; i++) {
-        if (fs[i] != NULL) {
-            (void)weft_future_wait(fs[i], 0);
-            weft_future_release(fs[i]);
-        }
-        weft_tensor_release(parts[i]);
-        weft_tensor_release(outs[i]);
-    }
-    return rc;
+    return pipe_forward(&l, x, splits, out_p);
 }
 
 /*
@@ -1186,12 +726,6 @@ typedef struct {
     step_msg_t s[N_STAGES][MAX_REPLICAS];
 } warm_t;
 
-static double rel_diff(double a, double b)
-{
-    double scale = fabs(a) > fabs(b) ? fabs(a) : fabs(b);
-    return scale > 0 ? fabs(a - b) / scale : 0.0;
-}
-
 /* Whether @p w is sound: every replica's parameters all got a gradient, the loss and the sums of
  * squares are finite and positive, and twins averaged to the same bits. */
 static int warm_sound(const warm_t *w, int replicas)
@@ -1261,35 +795,17 @@ static int timing_runs(weft_agent_t *a, const config_t *cfg, double rate[MAX_REP
 {
     const int nb = cfg->timing_steps + 1;
     const int64_t per_step = 2 * (int64_t)cfg->batch;
-    const int64_t xshape[4] = {per_step, 1, IMAGE_SIDE, IMAGE_SIDE};
-    const int64_t yshape[1] = {per_step};
     weft_tensor_t **xs = calloc((size_t)nb, sizeof(*xs));
     weft_tensor_t **ys = calloc((size_t)nb, sizeof(*ys));
     warm_t w[MAX_REPLICAS];
-    weft_rng_t rng;
-    weft_status_t st = WEFT_OK;
     int rc = -1;
 
     if (xs == NULL || ys == NULL) {
         fprintf(stderr, PROG ": out of memory\n");
         goto out;
     }
-    /* The same batches for every run: inputs N(0, 1), labels uniform in [0, 10). */
-    weft_rng_init(&rng, cfg->seed, 77);
-    for (int i = 0; st == WEFT_OK && i < nb; i++) {
-        st = weft_tensor_create(WEFT_F32, 4, xshape, &xs[i]);
-        if (st == WEFT_OK) {
-            st = weft_tensor_fill_normal(xs[i], 0.0, 1.0, &rng);
-        }
-        if (st == WEFT_OK) {
-            st = weft_tensor_create(WEFT_I64, 1, yshape, &ys[i]);
-        }
-        for (int64_t j = 0; st == WEFT_OK && j < per_step; j++) {
-            ((int64_t *)weft_tensor_data(ys[i]))[j] = (int64_t)weft_rng_below(&rng, NCLASS);
-        }
-    }
-    if (st != WEFT_OK) {
-        fail("random batches", st);
+    /* The same batches for every run. */
+    if (pipe_random_batches(PROG, cfg->seed, nb, per_step, xs, ys) != 0) {
         goto out;
     }
     printf("timing: steps of %lld random images (%d per pipeline with 2 replicas), 1 warm-up and "
@@ -1306,10 +822,10 @@ static int timing_runs(weft_agent_t *a, const config_t *cfg, double rate[MAX_REP
     if (cfg->compare) {
         /* The same data and initial values: averaging two halves' gradients is one pipeline's
          * gradient of the whole batch (up to the order of sums). */
-        double worst = rel_diff(w[0].loss, w[1].loss);
+        double worst = ex_rel_diff(w[0].loss, w[1].loss);
 
         for (int k = 0; k < N_STAGES; k++) {
-            worst = fmax(worst, rel_diff(w[0].s[k][0].sum_sq, w[1].s[k][0].sum_sq));
+            worst = fmax(worst, ex_rel_diff(w[0].s[k][0].sum_sq, w[1].s[k][0].sum_sq));
         }
         printf("warm-up step's loss and averaged gradients agree between 1 and 2 replicas: %s "
                "(largest relative difference %.1e)\n",
@@ -1352,60 +868,14 @@ typedef struct {
  * context: no graph is recorded anywhere. @return 0, or -1 after a message. */
 static int evaluate(const job_t *job, model_t *m, int64_t n, double *acc_p)
 {
-    const int64_t b = 2 * (int64_t)job->cfg->batch;
-    int64_t *idx = malloc((size_t)b * sizeof(*idx));
-    int64_t correct = 0;
-    weft_status_t st = WEFT_OK;
-    int prev = weft_grad_set_enabled(0);
-    int rc = -1;
+    const pipe_lines_t l = {.prog = PROG,
+                            .a = m->a,
+                            .n = m->replicas,
+                            .first = m->stage[0],
+                            .second = m->stage[1],
+                            .named = 1};
 
-    if (idx == NULL) {
-        fprintf(stderr, PROG ": out of memory\n");
-        goto out;
-    }
-    for (int64_t start = 0; start < n; start += b) {
-        int64_t k = n - start < b ? n - start : b;
-        weft_tensor_t *x = NULL;
-        weft_tensor_t *y = NULL;
-        weft_tensor_t *out = NULL;
-        weft_tensor_t *pred = NULL;
-        int bad = 0;
-
-        for (int64_t i = 0; i < k; i++) {
-            idx[i] = start + i;
-        }
-        st = mnist_batch(job->test, idx, k, &x, &y);
-        if (st != WEFT_OK) {
-            fail("test batch", st);
-            goto out;
-        }
-        bad = pipelines_forward(m, x, job->cfg->splits, &out) != 0;
-        if (!bad) {
-            st = weft_op_argmax(out, 1, 0, &pred);
-            if (st != WEFT_OK) {
-                fail("argmax", st);
-                bad = 1;
-            }
-        }
-        for (int64_t i = 0; !bad && i < k; i++) {
-            correct += ((const int64_t *)weft_tensor_data(pred))[i] ==
-                       ((const int64_t *)weft_tensor_data(y))[i];
-        }
-        weft_tensor_release(pred);
-        weft_tensor_release(out);
-        weft_tensor_release(x);
-        weft_tensor_release(y);
-        if (bad) {
-            goto out;
-        }
-    }
-    *acc_p = n > 0 ? (double)correct / (double)n : 0.0;
-    rc = 0;
-
-out:
-    weft_grad_set_enabled(prev);
-    free(idx);
-    return rc;
+    return pipe_evaluate(&l, job->test, n, 2 * (int64_t)job->cfg->batch, job->cfg->splits, acc_p);
 }
 
 /* Fresh stages (--replicas) trained on Fashion-MNIST; the test accuracy into @p acc_p, the
@@ -1496,17 +966,6 @@ out:
     return rc;
 }
 
-/* A JSON field ,"NAME":V, or ,"NAME":null when @p v is not finite. */
-static void json_num(const char *name, double v, const char *fmt)
-{
-    printf(",\"%s\":", name);
-    if (isfinite(v)) {
-        printf(fmt, v);
-    } else {
-        printf("null");
-    }
-}
-
 /* The master's part: the timing runs, the training, the JSON line. */
 static int run_master(const job_t *job)
 {
@@ -1540,86 +999,17 @@ static int run_master(const job_t *job)
                "\"splits\":%d,\"batch\":%d,\"timing_steps\":%d",
                cfg->replicas, cfg->compare ? "true" : "false", cfg->splits, cfg->batch,
                cfg->timing_steps);
-        json_num("samples_per_s_r1", rate[0], "%.1f");
-        json_num("samples_per_s_r2", rate[1], "%.1f");
-        json_num("ratio", rate[1] / rate[0], "%.3f");
+        ex_json_num("samples_per_s_r1", rate[0], "%.1f");
+        ex_json_num("samples_per_s_r2", rate[1], "%.1f");
+        ex_json_num("ratio", rate[1] / rate[0], "%.3f");
         printf(",\"lr\":%g,\"momentum\":%g,\"epochs_run\":%d,\"steps\":%lld", cfg->lr,
                cfg->momentum, l.epochs_run, (long long)l.step_total);
-        json_num("train_s", cfg->epochs > 0 ? l.train_time : NAN, "%.3f");
-        json_num("train_loss", cfg->epochs > 0 ? l.loss_avg : NAN, "%.4f");
-        json_num("accuracy", acc, "%.4f");
+        ex_json_num("train_s", cfg->epochs > 0 ? l.train_time : NAN, "%.3f");
+        ex_json_num("train_loss", cfg->epochs > 0 ? l.loss_avg : NAN, "%.4f");
+        ex_json_num("accuracy", acc, "%.4f");
         printf("}\n");
     }
     return 0;
-}
-
-/* ------------------------------------------------------------------ the end of the run */
-
-/*
- * pipeline_train's: the shutdown is collective and bounded (EX_SHUTDOWN_TIMEOUT_MS), while
- * training is not: a rank that only serves (a stage replica) first waits until the master is
- * done. It calls "wait_done" on it; the call stays open until the master's main loop has ended,
- * and fails at once with WEFT_ERR_PEER_LOST if the master is lost (a long deadline,
- * SERVE_TIMEOUT_MS, bounds it otherwise).
- */
-#define SERVE_TIMEOUT_MS (7LL * 24 * 3600 * 1000)
-#define MAX_WAITERS      64
-
-typedef struct {
-    pthread_mutex_t mu;
-    int done;
-    int n;
-    weft_call_t *calls[MAX_WAITERS];
-} done_t;
-
-/* wait_done() -> nothing, once this rank's work is over. */
-static void fn_wait_done(weft_call_t *call, void *arg)
-{
-    done_t *d = arg;
-
-    pthread_mutex_lock(&d->mu);
-    if (!d->done && d->n < MAX_WAITERS) {
-        d->calls[d->n++] = call; /* answered by done_announce */
-        pthread_mutex_unlock(&d->mu);
-        return;
-    }
-    int done = d->done;
-    pthread_mutex_unlock(&d->mu);
-    if (done) {
-        weft_call_reply(call, NULL);
-    } else {
-        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "too many wait_done calls");
-    }
-}
-
-/* This rank's work is over: answers the wait_done calls, and those still to come at once. */
-static void done_announce(done_t *d)
-{
-    weft_call_t *calls[MAX_WAITERS];
-    int n;
-
-    pthread_mutex_lock(&d->mu);
-    d->done = 1;
-    n = d->n;
-    memcpy(calls, d->calls, (size_t)n * sizeof(calls[0]));
-    d->n = 0;
-    pthread_mutex_unlock(&d->mu);
-    for (int i = 0; i < n; i++) {
-        weft_call_reply(calls[i], NULL);
-    }
-}
-
-/* Waits until the master is done (or lost). @return 0, or -1 after a message. */
-static int wait_until_done(weft_agent_t *a)
-{
-    weft_future_t *f = NULL;
-    weft_status_t st = weft_rpc_async(a, MASTER, "wait_done", NULL, SERVE_TIMEOUT_MS, &f);
-
-    if (st != WEFT_OK) {
-        fail("wait_done", st);
-        return -1;
-    }
-    return ex_wait_all(PROG, &f, 1, "waiting for the master to be done");
 }
 
 /*
@@ -1628,7 +1018,7 @@ static int wait_until_done(weft_agent_t *a)
  * Then a barrier over the world, so that no group operation reaches a rank before its group
  * exists. @return 0, or -1 after a message.
  */
-static int make_groups(weft_agent_t *a, server_t *sv, weft_pg_t *groups[N_STAGES])
+static int make_groups(weft_agent_t *a, pipe_pool_t *sv, weft_pg_t *groups[N_STAGES])
 {
     weft_pg_t *world = NULL;
     weft_status_t st = WEFT_OK;
@@ -1666,10 +1056,10 @@ int main(int argc, char **argv)
     mnist_set_t train_set = {0}, test_set = {0};
     weft_agent_opts_t opts;
     weft_agent_t *a = NULL;
-    server_t sv;
+    pipe_pool_t sv;
     int have_server = 0;
     weft_pg_t *groups[N_STAGES] = {NULL};
-    done_t done = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    ex_done_t done = EX_DONE_INIT;
     weft_status_t st;
     int rc;
 
@@ -1718,7 +1108,7 @@ int main(int argc, char **argv)
     /* The master answers the replicas' wait_done once it is done. The replicas' ranks own stage
      * objects: their type, and the threads of their methods. */
     if (weft_agent_rank(a) == MASTER) {
-        st = weft_rpc_register(a, "wait_done", fn_wait_done, &done);
+        st = weft_rpc_register(a, "wait_done", ex_wait_done_fn, &done);
         if (st != WEFT_OK) {
             fail("register", st);
             rc = 1;
@@ -1726,7 +1116,7 @@ int main(int argc, char **argv)
         }
     } else {
         have_server = 1; /* what started is stopped, even after a failure */
-        if (server_start(&sv, a) != 0) {
+        if (pipe_pool_start(PROG, &sv, a) != 0) {
             rc = 1;
             goto err_stop_server;
         }
@@ -1751,10 +1141,11 @@ int main(int argc, char **argv)
         rc = run_master(&job);
     } else {
         /* The replicas serve until the master is done: the shutdown is collective. */
-        rc = wait_until_done(a) == 0 ? 0 : 1;
+        rc =
+            ex_wait_done(PROG, a, MASTER, MASTER, "waiting for the master to be done") == 0 ? 0 : 1;
     }
     if (weft_agent_rank(a) == MASTER) {
-        done_announce(&done);
+        ex_done_announce(&done);
     }
     rc = ex_agent_shutdown(PROG, a, rc);
 
@@ -1762,7 +1153,7 @@ err_stop_server:
     /* After the shutdown no method comes: the threads end (the agent still exists for what they
      * were answering). */
     if (have_server) {
-        server_stop(&sv);
+        pipe_pool_stop(&sv);
     }
     for (int k = 0; k < N_STAGES; k++) {
         weft_pg_free(groups[k]);

@@ -19,8 +19,8 @@
  *                        (the tutorial's ResNetShard.forward), in the caller's distributed
  *                        autograd context, so the fetch records a send function on the value's
  *                        owner and a receive function here; the method hands this to one of
- *                        STAGE_THREADS threads of the stage's rank (torch's RPC thread pool),
- *                        which answers the call (see stage_forward for why);
+ *                        PIPE_STAGE_THREADS threads of the stage's rank (torch's RPC thread
+ *                        pool), which answers the call (see pipeline_stage.h for why);
  *   parameter_rrefs()    an RRef of each parameter (weft_rref_create on a value holding it);
  *   grad_stats(ctx)      how many parameters have a gradient in a context, and its sum of squares;
  *   param_sum()          the sum of the parameters' elements.
@@ -44,14 +44,15 @@
  * sums). Then fresh stages train on Fashion-MNIST for --epochs with --splits, and the test
  * accuracy is measured through the pipeline without a context (no graph anywhere).
  *
- * The stages' ranks serve until the master is done (wait_until_done), then every rank shuts down.
- * The machine's cores are shared by the three ranks: each uses one BLAS thread.
+ * The stages' ranks serve until the master is done (common.h's wait_done: ex_wait_done), then
+ * every rank shuts down. The machine's cores are shared by the three ranks: each uses one BLAS
+ * thread. The stage type's layers and forward, the stages' thread pool and the micro-batch
+ * driver are pipeline_stage.c's, shared with pipeline_ddp.
  *
  * Exit status: 0 on success, 2 for bad options, a world other than 3 ranks, or missing or corrupt
  * data, 1 for any other failure (a check included).
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,14 +62,14 @@
 
 #include "common.h"
 #include "mnist.h"
+#include "pipeline_stage.h"
 
 #define PROG            "pipeline_train"
-#define NCLASS          MNIST_CLASSES
-#define IMAGE_SIDE      28
+#define IMAGE_SIDE      PIPE_IMAGE_SIDE
 #define MASTER          0
 #define N_STAGES        2
 #define TIMING_BATCH    128
-#define MAX_SPLITS      64
+#define MAX_SPLITS      PIPE_MAX_SPLITS
 #define CHECK_RTOL      1e-4
 #define CALL_TIMEOUT_MS 0 /* the agent's call timeout */
 
@@ -153,34 +154,10 @@ typedef struct {
     double sum_sq;
 } grads_msg_t;
 
-/* A stage on its rank. The lock serialises its forward passes, as the tutorial's. */
-typedef struct {
-    int k;
-    pthread_mutex_t mu;
-    weft_nn_conv2d_t *conv1, *conv2; /* stage 1 */
-    weft_nn_linear_t *fc1, *fc2;     /* stage 2 */
-    weft_param_list_t *params;
-    int64_t forwards; /* under mu */
-    int64_t recorded; /* of which in a context (graph recorded) */
-} stage_t;
-
-static void stage_free(stage_t *s)
-{
-    weft_param_list_free(s->params);
-    weft_nn_linear_free(s->fc2);
-    weft_nn_linear_free(s->fc1);
-    weft_nn_conv2d_free(s->conv2);
-    weft_nn_conv2d_free(s->conv1);
-    pthread_mutex_destroy(&s->mu);
-    free(s);
-}
-
 static weft_status_t stage_ctor(const weft_value_t *args, void *type_arg, void **obj_p)
 {
-    weft_nn_conv2d_config_t cc = WEFT_NN_CONV2D_DEFAULTS;
     const stage_msg_t *m;
-    stage_t *s;
-    weft_rng_t rng;
+    pipe_stage_t *s = NULL;
     size_t len = 0;
     weft_status_t st;
 
@@ -189,40 +166,8 @@ static weft_status_t stage_ctor(const weft_value_t *args, void *type_arg, void *
     if (m == NULL || len != sizeof(*m) || (m->k != 1 && m->k != 2)) {
         return WEFT_ERR_INVALID_ARG;
     }
-    s = calloc(1, sizeof(*s));
-    if (s == NULL) {
-        return WEFT_ERR_NO_MEMORY;
-    }
-    pthread_mutex_init(&s->mu, NULL);
-    s->k = m->k;
-    weft_rng_init(&rng, m->seed, (uint64_t)m->k);
-    st = weft_param_list_create(&s->params);
-    if (st == WEFT_OK && s->k == 1) {
-        cc.padding[0] = cc.padding[1] = 1;
-        st = weft_nn_conv2d_create(1, 32, (const int64_t[]){3, 3}, &cc, &rng, &s->conv1);
-        if (st == WEFT_OK) {
-            st = weft_nn_conv2d_create(32, 64, (const int64_t[]){3, 3}, &cc, &rng, &s->conv2);
-        }
-        if (st == WEFT_OK) {
-            st = weft_param_list_extend(s->params, "0", weft_nn_conv2d_params(s->conv1));
-        }
-        if (st == WEFT_OK) {
-            st = weft_param_list_extend(s->params, "3", weft_nn_conv2d_params(s->conv2));
-        }
-    } else if (st == WEFT_OK) {
-        st = weft_nn_linear_create(64 * 7 * 7, 128, 1, WEFT_F32, &rng, &s->fc1);
-        if (st == WEFT_OK) {
-            st = weft_nn_linear_create(128, NCLASS, 1, WEFT_F32, &rng, &s->fc2);
-        }
-        if (st == WEFT_OK) {
-            st = weft_param_list_extend(s->params, "1", weft_nn_linear_params(s->fc1));
-        }
-        if (st == WEFT_OK) {
-            st = weft_param_list_extend(s->params, "3", weft_nn_linear_params(s->fc2));
-        }
-    }
+    st = pipe_stage_create(m->k, m->seed, &s);
     if (st != WEFT_OK) {
-        stage_free(s);
         return st;
     }
     *obj_p = s;
@@ -231,254 +176,18 @@ static weft_status_t stage_ctor(const weft_value_t *args, void *type_arg, void *
 
 static void stage_dtor(void *obj, void *type_arg)
 {
-    stage_t *s = obj;
+    pipe_stage_t *s = obj;
 
     (void)type_arg;
     printf("stage %d freed by its owner after %lld forward passes (%lld in a context)\n", s->k,
            (long long)s->forwards, (long long)s->recorded);
-    stage_free(s);
-}
-
-/* Stage 1's layers on x [m, 784] or [m, 1, 28, 28]; stage 2's on x [m, 64, 7, 7]. Called with
- * s->mu held. */
-static weft_status_t stage_layers_locked(stage_t *s, weft_tensor_t *x, weft_tensor_t **y_p)
-{
-    const int64_t m = weft_tensor_shape(x)[0];
-    weft_tensor_t *t[8] = {NULL};
-    weft_status_t st;
-    int i = 0;
-
-    if (s->k == 1) {
-        st = weft_op_reshape(x, 4, (const int64_t[]){m, 1, IMAGE_SIDE, IMAGE_SIDE}, &t[i]);
-        if (st == WEFT_OK) {
-            st = weft_nn_conv2d_forward(s->conv1, t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_relu(t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_max_pool2d(t[i], (const int64_t[]){2, 2}, NULL, NULL, &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_nn_conv2d_forward(s->conv2, t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_relu(t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_max_pool2d(t[i], (const int64_t[]){2, 2}, NULL, NULL, y_p);
-        }
-    } else {
-        st = weft_op_flatten(x, 1, -1, &t[i]);
-        if (st == WEFT_OK) {
-            st = weft_nn_linear_forward(s->fc1, t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_op_relu(t[i], &t[i + 1]);
-            i++;
-        }
-        if (st == WEFT_OK) {
-            st = weft_nn_linear_forward(s->fc2, t[i], y_p);
-        }
-    }
-    for (int j = 0; j < 8; j++) {
-        weft_tensor_release(t[j]);
-    }
-    return st;
-}
-
-/* The timeout of a call made for @p call: what is left of its deadline, at least 1 ms. */
-static int64_t time_left_ms(const weft_call_t *call)
-{
-    int64_t left = weft_call_time_left_ms(call);
-    return left > 0 ? left : 1;
-}
-
-/*
- * The forward passes run on a few threads of the stage's rank (torch's RPC thread pool): the
- * method hands its call to them and returns. A forward blocks in to_here until the previous
- * stage's output exists and then computes for a while; on a thread of its own it keeps the
- * agent's transport threads free for the other micro-batches' messages meanwhile. More
- * micro-batches in flight than threads queue here.
- */
-#define STAGE_THREADS 8
-
-typedef struct forward_task {
-    struct forward_task *next;
-    stage_t *s;
-    weft_call_t *call;
-} forward_task_t;
-
-typedef struct {
-    weft_agent_t *a;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    forward_task_t *head, *tail;
-    int stop;
-    int n_threads;
-    pthread_t threads[STAGE_THREADS];
-} stage_pool_t;
-
-static void stage_forward_run(stage_pool_t *p, stage_t *s, weft_call_t *call);
-
-static void *stage_pool_main(void *arg)
-{
-    stage_pool_t *p = arg;
-
-    pthread_mutex_lock(&p->mu);
-    for (;;) {
-        while (p->head == NULL && !p->stop) {
-            pthread_cond_wait(&p->cv, &p->mu);
-        }
-        if (p->head == NULL) {
-            break;
-        }
-        forward_task_t *t = p->head;
-        p->head = t->next;
-        if (p->head == NULL) {
-            p->tail = NULL;
-        }
-        pthread_mutex_unlock(&p->mu);
-        stage_forward_run(p, t->s, t->call);
-        free(t);
-        pthread_mutex_lock(&p->mu);
-    }
-    pthread_mutex_unlock(&p->mu);
-    return NULL;
-}
-
-/* Starts the pool's threads. @return 0, or -1 after a message. */
-static int stage_pool_start(stage_pool_t *p, weft_agent_t *a)
-{
-    memset(p, 0, sizeof(*p));
-    p->a = a;
-    pthread_mutex_init(&p->mu, NULL);
-    pthread_cond_init(&p->cv, NULL);
-    for (int i = 0; i < STAGE_THREADS; i++) {
-        if (pthread_create(&p->threads[i], NULL, stage_pool_main, p) != 0) {
-            fprintf(stderr, PROG ": cannot start the stage's threads\n");
-            return -1;
-        }
-        p->n_threads++;
-    }
-    return 0;
-}
-
-/* Lets the threads finish what is queued, then joins them. */
-static void stage_pool_stop(stage_pool_t *p)
-{
-    pthread_mutex_lock(&p->mu);
-    p->stop = 1;
-    pthread_cond_broadcast(&p->cv);
-    pthread_mutex_unlock(&p->mu);
-    for (int i = 0; i < p->n_threads; i++) {
-        pthread_join(p->threads[i], NULL);
-    }
-    pthread_cond_destroy(&p->cv);
-    pthread_mutex_destroy(&p->mu);
-}
-
-/*
- * forward(x_rref) -> the stage's output, computed by stage_forward_run on a thread of the pool
- * (the type's argument), which answers the call.
- */
-static void stage_forward(void *obj, weft_call_t *call, void *type_arg)
-{
-    stage_pool_t *p = type_arg;
-    forward_task_t *t = calloc(1, sizeof(*t));
-
-    if (t == NULL) {
-        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "stage: no memory for a forward");
-        return;
-    }
-    t->s = obj;
-    t->call = call;
-    pthread_mutex_lock(&p->mu);
-    if (p->tail != NULL) {
-        p->tail->next = t;
-    } else {
-        p->head = t;
-    }
-    p->tail = t;
-    pthread_cond_signal(&p->cv);
-    pthread_mutex_unlock(&p->mu);
-}
-
-/*
- * The tutorial's forward: x = to_here(x_rref), then the stage's layers under the stage's lock.
- * It runs in the call's distributed autograd context (entered on this thread): the fetch carries
- * it, so the owner of x records a send function for its answer and this worker a receive function;
- * the graph of the layers is recorded, and the answer's send function leads back to the
- * parameters. Without a context (evaluation) no graph is recorded.
- */
-static void stage_forward_run(stage_pool_t *p, stage_t *s, weft_call_t *call)
-{
-    weft_rref_t *in = weft_value_rref(weft_call_args(call), 0); /* borrowed */
-    const uint64_t ctx = weft_call_context(call);
-    weft_value_t *xv = NULL;
-    weft_value_t *res = NULL;
-    weft_tensor_t *x;
-    weft_tensor_t *y = NULL;
-    uint64_t prev_ctx = 0;
-    weft_status_t st;
-    int prev;
-
-    if (in == NULL) {
-        weft_call_fail(call, WEFT_ERR_INVALID_ARG, "stage %d: forward wants an RRef", s->k);
-        return;
-    }
-    st = weft_dist_context_enter(p->a, ctx, &prev_ctx);
-    if (st == WEFT_OK) {
-        st = weft_rref_to_here(in, time_left_ms(call), &xv);
-        (void)weft_dist_context_enter(p->a, prev_ctx, NULL);
-    }
-    if (st != WEFT_OK) {
-        weft_call_fail(call, st, "stage %d: to_here of its input: %s", s->k, weft_last_error());
-        return;
-    }
-    x = weft_value_tensor(xv, 0);
-    if (x == NULL || weft_tensor_dtype(x) != WEFT_F32 || weft_tensor_ndim(x) < 2 ||
-        weft_tensor_shape(x)[0] < 1 ||
-        weft_tensor_numel(x) !=
-            weft_tensor_shape(x)[0] * (s->k == 1 ? IMAGE_SIDE * IMAGE_SIDE : 64 * 7 * 7)) {
-        weft_value_free(xv);
-        weft_call_fail(call, WEFT_ERR_SHAPE, "stage %d: the input has the wrong shape", s->k);
-        return;
-    }
-    prev = weft_grad_set_enabled(ctx != 0);
-    pthread_mutex_lock(&s->mu);
-    st = stage_layers_locked(s, x, &y);
-    s->forwards++;
-    s->recorded += ctx != 0;
-    pthread_mutex_unlock(&s->mu);
-    weft_grad_set_enabled(prev);
-    weft_value_free(xv);
-    if (st == WEFT_OK) {
-        st = weft_value_create(&res);
-    }
-    if (st == WEFT_OK) {
-        st = weft_value_push_tensor(res, y);
-    }
-    if (st != WEFT_OK) {
-        weft_tensor_release(y);
-        weft_value_free(res);
-        weft_call_fail(call, st, "stage %d: forward: %s", s->k, weft_last_error());
-        return;
-    }
-    /* The answer records its send function in the call's context, from any thread. */
-    weft_call_reply(call, res);
+    pipe_stage_free(s);
 }
 
 /* parameter_rrefs() -> an RRef of each parameter, owned here. */
 static void stage_parameter_rrefs(void *obj, weft_call_t *call, void *type_arg)
 {
-    stage_t *s = obj;
+    pipe_stage_t *s = obj;
     weft_value_t *res = NULL;
     weft_status_t st = weft_value_create(&res);
 
@@ -512,11 +221,10 @@ static void stage_parameter_rrefs(void *obj, weft_call_t *call, void *type_arg)
 /* grad_stats(payload: a context id) -> grads_msg_t. */
 static void stage_grad_stats(void *obj, weft_call_t *call, void *type_arg)
 {
-    stage_t *s = obj;
+    pipe_stage_t *s = obj;
     size_t len = 0;
     const uint64_t *ctx = weft_value_payload(weft_call_args(call), &len);
     weft_dist_grads_t *g = NULL;
-    weft_value_t *res = NULL;
     grads_msg_t m;
     weft_status_t st;
 
@@ -542,23 +250,13 @@ static void stage_grad_stats(void *obj, weft_call_t *call, void *type_arg)
         }
     }
     weft_dist_grads_free(g);
-    st = weft_value_create(&res);
-    if (st == WEFT_OK) {
-        st = weft_value_set_payload(res, &m, sizeof(m));
-    }
-    if (st != WEFT_OK) {
-        weft_value_free(res);
-        weft_call_fail(call, st, "no memory");
-        return;
-    }
-    weft_call_reply(call, res);
+    ex_reply_payload(call, &m, sizeof(m));
 }
 
 /* param_sum() -> the sum of the parameters' elements (a double). */
 static void stage_param_sum(void *obj, weft_call_t *call, void *type_arg)
 {
-    stage_t *s = obj;
-    weft_value_t *res = NULL;
+    pipe_stage_t *s = obj;
     double sum = 0;
 
     (void)type_arg;
@@ -569,17 +267,11 @@ static void stage_param_sum(void *obj, weft_call_t *call, void *type_arg)
             sum += d[j];
         }
     }
-    if (weft_value_create(&res) != WEFT_OK ||
-        weft_value_set_payload(res, &sum, sizeof(sum)) != WEFT_OK) {
-        weft_value_free(res);
-        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "no memory");
-        return;
-    }
-    weft_call_reply(call, res);
+    ex_reply_payload(call, &sum, sizeof(sum));
 }
 
 static const weft_rref_method_t stage_methods[] = {
-    {"forward", stage_forward},
+    {"forward", pipe_stage_forward},
     {"parameter_rrefs", stage_parameter_rrefs},
     {"grad_stats", stage_grad_stats},
     {"param_sum", stage_param_sum},
@@ -671,149 +363,15 @@ static int model_init(model_t *m, weft_agent_t *a, uint64_t seed, double lr)
 
 /* ------------------------------------------------------------------ the pipeline */
 
-/* One micro-batch on its way: its output's future. */
-typedef struct {
-    weft_future_t *z;
-} micro_t;
-
-/* Sends micro-batch @p x through both stages: x_rref here, y_rref = stage 1's forward kept on
- * rank 1, then stage 2's forward of y_rref, whose answer completes *f_p. */
-static weft_status_t micro_start(model_t *m, weft_tensor_t *x, weft_future_t **f_p)
+/* The pipeline's forward of batch @p x [B, ...] (pipe_forward over the model's one pipeline, at
+ * most @p splits micro-batches in flight), into @p out_p [B, 10] (caller releases).
+ * @return 0, or -1 after a message. */
+static int pipeline_forward(model_t *m, weft_tensor_t *x, int splits, weft_tensor_t **out_p)
 {
-    weft_value_t *xv = NULL;
-    weft_value_t *args = NULL;
-    weft_rref_t *x_rref = NULL;
-    weft_rref_t *y_rref = NULL;
-    weft_status_t st;
+    const pipe_lines_t l = {
+        .prog = PROG, .a = m->a, .n = 1, .first = &m->stage[0], .second = &m->stage[1]};
 
-    st = weft_value_create(&xv);
-    if (st == WEFT_OK) {
-        st = weft_value_add_tensor(xv, x);
-    }
-    if (st == WEFT_OK) {
-        st = weft_rref_create(m->a, xv, &x_rref); /* takes xv */
-    }
-    if (st != WEFT_OK) {
-        weft_value_free(xv);
-        return st;
-    }
-    st = weft_value_create(&args);
-    if (st == WEFT_OK) {
-        st = weft_value_add_rref(args, x_rref);
-    }
-    if (st == WEFT_OK) {
-        st = weft_rref_remote_method(m->stage[0], "forward", args, CALL_TIMEOUT_MS, &y_rref);
-    }
-    weft_value_free(args);
-    args = NULL;
-    /* The call holds what it needs: the fork of x_rref keeps the value alive on this owner. */
-    weft_rref_release(x_rref);
-    if (st == WEFT_OK) {
-        st = weft_value_create(&args);
-    }
-    if (st == WEFT_OK) {
-        st = weft_value_add_rref(args, y_rref);
-    }
-    if (st == WEFT_OK) {
-        st = weft_rref_rpc_async(m->stage[1], "forward", args, CALL_TIMEOUT_MS, f_p);
-    }
-    weft_value_free(args);
-    weft_rref_release(y_rref);
-    return st;
-}
-
-/* Waits for micro-batch @p mb's output into @p out_p; on a failure says so on stderr.
- * @return 0, or -1 after the message. */
-static int micro_finish(micro_t *mb, int i, weft_tensor_t **out_p)
-{
-    weft_status_t st = weft_future_wait(mb->z, 0);
-    weft_value_t *v = NULL;
-    weft_tensor_t *z;
-    int rc = -1;
-
-    if (st != WEFT_OK) {
-        fprintf(stderr, PROG ": micro-batch %d: %s: %s\n", i, weft_status_name(st),
-                weft_future_error(mb->z));
-        goto out;
-    }
-    (void)weft_future_take_value(mb->z, &v);
-    z = weft_value_tensor(v, 0);
-    if (z == NULL || weft_tensor_ndim(z) != 2 || weft_tensor_shape(z)[1] != NCLASS) {
-        fprintf(stderr, PROG ": micro-batch %d: stage 2 answered the wrong shape\n", i);
-        goto out;
-    }
-    *out_p = weft_tensor_retain(z);
-    rc = 0;
-
-out:
-    weft_value_free(v);
-    weft_future_release(mb->z);
-    mb->z = NULL;
-    return rc;
-}
-
-/*
- * The pipeline's forward of batch @p x [B, ...] (in the thread's current context, if any): cut
- * into min(@p splits, B) micro-batches (tensor_split: the first B % n are one longer), at most
- * @p window of them in flight at a time (the next starts when the oldest has come back), their
- * outputs concatenated in order into @p out_p [B, 10] (caller releases).
- * @return 0, or -1 after a message.
- */
-static int pipeline_forward(model_t *m, weft_tensor_t *x, int splits, int window,
-                            weft_tensor_t **out_p)
-{
-    const int64_t b = weft_tensor_shape(x)[0];
-    const int n = (int64_t)splits < b ? splits : (int)b;
-    int64_t sizes[MAX_SPLITS];
-    weft_tensor_t *parts[MAX_SPLITS] = {NULL};
-    weft_tensor_t *outs[MAX_SPLITS] = {NULL};
-    micro_t mb[MAX_SPLITS];
-    int started = 0, done = 0;
-    weft_status_t st;
-    int rc = -1;
-
-    memset(mb, 0, sizeof(mb));
-    for (int i = 0; i < n; i++) {
-        sizes[i] = b / n + (i < b % n ? 1 : 0);
-    }
-    st = weft_op_split(x, n, sizes, 0, parts);
-    if (st != WEFT_OK) {
-        fail("split", st);
-        return -1;
-    }
-    while (done < n) {
-        if (started < n && started - done < window) {
-            st = micro_start(m, parts[started], &mb[started].z);
-            if (st != WEFT_OK) {
-                fail("micro-batch", st);
-                goto out;
-            }
-            started++;
-            continue;
-        }
-        if (micro_finish(&mb[done], done, &outs[done]) != 0) {
-            goto out;
-        }
-        done++;
-    }
-    st = weft_op_concat(n, outs, 0, out_p);
-    if (st != WEFT_OK) {
-        fail("concat", st);
-        goto out;
-    }
-    rc = 0;
-
-out:
-    /* After a failure, the micro-batches still in flight end before their inputs go. */
-    for (int i = done; i < started; i++) {
-        (void)weft_future_wait(mb[i].z, 0);
-        weft_future_release(mb[i].z);
-    }
-    for (int i = 0; i < n; i++) {
-        weft_tensor_release(parts[i]);
-        weft_tensor_release(outs[i]);
-    }
-    return rc;
+    return pipe_forward(&l, x, splits, out_p);
 }
 
 /* What the check of a batch's step found. */
@@ -881,7 +439,7 @@ static int train_step(model_t *m, weft_tensor_t *x, weft_tensor_t *y, int splits
         fail(what, st);
         return -1;
     }
-    if (pipeline_forward(m, x, splits, splits, &out) != 0) {
+    if (pipeline_forward(m, x, splits, &out) != 0) {
         goto out;
     }
     what = "loss";
@@ -923,12 +481,6 @@ out:
 
 /* ------------------------------------------------------------------ the timing runs */
 
-static double rel_diff(double a, double b)
-{
-    double scale = fabs(a) > fabs(b) ? fabs(a) : fabs(b);
-    return scale > 0 ? fabs(a - b) / scale : 0.0;
-}
-
 /* Whether @p c, the warm-up check of one split count, is sound on its own: every parameter got a
  * gradient, the loss and gradients are finite, and stage 1's parameters changed. */
 static int check_sound(const check_t *c)
@@ -948,36 +500,18 @@ static int check_sound(const check_t *c)
 static int timing_runs(weft_agent_t *a, const config_t *cfg, double *ms)
 {
     const int nb = cfg->timing_batches + 1;
-    const int64_t xshape[4] = {TIMING_BATCH, 1, IMAGE_SIDE, IMAGE_SIDE};
-    const int64_t yshape[1] = {TIMING_BATCH};
     weft_tensor_t **xs = calloc((size_t)nb, sizeof(*xs));
     weft_tensor_t **ys = calloc((size_t)nb, sizeof(*ys));
     check_t chk[N_TIMING];
     double worst = 0;
-    weft_rng_t rng;
-    weft_status_t st = WEFT_OK;
     int rc = -1;
 
     if (xs == NULL || ys == NULL) {
         fprintf(stderr, PROG ": out of memory\n");
         goto out;
     }
-    /* The same batches for every split count: inputs N(0, 1), labels uniform in [0, 10). */
-    weft_rng_init(&rng, cfg->seed, 77);
-    for (int i = 0; st == WEFT_OK && i < nb; i++) {
-        st = weft_tensor_create(WEFT_F32, 4, xshape, &xs[i]);
-        if (st == WEFT_OK) {
-            st = weft_tensor_fill_normal(xs[i], 0.0, 1.0, &rng);
-        }
-        if (st == WEFT_OK) {
-            st = weft_tensor_create(WEFT_I64, 1, yshape, &ys[i]);
-        }
-        for (int64_t j = 0; st == WEFT_OK && j < TIMING_BATCH; j++) {
-            ((int64_t *)weft_tensor_data(ys[i]))[j] = (int64_t)weft_rng_below(&rng, NCLASS);
-        }
-    }
-    if (st != WEFT_OK) {
-        fail("random batches", st);
+    /* The same batches for every split count. */
+    if (pipe_random_batches(PROG, cfg->seed, nb, TIMING_BATCH, xs, ys) != 0) {
         goto out;
     }
     for (int t = 0; t < N_TIMING; t++) {
@@ -1013,9 +547,9 @@ static int timing_runs(weft_agent_t *a, const config_t *cfg, double *ms)
             fprintf(stderr, PROG ": %d splits: the warm-up batch's check failed (see above)\n", k);
             goto out;
         }
-        worst = fmax(worst, rel_diff(chk[t].loss, chk[0].loss));
+        worst = fmax(worst, ex_rel_diff(chk[t].loss, chk[0].loss));
         for (int s = 0; s < N_STAGES; s++) {
-            worst = fmax(worst, rel_diff(chk[t].g[s].sum_sq, chk[0].g[s].sum_sq));
+            worst = fmax(worst, ex_rel_diff(chk[t].g[s].sum_sq, chk[0].g[s].sum_sq));
         }
     }
     printf("first batch's loss and gradients agree across 1, 2, 4 and 8 splits: %s (largest "
@@ -1055,60 +589,10 @@ typedef struct {
  * context: no graph is recorded anywhere. @return 0, or -1 after a message. */
 static int evaluate(const job_t *job, model_t *m, int64_t n, double *acc_p)
 {
-    const int64_t b = job->cfg->batch;
-    int64_t *idx = malloc((size_t)b * sizeof(*idx));
-    int64_t correct = 0;
-    weft_status_t st = WEFT_OK;
-    int prev = weft_grad_set_enabled(0);
-    int rc = -1;
+    const pipe_lines_t l = {
+        .prog = PROG, .a = m->a, .n = 1, .first = &m->stage[0], .second = &m->stage[1]};
 
-    if (idx == NULL) {
-        fprintf(stderr, PROG ": out of memory\n");
-        goto out;
-    }
-    for (int64_t start = 0; start < n; start += b) {
-        int64_t k = n - start < b ? n - start : b;
-        weft_tensor_t *x = NULL;
-        weft_tensor_t *y = NULL;
-        weft_tensor_t *out = NULL;
-        weft_tensor_t *pred = NULL;
-        int bad = 0;
-
-        for (int64_t i = 0; i < k; i++) {
-            idx[i] = start + i;
-        }
-        st = mnist_batch(job->test, idx, k, &x, &y);
-        if (st != WEFT_OK) {
-            fail("test batch", st);
-            goto out;
-        }
-        bad = pipeline_forward(m, x, job->cfg->splits, job->cfg->splits, &out) != 0;
-        if (!bad) {
-            st = weft_op_argmax(out, 1, 0, &pred);
-            if (st != WEFT_OK) {
-                fail("argmax", st);
-                bad = 1;
-            }
-        }
-        for (int64_t i = 0; !bad && i < k; i++) {
-            correct += ((const int64_t *)weft_tensor_data(pred))[i] ==
-                       ((const int64_t *)weft_tensor_data(y))[i];
-        }
-        weft_tensor_release(pred);
-        weft_tensor_release(out);
-        weft_tensor_release(x);
-        weft_tensor_release(y);
-        if (bad) {
-            goto out;
-        }
-    }
-    *acc_p = (double)correct / (double)n;
-    rc = 0;
-
-out:
-    weft_grad_set_enabled(prev);
-    free(idx);
-    return rc;
+    return pipe_evaluate(&l, job->test, n, job->cfg->batch, job->cfg->splits, acc_p);
 }
 
 /* Fresh stages trained on Fashion-MNIST; the test accuracy into @p acc_p, the training's
@@ -1232,81 +716,6 @@ static int run_master(const job_t *job)
     return 0;
 }
 
-/* ------------------------------------------------------------------ the end of the run */
-
-/*
- * The shutdown is collective and bounded (EX_SHUTDOWN_TIMEOUT_MS), while training is not: a rank
- * that only serves (a stage) first waits until the ranks that drive the work (the master) are
- * done. It calls "wait_done" on each of them; the call stays open until that rank's main loop
- * has ended, and fails at once with WEFT_ERR_PEER_LOST if the rank is lost (a long deadline,
- * SERVE_TIMEOUT_MS, bounds it otherwise).
- */
-#define SERVE_TIMEOUT_MS (7LL * 24 * 3600 * 1000)
-#define MAX_WAITERS      64
-
-typedef struct {
-    pthread_mutex_t mu;
-    int done;
-    int n;
-    weft_call_t *calls[MAX_WAITERS];
-} done_t;
-
-/* wait_done() -> nothing, once this rank's work is over. */
-static void fn_wait_done(weft_call_t *call, void *arg)
-{
-    done_t *d = arg;
-
-    pthread_mutex_lock(&d->mu);
-    if (!d->done && d->n < MAX_WAITERS) {
-        d->calls[d->n++] = call; /* answered by done_announce */
-        pthread_mutex_unlock(&d->mu);
-        return;
-    }
-    int done = d->done;
-    pthread_mutex_unlock(&d->mu);
-    if (done) {
-        weft_call_reply(call, NULL);
-    } else {
-        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "too many wait_done calls");
-    }
-}
-
-/* This rank's work is over: answers the wait_done calls, and those still to come at once. */
-static void done_announce(done_t *d)
-{
-    weft_call_t *calls[MAX_WAITERS];
-    int n;
-
-    pthread_mutex_lock(&d->mu);
-    d->done = 1;
-    n = d->n;
-    memcpy(calls, d->calls, (size_t)n * sizeof(calls[0]));
-    d->n = 0;
-    pthread_mutex_unlock(&d->mu);
-    for (int i = 0; i < n; i++) {
-        weft_call_reply(calls[i], NULL);
-    }
-}
-
-/* Waits until ranks @p first .. @p last are done (or one of them failed). @return 0, or -1 after a
- * message. */
-static int wait_until_done(weft_agent_t *a, int first, int last)
-{
-    weft_future_t *fs[MAX_WAITERS];
-    int n = 0;
-
-    for (int r = first; r <= last && n < MAX_WAITERS; r++) {
-        weft_status_t st = weft_rpc_async(a, r, "wait_done", NULL, SERVE_TIMEOUT_MS, &fs[n]);
-        if (st != WEFT_OK) {
-            fail("wait_done", st);
-            (void)ex_wait_all(PROG, fs, n, "waiting for the others to be done");
-            return -1;
-        }
-        n++;
-    }
-    return ex_wait_all(PROG, fs, n, "waiting for the others to be done");
-}
-
 /* ----------------------------------------------------------------- main */
 
 int main(int argc, char **argv)
@@ -1315,9 +724,9 @@ int main(int argc, char **argv)
     mnist_set_t train_set = {0}, test_set = {0};
     weft_agent_opts_t opts;
     weft_agent_t *a = NULL;
-    stage_pool_t pool;
+    pipe_pool_t pool;
     int have_pool = 0;
-    done_t done = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    ex_done_t done = EX_DONE_INIT;
     weft_status_t st;
     int rc;
 
@@ -1364,7 +773,7 @@ int main(int argc, char **argv)
     /* The master answers the stages' wait_done once it is done. The stages' ranks own stage
      * objects: their type, and the threads of their forwards. */
     if (weft_agent_rank(a) == MASTER) {
-        st = weft_rpc_register(a, "wait_done", fn_wait_done, &done);
+        st = weft_rpc_register(a, "wait_done", ex_wait_done_fn, &done);
         if (st != WEFT_OK) {
             fail("register", st);
             rc = 1;
@@ -1372,7 +781,7 @@ int main(int argc, char **argv)
         }
     } else {
         have_pool = 1; /* what started is stopped, even after a failure */
-        if (stage_pool_start(&pool, a) != 0) {
+        if (pipe_pool_start(PROG, &pool, a) != 0) {
             rc = 1;
             goto err_stop_pool;
         }
@@ -1394,10 +803,11 @@ int main(int argc, char **argv)
     if (weft_agent_rank(a) == MASTER) {
         job_t job = {.a = a, .cfg = &cfg, .train = &train_set, .test = &test_set};
         rc = run_master(&job);
-        done_announce(&done);
+        ex_done_announce(&done);
     } else {
         /* The stages serve until the master is done: the shutdown is collective. */
-        rc = wait_until_done(a, MASTER, MASTER) == 0 ? 0 : 1;
+        rc =
+            ex_wait_done(PROG, a, MASTER, MASTER, "waiting for the others to be done") == 0 ? 0 : 1;
     }
     rc = ex_agent_shutdown(PROG, a, rc);
 
@@ -1405,7 +815,7 @@ err_stop_pool:
     /* After the shutdown no forward comes: the threads end (the agent still exists for what
      * they were answering). */
     if (have_pool) {
-        stage_pool_stop(&pool);
+        pipe_pool_stop(&pool);
     }
 err_free_agent:
     weft_agent_free(a);

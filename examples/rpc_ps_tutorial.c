@@ -44,7 +44,7 @@
  * of one DistributedOptimizer, not those of two over the same parameters); the forward passes of
  * full batches (over 64 KiB) on the thread that serves large messages, concurrently with the
  * steps (hogwild, as in the tutorial). The server serves until every trainer is done
- * (wait_until_done), then every rank shuts down.
+ * (common.h's wait_done: ex_wait_done), then every rank shuts down.
  *
  * Output, as the tutorial's: "Rank R training batch I loss L" every 20 batches (and the last),
  * "Training complete!", "Getting accuracy....", "Accuracy A" (the fraction of the test images
@@ -776,81 +776,6 @@ out:
     return rc;
 }
 
-/* ------------------------------------------------------------------ the end of the run */
-
-/*
- * The shutdown is collective and bounded (EX_SHUTDOWN_TIMEOUT_MS), while training is not: a rank
- * that only serves (the parameter server) first waits until the ranks that drive the work (the
- * trainers) are done. It calls "wait_done" on each of them; the call stays open until that rank's
- * main loop has ended, and fails at once with WEFT_ERR_PEER_LOST if the rank is lost (a long
- * deadline, SERVE_TIMEOUT_MS, bounds it otherwise).
- */
-#define SERVE_TIMEOUT_MS (7LL * 24 * 3600 * 1000)
-#define MAX_WAITERS      64
-
-typedef struct {
-    pthread_mutex_t mu;
-    int done;
-    int n;
-    weft_call_t *calls[MAX_WAITERS];
-} done_t;
-
-/* wait_done() -> nothing, once this rank's work is over. */
-static void fn_wait_done(weft_call_t *call, void *arg)
-{
-    done_t *d = arg;
-
-    pthread_mutex_lock(&d->mu);
-    if (!d->done && d->n < MAX_WAITERS) {
-        d->calls[d->n++] = call; /* answered by done_announce */
-        pthread_mutex_unlock(&d->mu);
-        return;
-    }
-    int done = d->done;
-    pthread_mutex_unlock(&d->mu);
-    if (done) {
-        weft_call_reply(call, NULL);
-    } else {
-        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "too many wait_done calls");
-    }
-}
-
-/* This rank's work is over: answers the wait_done calls, and those still to come at once. */
-static void done_announce(done_t *d)
-{
-    weft_call_t *calls[MAX_WAITERS];
-    int n;
-
-    pthread_mutex_lock(&d->mu);
-    d->done = 1;
-    n = d->n;
-    memcpy(calls, d->calls, (size_t)n * sizeof(calls[0]));
-    d->n = 0;
-    pthread_mutex_unlock(&d->mu);
-    for (int i = 0; i < n; i++) {
-        weft_call_reply(calls[i], NULL);
-    }
-}
-
-/* Waits until ranks @p first .. @p last are done (or one of them failed). @return 0, or -1 after a
- * message. */
-static int wait_until_done(weft_agent_t *a, int first, int last)
-{
-    weft_future_t *fs[MAX_WAITERS];
-    int n = 0;
-
-    for (int r = first; r <= last && n < MAX_WAITERS; r++) {
-        weft_status_t st = weft_rpc_async(a, r, "wait_done", NULL, SERVE_TIMEOUT_MS, &fs[n]);
-        if (st != WEFT_OK) {
-            fail("wait_done", st);
-            (void)ex_wait_all(PROG, fs, n, "waiting for the others to be done");
-            return -1;
-        }
-        n++;
-    }
-    return ex_wait_all(PROG, fs, n, "waiting for the others to be done");
-}
-
 /* ----------------------------------------------------------------- main */
 
 int main(int argc, char **argv)
@@ -861,7 +786,7 @@ int main(int argc, char **argv)
     weft_agent_t *a = NULL;
     net_t net;
     int have_net = 0;
-    done_t done = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    ex_done_t done = EX_DONE_INIT;
     weft_status_t st;
     int rank, world;
     int rc;
@@ -924,7 +849,7 @@ int main(int argc, char **argv)
             goto err_free_agent;
         }
     } else {
-        st = weft_rpc_register(a, "wait_done", fn_wait_done, &done);
+        st = weft_rpc_register(a, "wait_done", ex_wait_done_fn, &done);
         if (st != WEFT_OK) {
             fail("register", st);
             rc = 1;
@@ -944,7 +869,7 @@ int main(int argc, char **argv)
                "tensors), %d trainer%s\n",
                weft_agent_name(a), (long long)weft_param_list_numel(net.params),
                weft_param_list_size(net.params), world - 1, world > 2 ? "s" : "");
-        rc = wait_until_done(a, 1, world - 1) == 0 ? 0 : 1;
+        rc = ex_wait_done(PROG, a, 1, world - 1, "waiting for the others to be done") == 0 ? 0 : 1;
     } else {
         job_t job = {.a = a,
                      .cfg = &cfg,
@@ -953,7 +878,7 @@ int main(int argc, char **argv)
                      .rank = rank,
                      .world = world};
         rc = run_trainer(&job);
-        done_announce(&done);
+        ex_done_announce(&done);
     }
     /* The server has served until every trainer was done: the shutdown is collective. */
     rc = ex_agent_shutdown(PROG, a, rc);
