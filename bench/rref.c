@@ -22,9 +22,8 @@
  * Warm-up: a tenth of the count (at least one window), untimed, drained before the clock starts.
  * Prints {"system":"weft","metric":...,"value":...} lines on stdout. */
 #include "bench_common.h"
+#include "bench_ranks.h"
 
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <weft/weft.h>
@@ -316,14 +315,25 @@ static void stop(weft_agent_t *a)
     check(s, "weft_agent_shutdown");
 }
 
+static int rank0_main(const args_t *g, int port_fd, int done_fd);
+static int rank_main(const args_t *g, int rank, int port, int done_fd);
+
+static int rank0_cb(void *arg, int port_fd, int done_fd)
+{
+    return rank0_main(arg, port_fd, done_fd);
+}
+
+static int rank_cb(void *arg, int rank, int port, int done_fd)
+{
+    return rank_main(arg, rank, port, done_fd);
+}
+
 static int rank0_main(const args_t *g, int port_fd, int done_fd)
 {
     weft_agent_t *a = start(0, g->world, 0);
-    int port = weft_agent_port(a);
-    if (write(port_fd, &port, sizeof(port)) != (ssize_t)sizeof(port)) {
+    if (bench_ranks_port(port_fd, weft_agent_port(a)) != 0) {
         fail("write port", WEFT_ERR_IO, NULL);
     }
-    close(port_fd);
     check(weft_agent_join(a), "weft_agent_join");
     measure(a, g);
     close(done_fd); /* EOF: the others may shut down */
@@ -335,21 +345,8 @@ static int rank_main(const args_t *g, int rank, int port, int done_fd)
 {
     weft_agent_t *a = start(rank, g->world, port);
     check(weft_agent_join(a), "weft_agent_join");
-    char c;
-    while (read(done_fd, &c, 1) < 0 && errno == EINTR) {
-    }
-    close(done_fd);
+    bench_ranks_wait_done(done_fd);
     stop(a);
-    return 0;
-}
-
-static int reap(pid_t pid, int rank)
-{
-    int st = 0;
-    if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-        fprintf(stderr, "bench_rref: rank %d exited abnormally (status %d)\n", rank, st);
-        return 1;
-    }
     return 0;
 }
 
@@ -393,56 +390,5 @@ int main(int argc, char **argv)
     if (parse(argc, argv, &g) != 0) {
         return 2;
     }
-    int port_pipe[2];
-    int done_pipe[2];
-    pid_t pids[MAX_WORLD];
-    if (pipe(port_pipe) != 0 || pipe(done_pipe) != 0) {
-        perror("pipe");
-        return 1;
-    }
-    fflush(stdout);
-    pids[0] = fork();
-    if (pids[0] < 0) {
-        perror("fork");
-        return 1;
-    }
-    if (pids[0] == 0) {
-        close(port_pipe[0]);
-        close(done_pipe[0]);
-        exit(rank0_main(&g, port_pipe[1], done_pipe[1]));
-    }
-    close(port_pipe[1]);
-    close(done_pipe[1]);
-    int port = 0;
-    ssize_t n = read(port_pipe[0], &port, sizeof(port));
-    close(port_pipe[0]);
-    if (n != (ssize_t)sizeof(port)) {
-        fprintf(stderr, "bench_rref: rank 0 did not start\n");
-        close(done_pipe[0]);
-        reap(pids[0], 0);
-        return 1;
-    }
-    int started = 1;
-    for (int r = 1; r < g.world; r++) {
-        pids[r] = fork();
-        if (pids[r] < 0) {
-            perror("fork");
-            break;
-        }
-        if (pids[r] == 0) {
-            exit(rank_main(&g, r, port, done_pipe[0]));
-        }
-        started++;
-    }
-    close(done_pipe[0]);
-    if (started < g.world) {
-        for (int r = 0; r < started; r++) {
-            kill(pids[r], SIGTERM);
-        }
-    }
-    int bad = started < g.world;
-    for (int r = 0; r < started; r++) {
-        bad |= reap(pids[r], r);
-    }
-    return bad;
+    return bench_ranks_run("bench_rref", g.world, rank0_cb, rank_cb, &g, -1);
 }

@@ -59,6 +59,50 @@ static weft_tensor_t *sum_all(weft_tensor_t *t)
     return s;
 }
 
+/* ------------------------------------------------------------ helpers */
+
+/* Answers @p call with a value holding @p t (taken). */
+static void reply_tensor(weft_call_t *call, weft_tensor_t *t)
+{
+    weft_value_t *v = NULL;
+
+    weft_value_create(&v);
+    weft_value_push_tensor(v, t);
+    weft_call_reply(call, v);
+}
+
+/* Calls @p fn on @p rank with tensors @p x and @p y (NULL: none); *out_p gets the first tensor of
+ * the answer (retained). */
+static weft_status_t call_tensors(weft_agent_t *a, int rank, const char *fn, weft_tensor_t *x,
+                                 weft_tensor_t *y, weft_tensor_t **out_p)
+{
+    weft_value_t *v = NULL, *res = NULL;
+
+    weft_value_create(&v);
+    weft_value_add_tensor(v, x);
+    if (y != NULL) {
+        weft_value_add_tensor(v, y);
+    }
+    weft_status_t st = weft_rpc_sync(a, rank, fn, v, WAIT_MS, &res);
+    weft_value_free(v);
+    if (st == WEFT_OK) {
+        *out_p = weft_tensor_retain(weft_value_tensor(res, 0));
+        weft_value_free(res);
+    }
+    return st;
+}
+
+/* Has @p rank end its process (its "exit" function) and waits for the call to fail or end. */
+static void tell_exit(weft_agent_t *a, int rank)
+{
+    weft_future_t *f = NULL;
+
+    if (weft_rpc_async(a, rank, "exit", NULL, WAIT_MS, &f) == WEFT_OK) {
+        weft_future_wait(f, WAIT_MS);
+        weft_future_release(f);
+    }
+}
+
 /* ------------------------------------------------------------ per-rank state and functions */
 
 static weft_tensor_t *g_w1; /* rank 1's parameter */
@@ -70,16 +114,13 @@ static void fn_add(weft_call_t *call, void *arg)
     (void)arg;
     const weft_value_t *in = weft_call_args(call);
     weft_tensor_t *y = NULL;
-    weft_value_t *v = NULL;
 
     g_last_ctx = weft_dist_context_current();
     if (weft_op_add(weft_value_tensor(in, 0), weft_value_tensor(in, 1), &y) != WEFT_OK) {
         weft_call_fail(call, WEFT_ERR_INVALID_ARG, "add: %s", weft_last_error());
         return;
     }
-    weft_value_create(&v);
-    weft_value_push_tensor(v, y);
-    weft_call_reply(call, v);
+    reply_tensor(call, y);
 }
 
 /* stage2 (rank 2): y = h @ W2 */
@@ -87,15 +128,12 @@ static void fn_stage2(weft_call_t *call, void *arg)
 {
     (void)arg;
     weft_tensor_t *y = NULL;
-    weft_value_t *v = NULL;
 
     if (weft_op_matmul(weft_value_tensor(weft_call_args(call), 0), g_w2, &y) != WEFT_OK) {
         weft_call_fail(call, WEFT_ERR_INVALID_ARG, "stage2: %s", weft_last_error());
         return;
     }
-    weft_value_create(&v);
-    weft_value_push_tensor(v, y);
-    weft_call_reply(call, v);
+    reply_tensor(call, y);
 }
 
 /* stage1 (rank 1): h = relu(x @ W1), then stage2 on rank 2 (a nested call), its answer back. */
@@ -204,7 +242,6 @@ static void fn_slow_add(weft_call_t *call, void *arg)
     const weft_value_t *in = weft_call_args(call);
     weft_tensor_t *y = NULL, *z = NULL;
     weft_ag_node_t *n = NULL;
-    weft_value_t *v = NULL;
 
     weft_op_add(weft_value_tensor(in, 0), weft_value_tensor(in, 1), &y);
     weft_tensor_clone(y, &z);
@@ -212,9 +249,7 @@ static void fn_slow_add(weft_call_t *call, void *arg)
     weft_ag_node_attach(n, 1, &z);
     weft_ag_node_release(n);
     weft_tensor_release(y);
-    weft_value_create(&v);
-    weft_value_push_tensor(v, z);
-    weft_call_reply(call, v);
+    reply_tensor(call, z);
 }
 
 /* The parameter's .grad (accumulate_grad mirrors the context's gradients there). */
@@ -264,6 +299,31 @@ static void setup(weft_agent_t *a, int rank, void *arg)
     if (rank == 2) {
         g_w2 = leaf64(4, 2, 2.0);
     }
+}
+
+/* Runs @p body on a world of @p n ranks set up by setup(); 0 when every rank passed. */
+static int run_world(int n, rank_main_cb_t body, void *arg)
+{
+    ranks_opts_t o;
+    int codes[3];
+
+    ranks_opts_init(&o, n, body);
+    o.setup = setup;
+    o.arg = arg;
+    return ranks_run(&o, codes);
+}
+
+/* The same for 3 ranks of which some end on purpose: no collective shutdown, and each rank's exit
+ * code in @p codes for the caller to judge. */
+static void run_world_with_loss(rank_main_cb_t body, int codes[3])
+{
+    ranks_opts_t o;
+
+    ranks_opts_init(&o, 3, body);
+    o.setup = setup;
+    o.no_shutdown = 1;
+    o.peer_timeout_ms = 1000;
+    ranks_run(&o, codes);
 }
 
 /* Tells rank 1 that rank 0 is done (tests without the collective shutdown). */
@@ -325,18 +385,12 @@ static int body_a1(weft_agent_t *a, int rank, int world, void *arg)
     for (int iter = 0; iter < 3; iter++) {
         uint64_t ctx = 0;
         weft_tensor_t *t1 = leaf64(3, 3, 0.1 + iter), *t2 = leaf64(3, 3, 0.2), *t4 = leaf64(3, 3, 0.3);
-        weft_value_t *v = NULL, *res = NULL;
 
         RANK_CHECK(weft_dist_context_create(a, &ctx) == WEFT_OK, "%s", weft_last_error());
         RANK_CHECK((int)(ctx >> 48) == 0 && weft_dist_context_current() == ctx, "id %llx",
                    (unsigned long long)ctx);
-        weft_value_create(&v);
-        weft_value_add_tensor(v, t1);
-        weft_value_add_tensor(v, t2);
-        RANK_CHECK(weft_rpc_sync(a, 1, "add", v, WAIT_MS, &res) == WEFT_OK, "%s", weft_last_error());
-        weft_value_free(v);
-        weft_tensor_t *t3 = weft_tensor_retain(weft_value_tensor(res, 0));
-        weft_value_free(res);
+        weft_tensor_t *t3 = NULL;
+        RANK_CHECK(call_tensors(a, 1, "add", t1, t2, &t3) == WEFT_OK, "%s", weft_last_error());
         RANK_CHECK(weft_tensor_requires_grad(t3), "t3 has no gradient function");
         RANK_CHECK(strcmp(weft_tensor_grad_fn_name(t3), "RecvRpcBackward") == 0, "%s",
                    weft_tensor_grad_fn_name(t3));
@@ -373,11 +427,7 @@ static int body_a1(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(dist_autograd, design_doc_example_gradients_exact)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 2, body_a1);
-    o.setup = setup;
-    int codes[3];
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_world(2, body_a1, NULL), 0);
 }
 
 /* ------------------------------------------------------------ a model over 3 workers */
@@ -421,7 +471,6 @@ static int body_chain(weft_agent_t *a, int rank, int world, void *arg)
     weft_tensor_t *x = leaf64(5, 3, 3.0);
     weft_tensor_t *gx, *gw1, *gw2;
     uint64_t ctx = 0;
-    weft_value_t *v = NULL, *res = NULL;
 
     local_model(x, &gx, &gw1, &gw2);
     RANK_CHECK(weft_dist_context_create(a, &ctx) == WEFT_OK, "%s", weft_last_error());
@@ -429,12 +478,8 @@ static int body_chain(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(weft_dist_context_create(a, &other) == WEFT_ERR_INVALID_STATE,
                "a nested context was made");
     RANK_CHECK(strstr(weft_last_error(), "do not nest") != NULL, "%s", weft_last_error());
-    weft_value_create(&v);
-    weft_value_add_tensor(v, x);
-    RANK_CHECK(weft_rpc_sync(a, 1, "stage1", v, WAIT_MS, &res) == WEFT_OK, "%s", weft_last_error());
-    weft_value_free(v);
-    weft_tensor_t *y = weft_tensor_retain(weft_value_tensor(res, 0));
-    weft_value_free(res);
+    weft_tensor_t *y = NULL;
+    RANK_CHECK(call_tensors(a, 1, "stage1", x, NULL, &y) == WEFT_OK, "%s", weft_last_error());
     weft_tensor_t *y2 = NULL;
     weft_op_mul(y, y, &y2);
     weft_tensor_t *loss = sum_all(y2);
@@ -486,21 +531,12 @@ static int body_chain(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(dist_autograd, nested_calls_over_three_workers_match_local_engine)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 3, body_chain);
-    o.setup = setup;
-    int codes[3];
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_world(3, body_chain, NULL), 0);
 }
 
 Test(dist_autograd, retain_graph_accumulates_on_every_worker)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 3, body_chain);
-    o.setup = setup;
-    o.arg = (void *)1;
-    int codes[3];
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_world(3, body_chain, (void *)1), 0);
 }
 
 /* ------------------------------------------------------------ an unused output */
@@ -574,20 +610,12 @@ static int body_failed_call(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(dist_autograd, failed_calls_are_not_waited_for)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 2, body_failed_call);
-    o.setup = setup;
-    int codes[3];
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_world(2, body_failed_call, NULL), 0);
 }
 
 Test(dist_autograd, unused_output_is_an_error_naming_the_call)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 2, body_unused);
-    o.setup = setup;
-    int codes[3];
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_world(2, body_unused, NULL), 0);
 }
 
 /* ------------------------------------------------------------ a lost worker */
@@ -615,10 +643,7 @@ static int body_lost(weft_agent_t *a, int rank, int world, void *arg)
     weft_op_add(weft_value_tensor(r1, 0), weft_value_tensor(r2, 0), &s);
     weft_tensor_t *loss = sum_all(s);
     /* Rank 2 dies before the backward. */
-    weft_future_t *f = NULL;
-    weft_rpc_async(a, 2, "exit", NULL, WAIT_MS, &f);
-    weft_future_wait(f, WAIT_MS);
-    weft_future_release(f);
+    tell_exit(a, 2);
     weft_status_t st = weft_dist_backward(a, ctx, 1, &loss, NULL);
     RANK_CHECK(st == WEFT_ERR_PEER_LOST || st == WEFT_ERR_TRANSPORT, "status %s: %s",
                weft_status_name(st), weft_last_error());
@@ -636,13 +661,8 @@ static int body_lost(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(dist_autograd, lost_worker_fails_the_backward)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 3, body_lost);
-    o.setup = setup;
-    o.no_shutdown = 1;
-    o.peer_timeout_ms = 1000;
     int codes[3];
-    ranks_run(&o, codes);
+    run_world_with_loss(body_lost, codes);
     cr_assert_eq(codes[0], 0);
     cr_assert_eq(codes[1], 0);
 }
@@ -674,10 +694,7 @@ static int body_orphan(weft_agent_t *a, int rank, int world, void *arg)
             wait_step();
         }
         RANK_CHECK(remote_count(a, 1) == 1, "rank 1 never got the context");
-        weft_future_t *f = NULL;
-        weft_rpc_async(a, 2, "exit", NULL, WAIT_MS, &f);
-        weft_future_wait(f, WAIT_MS);
-        weft_future_release(f);
+        tell_exit(a, 2);
         while (remote_count(a, 1) != 0 && now_ms() < deadline) {
             wait_step();
         }
@@ -691,13 +708,8 @@ static int body_orphan(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(dist_autograd, contexts_of_a_lost_creator_are_dropped)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 3, body_orphan);
-    o.setup = setup;
-    o.no_shutdown = 1;
-    o.peer_timeout_ms = 1000;
     int codes[3];
-    ranks_run(&o, codes);
+    run_world_with_loss(body_orphan, codes);
     cr_assert_eq(codes[0], 0);
     cr_assert_eq(codes[1], 0);
 }
@@ -763,11 +775,7 @@ static int body_rref(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(dist_autograd, rref_to_here_and_distributed_optimizer)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 2, body_rref);
-    o.setup = setup;
-    int codes[3];
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_world(2, body_rref, NULL), 0);
 }
 
 /* ------------------------------------------------------------ no leaks */
@@ -818,11 +826,7 @@ static int body_many(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(dist_autograd, released_contexts_leave_nothing_on_any_worker)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 3, body_many);
-    o.setup = setup;
-    int codes[3];
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_world(3, body_many, NULL), 0);
 }
 
 /* ------------------------------------------------------------ bad input */
@@ -873,12 +877,8 @@ static int body_options(weft_agent_t *a, int rank, int world, void *arg)
 
     local_model(x, &gx, &gw1, &gw2);
     RANK_CHECK(weft_dist_context_create(a, &ctx) == WEFT_OK, "%s", weft_last_error());
-    weft_value_create(&v);
-    weft_value_add_tensor(v, x);
-    RANK_CHECK(weft_rpc_sync(a, 1, "stage1", v, WAIT_MS, &res) == WEFT_OK, "%s", weft_last_error());
-    weft_value_free(v);
-    weft_tensor_t *y = weft_tensor_retain(weft_value_tensor(res, 0));
-    weft_value_free(res);
+    weft_tensor_t *y = NULL;
+    RANK_CHECK(call_tensors(a, 1, "stage1", x, NULL, &y) == WEFT_OK, "%s", weft_last_error());
     weft_tensor_t *y2 = NULL;
     weft_op_mul(y, y, &y2);
     weft_tensor_t *loss = sum_all(y2);
@@ -937,11 +937,7 @@ static int body_options(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(dist_autograd, accumulate_grad_on_the_root_and_the_deadline)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 3, body_options);
-    o.setup = setup;
-    int codes[3];
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_world(3, body_options, NULL), 0);
 }
 
 /* ------------------------------------------------------------ a worker lost mid-backward */
@@ -993,10 +989,7 @@ static int body_lost_mid(weft_agent_t *a, int rank, int world, void *arg)
     pthread_create(&th, NULL, bw_thread, &b);
     /* Rank 1's part sleeps in its node for 3 s: it dies in the middle of it. */
     RANK_WAIT(remote_count(a, 2) == 1, WAIT_MS, "rank 2 has no context");
-    weft_future_t *f = NULL;
-    weft_rpc_async(a, 1, "exit", NULL, WAIT_MS, &f);
-    weft_future_wait(f, WAIT_MS);
-    weft_future_release(f);
+    tell_exit(a, 1);
     pthread_join(th, NULL);
     RANK_CHECK(b.st == WEFT_ERR_PEER_LOST, "status %s: %s", weft_status_name(b.st), b.error);
     RANK_CHECK(weft_dist_context_release(a, ctx, WAIT_MS) == WEFT_OK, "%s", weft_last_error());
@@ -1014,13 +1007,8 @@ static int body_lost_mid(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(dist_autograd, worker_lost_mid_backward_fails_it)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 3, body_lost_mid);
-    o.setup = setup;
-    o.no_shutdown = 1;
-    o.peer_timeout_ms = 1000;
     int codes[3];
-    ranks_run(&o, codes);
+    run_world_with_loss(body_lost_mid, codes);
     cr_assert_eq(codes[0], 0);
     cr_assert_eq(codes[2], 0);
 }
@@ -1060,11 +1048,7 @@ static int body_ttl(weft_agent_t *a, int rank, int world, void *arg)
 Test(dist_autograd, unused_contexts_expire)
 {
     setenv("WEFT_DIST_CONTEXT_TTL_MS", "300", 1);
-    ranks_opts_t o;
-    ranks_opts_init(&o, 2, body_ttl);
-    o.setup = setup;
-    int codes[3];
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_world(2, body_ttl, NULL), 0);
 }
 
 /* ------------------------------------------------------------ remote() with tensors */
@@ -1114,9 +1098,5 @@ static int body_remote_args(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(dist_autograd, rref_remote_with_tensor_arguments)
 {
-    ranks_opts_t o;
-    ranks_opts_init(&o, 2, body_remote_args);
-    o.setup = setup;
-    int codes[3];
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_world(2, body_remote_args, NULL), 0);
 }
