@@ -8,6 +8,7 @@ WEFT_PACKAGES=(
   gcc g++ pkg-config meson ninja-build python3
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler libssl-dev zlib1g-dev
   libcriterion-dev libopenblas-dev
+  clang libclang-rt-14-dev valgrind iproute2
   python3-grpcio python3-protobuf python3-cryptography protobuf-compiler
   dataset-fashion-mnist
 )
