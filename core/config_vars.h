@@ -35,6 +35,12 @@
       "network interface whose IPv4 address this rank listens on and advertises")                  \
     X(AUTH_TOKEN, "WEFT_AUTH_TOKEN", SECRET, "", 0, 0, "", "", "rpc",                              \
       "the job's shared secret, checked when a rank joins and connects")                           \
+    X(TLS_CA, "WEFT_TLS_CA", STR, "", 0, 0, "", "", "rpc",                                         \
+      "PEM file of the job's CA: TLS with client certificates on every connection (docs/security.md)") \
+    X(TLS_CERT, "WEFT_TLS_CERT", STR, "", 0, 0, "", "", "rpc",                                     \
+      "PEM file of this rank's certificate (chain), bound to its rank (docs/security.md)")          \
+    X(TLS_KEY, "WEFT_TLS_KEY", STR, "", 0, 0, "", "", "rpc",                                       \
+      "PEM file of this rank's private key")                                                       \
     X(RENDEZVOUS_TIMEOUT_MS, "WEFT_RENDEZVOUS_TIMEOUT_MS", INT, "60000", 1, INT64_MAX, "", "",  \
       "rpc", "how long the ranks wait for each other at join")                                    \
     X(RPC_TIMEOUT_MS, "WEFT_RPC_TIMEOUT_MS", INT, "60000", 1, INT64_MAX, "", "", "rpc",        \

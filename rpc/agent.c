@@ -315,6 +315,7 @@ void weft__agent_channel_args(weft_agent_t *a, bool server, grpc_channel_args *o
         INT_ARG(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     }
 #undef INT_ARG
+    weft__tls_grpc_args(a, args, &n);
     out->num_args = n;
     out->args = args;
 }
@@ -592,6 +593,15 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
     WEFT_CHECK_GOTO(resolve_opts(a, opts), st, err_free_agent);
     weft_log_set_rank(a->rank, a->name);
     WEFT_CHECK_GOTO(weft__identity_create(a), st, err_free_agent);
+    WEFT_CHECK_GOTO(weft__tls_create(a,
+                                     opts->tls_ca_file != NULL ? opts->tls_ca_file
+                                                               : weft__cfg_str(WEFT__CFG_TLS_CA),
+                                     opts->tls_cert_file != NULL
+                                         ? opts->tls_cert_file
+                                         : weft__cfg_str(WEFT__CFG_TLS_CERT),
+                                     opts->tls_key_file != NULL ? opts->tls_key_file
+                                                                : weft__cfg_str(WEFT__CFG_TLS_KEY)),
+                    st, err_free_agent);
     WEFT_CHECK_GOTO(weft__timer_create("weft-timer", &a->timer), st, err_free_agent);
 
     a->peers = weft_calloc((size_t)a->world_size, sizeof(*a->peers));
@@ -621,9 +631,11 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
         bind_host = "0.0.0.0";
     }
     snprintf(addr, sizeof(addr), "%s:%d", bind_host, want);
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
-    a->port = grpc_server_add_http2_port(a->server, addr, creds);
-    grpc_server_credentials_release(creds);
+    grpc_server_credentials *creds = weft__tls_server_credentials(a);
+    a->port = creds != NULL ? grpc_server_add_http2_port(a->server, addr, creds) : 0;
+    if (creds != NULL) {
+        grpc_server_credentials_release(creds);
+    }
     if (a->port == 0) {
         st = weft__set_error(WEFT_ERR_TRANSPORT, "agent_create: cannot listen on %s", addr);
         goto err_destroy_grpc;
@@ -927,6 +939,8 @@ void weft_agent_free(weft_agent_t *a)
         grpc_shutdown();
         pthread_mutex_unlock(&grpc_init_mu);
     }
+    /* After the server: its credentials' fetcher reads this. */
+    weft__tls_free(a);
     while (a->fns != NULL) {
         weft__fn_t *f = a->fns;
         a->fns = f->next;

@@ -20,17 +20,24 @@
  * A module with a lander (collectives) says, from a one-way message's payload, where its tensor
  * goes before it is read: straight into a buffer it posted, or through a small hot buffer into a
  * sink that reduces it as it arrives. A sender that asks for it (WEFT_SEND_INLINE) writes on an
- * idle connection itself, without waking the sender thread. */
+ * idle connection itself, without waking the sender thread.
+ *
+ * With TLS on (tls.c), a connection is TLS from its first byte: the TLS handshake (both
+ * certificates verified, the acceptor's naming the rank connected to, the connecting rank's the
+ * rank its Hello claims), then the handshake above inside it. Never plaintext then. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+#include <openssl/ssl.h>
 
 #include "internal.h"
 
@@ -47,6 +54,7 @@ typedef struct conn_in {
     struct conn_in *next;
     weft_agent_t *agent;
     int fd;
+    SSL *ssl;         /* TLS on: the session on fd */
     _Atomic int peer; /* -1 until the handshake */
     pthread_t thread;
     _Atomic bool done; /* the reader has finished: the acceptor reaps it */
@@ -58,6 +66,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int fd;                   /* -1 until connected */
+    SSL *ssl;                 /* TLS on: the session on fd */
     bool started;             /* sender thread running */
     _Atomic bool unusable;    /* the last connect failed: this peer's frames take the stream */
     _Atomic int64_t retry_ns; /* while unusable: when to try connecting again */
@@ -101,6 +110,53 @@ static bool write_all(int fd, const void *buf, size_t n)
     return true;
 }
 
+static bool ssl_write_all(SSL *ssl, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    while (n > 0) {
+        int k = SSL_write(ssl, p, n > (1u << 30) ? (1 << 30) : (int)n);
+        if (k <= 0) {
+            return false;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return true;
+}
+
+static bool io_write(int fd, SSL *ssl, const void *buf, size_t n)
+{
+    if (ssl == NULL) {
+        return write_all(fd, buf, n);
+    }
+    weft__nopipe_t np;
+    weft__nopipe_begin(&np);
+    bool ok = ssl_write_all(ssl, buf, n);
+    weft__nopipe_end(&np, !ok);
+    return ok;
+}
+
+static bool ssl_read_all(SSL *ssl, void *buf, size_t n)
+{
+    uint8_t *p = buf;
+    while (n > 0) {
+        int k = SSL_read(ssl, p, n > (1u << 30) ? (1 << 30) : (int)n);
+        if (k <= 0) {
+            return false;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return true;
+}
+
+/* Frees a connection's TLS session and closes its socket. */
+static void conn_close(int fd, SSL *ssl)
+{
+    SSL_free(ssl);
+    close(fd);
+}
+
 /* Sets the socket's receive low-water mark (cached). */
 static void set_lowat(conn_in_t *c, int v)
 {
@@ -115,6 +171,9 @@ static void set_lowat(conn_in_t *c, int v)
 static bool read_all(conn_in_t *c, void *buf, size_t n)
 {
     uint8_t *p = buf;
+    if (c->ssl != NULL) {
+        return ssl_read_all(c->ssl, buf, n);
+    }
     set_lowat(c, 1);
     while (n > 0) {
         ssize_t k = recv(c->fd, p, n, MSG_WAITALL);
@@ -131,10 +190,13 @@ static bool read_all(conn_in_t *c, void *buf, size_t n)
 }
 
 /* read_all that gives up at @p deadline_ns (one deadline for a whole exchange, however the bytes
- * trickle in). */
-static bool read_until(int fd, void *buf, size_t n, int64_t deadline_ns)
+ * trickle in). Under TLS, the socket's timeouts (set for the handshake) bound it. */
+static bool read_until(int fd, SSL *ssl, void *buf, size_t n, int64_t deadline_ns)
 {
     uint8_t *p = buf;
+    if (ssl != NULL) {
+        return weft__now_ns() < deadline_ns && ssl_read_all(ssl, buf, n);
+    }
     while (n > 0) {
         int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;
         if (left_ms <= 0) {
@@ -174,11 +236,41 @@ static bool skip_all(conn_in_t *c, uint64_t n)
     return true;
 }
 
+/* TLS: a byte buffer's slices as records; small slices (headers) are gathered into one. */
+static bool write_buffer_tls(SSL *ssl, grpc_byte_buffer *bb)
+{
+    grpc_slice_buffer *sb = &bb->data.raw.slice_buffer;
+    uint8_t stage[16384];
+    size_t used = 0;
+    bool ok = true;
+    weft__nopipe_t np;
+
+    weft__nopipe_begin(&np);
+    for (size_t i = 0; ok && i < sb->count; i++) {
+        const uint8_t *p = GRPC_SLICE_START_PTR(sb->slices[i]);
+        size_t n = GRPC_SLICE_LENGTH(sb->slices[i]);
+        if (used + n <= sizeof(stage) && n < 4096) {
+            memcpy(stage + used, p, n);
+            used += n;
+            continue;
+        }
+        ok = (used == 0 || ssl_write_all(ssl, stage, used)) && ssl_write_all(ssl, p, n);
+        used = 0;
+    }
+    ok = ok && (used == 0 || ssl_write_all(ssl, stage, used));
+    weft__nopipe_end(&np, !ok);
+    return ok;
+}
+
 /* Writes a byte buffer's slices with writev, resuming after partial writes. */
-static bool write_buffer(int fd, grpc_byte_buffer *bb)
+static bool write_buffer(int fd, SSL *ssl, grpc_byte_buffer *bb)
 {
     grpc_slice_buffer *sb = &bb->data.raw.slice_buffer;
     size_t i = 0, off = 0;
+
+    if (ssl != NULL) {
+        return write_buffer_tls(ssl, bb);
+    }
 
     while (i < sb->count) {
         struct iovec iov[64];
@@ -280,8 +372,9 @@ static uint32_t get_u32(const uint8_t *p)
 
 /* ------------------------------------------------------------ opening */
 
-/* Connects to @p peer and proves this rank; -1 on failure (logged). */
-static int open_out(weft_agent_t *a, int peer)
+/* Connects to @p peer and proves this rank; -1 on failure (logged). *ssl_p: the TLS session
+ * (TLS on). */
+static int open_out(weft_agent_t *a, int peer, SSL **ssl_p)
 {
     const char *addr = a->peers[peer].direct_address;
     if (addr == NULL || addr[0] == '\0') {
@@ -297,8 +390,18 @@ static int open_out(weft_agent_t *a, int peer)
     uint8_t ch[8 + WEFT__CHALLENGE_BYTES];
     uint8_t sig[WEFT__ID_SIG_BYTES];
     uint8_t *hello = NULL;
+    SSL *ssl = NULL;
+    char tls_why[512];
     const char *why = "the peer went away during the handshake";
-    if (!read_until(fd, ch, sizeof(ch), deadline)) {
+    *ssl_p = NULL;
+    if (a->tls != NULL) {
+        ssl = weft__tls_connect(a, fd, peer, deadline, tls_why, sizeof(tls_why));
+        if (ssl == NULL) {
+            why = tls_why;
+            goto err_close;
+        }
+    }
+    if (!read_until(fd, ssl, ch, sizeof(ch), deadline)) {
         goto err_close;
     }
     if (get_u32(ch) != DIRECT_MAGIC || get_u32(ch + 4) != DIRECT_VERSION) {
@@ -324,7 +427,7 @@ static int open_out(weft_agent_t *a, int peer)
     put_u32(hello + 8, (uint32_t)hlen);
     weft__v1__hello__pack(&h, hello + 12);
     uint8_t ans[8];
-    if (!write_all(fd, hello, 12 + hlen) || !read_until(fd, ans, sizeof(ans), deadline)) {
+    if (!io_write(fd, ssl, hello, 12 + hlen) || !read_until(fd, ssl, ans, sizeof(ans), deadline)) {
         goto err_close;
     }
     int32_t status = (int32_t)get_u32(ans);
@@ -332,7 +435,7 @@ static int open_out(weft_agent_t *a, int peer)
     if (status != 0) {
         char text[512] = "";
         size_t k = tlen < sizeof(text) - 1 ? tlen : sizeof(text) - 1;
-        if (read_until(fd, text, k, deadline)) {
+        if (read_until(fd, ssl, text, k, deadline)) {
             text[k] = '\0';
         }
         WEFT_WARN(
@@ -342,28 +445,32 @@ static int open_out(weft_agent_t *a, int peer)
             weft_strerror(weft_status_valid(status) ? (weft_status_t)status : WEFT_ERR_PROTOCOL),
             text);
         weft_free(hello);
-        close(fd);
+        conn_close(fd, ssl);
         return -1;
     }
     weft_free(hello);
+    if (ssl != NULL) {
+        weft__tls_after_handshake(fd);
+    }
+    *ssl_p = ssl;
     return fd;
 
 err_close:
     WEFT_WARN("direct connection to rank %d at %s failed (%s); large frames take the stream", peer,
               addr, why);
     weft_free(hello);
-    close(fd);
+    conn_close(fd, ssl);
     return -1;
 }
 
 /* Answers a handshake: a status and its text. */
-static bool handshake_answer(int fd, weft_status_t st, const char *text)
+static bool handshake_answer(int fd, SSL *ssl, weft_status_t st, const char *text)
 {
     size_t n = strlen(text);
     uint8_t hdr[8];
     put_u32(hdr, (uint32_t)(int32_t)st);
     put_u32(hdr + 4, (uint32_t)n);
-    return write_all(fd, hdr, sizeof(hdr)) && (n == 0 || write_all(fd, text, n));
+    return io_write(fd, ssl, hdr, sizeof(hdr)) && (n == 0 || io_write(fd, ssl, text, n));
 }
 
 /* The acceptor's side of the handshake, within one deadline; the rank it proved, or -1. */
@@ -375,14 +482,22 @@ static int handshake_in(conn_in_t *c)
     uint8_t ch[8 + WEFT__CHALLENGE_BYTES];
     uint8_t hdr[12];
     char why[512];
+    weft__tls_id_t tls = {0};
 
+    if (a->tls != NULL) {
+        c->ssl = weft__tls_accept(a, c->fd, deadline, &tls, why, sizeof(why));
+        if (c->ssl == NULL) {
+            WEFT_WARN("refused a direct connection: %s", why);
+            return -1;
+        }
+    }
     put_u32(ch, DIRECT_MAGIC);
     put_u32(ch + 4, DIRECT_VERSION);
     if (weft__random_bytes(ch + 8, WEFT__CHALLENGE_BYTES) != WEFT_OK ||
-        !write_all(c->fd, ch, sizeof(ch))) {
+        !io_write(c->fd, c->ssl, ch, sizeof(ch))) {
         return -1;
     }
-    if (!read_until(c->fd, hdr, sizeof(hdr), deadline)) {
+    if (!read_until(c->fd, c->ssl, hdr, sizeof(hdr), deadline)) {
         if (weft__now_ns() >= deadline) {
             WEFT_WARN("closed a direct connection: no handshake within %lld ms",
                       (long long)a->handshake_timeout_ms);
@@ -396,18 +511,18 @@ static int handshake_in(conn_in_t *c)
         snprintf(why, sizeof(why), "bad handshake (magic %08x, version %u, hello of %u bytes)",
                  get_u32(hdr), get_u32(hdr + 4), hlen);
         WEFT_WARN("refused a direct connection: %s", why);
-        (void)handshake_answer(c->fd, WEFT_ERR_PROTOCOL, why);
+        (void)handshake_answer(c->fd, c->ssl, WEFT_ERR_PROTOCOL, why);
         return -1;
     }
     uint8_t *buf = weft_alloc(hlen == 0 ? 1 : hlen);
-    if (buf == NULL || !read_until(c->fd, buf, hlen, deadline)) {
+    if (buf == NULL || !read_until(c->fd, c->ssl, buf, hlen, deadline)) {
         weft_free(buf);
         return -1;
     }
     Weft__V1__Hello *h = weft__v1__hello__unpack(&weft__pb_allocator, hlen, buf);
     weft_free(buf);
     weft_status_t st =
-        weft__hello_check(a, h, WEFT__HELLO_DIRECT, ch + 8, deadline, why, sizeof(why));
+        weft__hello_check(a, h, WEFT__HELLO_DIRECT, ch + 8, deadline, &tls, why, sizeof(why));
     int rank = st == WEFT_OK ? h->rank : -1;
     if (h != NULL) {
         weft__v1__hello__free_unpacked(h, &weft__pb_allocator);
@@ -430,20 +545,26 @@ static int handshake_in(conn_in_t *c)
     }
     if (st != WEFT_OK) {
         WEFT_WARN("refused a direct connection: %s", why);
-        (void)handshake_answer(c->fd, st, why);
+        (void)handshake_answer(c->fd, c->ssl, st, why);
         return -1;
     }
-    return handshake_answer(c->fd, WEFT_OK, "") ? rank : -1;
+    if (!handshake_answer(c->fd, c->ssl, WEFT_OK, "")) {
+        return -1;
+    }
+    if (c->ssl != NULL) {
+        weft__tls_after_handshake(c->fd);
+    }
+    return rank;
 }
 
 /* ------------------------------------------------------------ sending */
 
 /* Writes @p m on the connection (the caller holds c->writing) and settles it. */
-static void write_out(conn_out_t *c, int fd, weft__outmsg_t *m)
+static void write_out(conn_out_t *c, int fd, SSL *ssl, weft__outmsg_t *m)
 {
     weft_agent_t *a = c->agent;
 
-    if (write_buffer(fd, m->bb)) {
+    if (write_buffer(fd, ssl, m->bb)) {
         weft__outmsg_free(m, WEFT_OK, NULL);
         return;
     }
@@ -472,6 +593,7 @@ static void *sender_main(void *arg)
     weft_agent_t *a = c->agent;
     weft__direct_t *d = a->direct;
 
+    weft__nopipe_thread();
     pthread_mutex_lock(&c->mu);
     for (;;) {
         while ((c->qh == NULL || c->writing) && !atomic_load(&d->stop)) {
@@ -494,17 +616,19 @@ static void *sender_main(void *arg)
         }
         if (c->fd < 0 && retry_due(c)) {
             pthread_mutex_unlock(&c->mu);
-            int fd = open_out(a, c->peer);
+            SSL *ssl = NULL;
+            int fd = open_out(a, c->peer, &ssl);
             pthread_mutex_lock(&c->mu);
             if (fd >= 0 && (atomic_load(&d->stop) || c->cut)) {
                 /* Closed or cut while we connected. */
-                close(fd);
+                conn_close(fd, ssl);
                 pthread_mutex_unlock(&c->mu);
                 weft__outmsg_free(m, WEFT_ERR_PEER_LOST, "direct connection closed");
                 pthread_mutex_lock(&c->mu);
                 continue;
             }
             c->fd = fd;
+            c->ssl = ssl;
             if (fd >= 0) {
                 c->fails = 0;
             } else {
@@ -517,6 +641,7 @@ static void *sender_main(void *arg)
             atomic_store(&c->unusable, fd < 0);
         }
         int fd = c->fd;
+        SSL *ssl = c->ssl;
         bool unusable = atomic_load(&c->unusable);
         c->writing = !unusable;
         pthread_mutex_unlock(&c->mu);
@@ -524,7 +649,7 @@ static void *sender_main(void *arg)
             /* No direct connection to this peer: back through the route, to the stream. */
             weft__route_fallback(a, c->peer, m);
         } else {
-            write_out(c, fd, m);
+            write_out(c, fd, ssl, m);
         }
         pthread_mutex_lock(&c->mu);
         c->writing = false;
@@ -554,9 +679,10 @@ static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, wef
     if (write_here && c->fd >= 0 && !atomic_load(&c->unusable) && !c->writing && c->qh == NULL) {
         /* The connection is idle: write it from this thread, without waking the sender. */
         int fd = c->fd;
+        SSL *ssl = c->ssl;
         c->writing = true;
         pthread_mutex_unlock(&c->mu);
-        write_out(c, fd, m);
+        write_out(c, fd, ssl, m);
         pthread_mutex_lock(&c->mu);
         c->writing = false;
         pthread_cond_broadcast(&c->cv); /* the sender, or stop, may wait */
@@ -643,7 +769,7 @@ static void dispatch_run(void *arg)
 static bool read_body(conn_in_t *c, void *buf, size_t n)
 {
     uint8_t *p = buf;
-    if (n < LOWAT_MIN) {
+    if (n < LOWAT_MIN || c->ssl != NULL) {
         return read_all(c, buf, n);
     }
     while (n > 0) {
@@ -669,6 +795,9 @@ static bool read_body(conn_in_t *c, void *buf, size_t n)
  * arrive): memory for it is taken only then. False when the connection is over. */
 static bool await_bytes(conn_in_t *c)
 {
+    if (c->ssl != NULL && SSL_has_pending(c->ssl)) {
+        return true;
+    }
     set_lowat(c, 1);
     for (;;) {
         struct pollfd pfd = {c->fd, POLLIN, 0};
@@ -1056,6 +1185,8 @@ static void *reader_main(void *arg)
 {
     conn_in_t *c = arg;
 
+    weft__nopipe_thread(); /* OpenSSL may write (an alert) on any connection */
+
     if (handshake_in(c) >= 0) {
         while (!atomic_load(&c->agent->direct->stop) && read_frame(c)) {
         }
@@ -1076,7 +1207,7 @@ static int reap_locked(weft__direct_t *d)
         if (atomic_load(&c->done)) {
             *pp = c->next;
             pthread_join(c->thread, NULL);
-            close(c->fd);
+            conn_close(c->fd, c->ssl);
             weft_free(c->hot);
             weft_free(c);
         } else {
@@ -1246,8 +1377,9 @@ static void tp_stop(weft_agent_t *a)
         }
         pthread_mutex_unlock(&c->mu);
         if (c->fd >= 0) {
-            close(c->fd);
+            conn_close(c->fd, c->ssl);
             c->fd = -1;
+            c->ssl = NULL;
         }
     }
     /* Readers are blocked in recv: cut their sockets, then join. */
@@ -1261,7 +1393,7 @@ static void tp_stop(weft_agent_t *a)
     while (ins != NULL) {
         conn_in_t *next = ins->next;
         pthread_join(ins->thread, NULL);
-        close(ins->fd);
+        conn_close(ins->fd, ins->ssl);
         weft_free(ins->hot);
         weft_free(ins);
         ins = next;

@@ -129,7 +129,8 @@ weft_status_t weft__random_bytes(uint8_t *buf, size_t n)
 }
 
 weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h, weft__hello_kind_t kind,
-                                const uint8_t *challenge, int64_t deadline_ns, char *why, size_t n)
+                                const uint8_t *challenge, int64_t deadline_ns,
+                                const weft__tls_id_t *tls, char *why, size_t n)
 {
     if (h == NULL) {
         snprintf(why, n, "the first message is not a Hello");
@@ -161,6 +162,10 @@ weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h, weft_
             snprintf(why, n, "rank %d sent no name or no address", h->rank);
             return WEFT_ERR_PROTOCOL;
         }
+        weft_status_t st = weft__tls_check_id(a, tls, h->rank, h->name, why, n);
+        if (st != WEFT_OK) {
+            return st;
+        }
         if (h->identity_key.len != WEFT__ID_KEY_BYTES) {
             snprintf(why, n,
                      "rank %d sent an identity key of %zu bytes (an Ed25519 public key "
@@ -176,6 +181,10 @@ weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h, weft_
         return WEFT_ERR_INVALID_STATE;
     }
     weft__peer_t *p = &a->peers[h->rank];
+    weft_status_t st = weft__tls_check_id(a, tls, h->rank, p->name, why, n);
+    if (st != WEFT_OK) {
+        return st;
+    }
     uint8_t msg[64 + WEFT__CHALLENGE_BYTES];
     size_t len = transcript(msg, kind == WEFT__HELLO_STREAM ? 'S' : 'D', challenge, h->rank,
                             a->rank, a->world_size);

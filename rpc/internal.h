@@ -29,6 +29,7 @@
 #endif
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -226,6 +227,55 @@ void weft__route_fallback(weft_agent_t *a, int peer, weft__outmsg_t *m);
 void weft__deliver(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Envelope *env,
                    weft_value_t *v, weft_status_t st);
 
+/* ------------------------------------------------------------------ TLS (tls.c) */
+
+typedef struct weft__tls weft__tls_t;
+/* What the certificate a connection presented says about its owner. */
+typedef struct {
+    bool tls;                      /* a verified certificate came with the connection */
+    int rank;                      /* the rank it names (DNS:weft-rank-<r>); -1 none, -2 several */
+    char name[WEFT__MAX_NAME + 1]; /* the worker name it binds (its common name); "": none */
+} weft__tls_id_t;
+/* Loads and checks this rank's TLS files (all NULL or empty: TLS off, a->tls stays NULL). */
+weft_status_t weft__tls_create(weft_agent_t *a, const char *ca, const char *cert, const char *key);
+void weft__tls_free(weft_agent_t *a);
+/* The server's credentials (TLS: client certificates required, files watched) or plaintext. */
+grpc_server_credentials *weft__tls_server_credentials(weft_agent_t *a);
+/* A channel to rank @p peer at @p target, with TLS when it is on (the server must prove @p peer). */
+grpc_channel *weft__channel_create(weft_agent_t *a, const char *target, int peer);
+/* TLS's own gRPC arguments (appended at *n_p). */
+void weft__tls_grpc_args(const weft_agent_t *a, grpc_arg *args, size_t *n_p);
+/* The identity of a server call's client certificate (id->tls false: none). */
+void weft__tls_call_id(grpc_call *call, weft__tls_id_t *id);
+void weft__tls_id_of_x509(void *x509, weft__tls_id_t *id);
+/* With TLS on: the certificate @p id must name @p rank (and @p name if it binds one). */
+weft_status_t weft__tls_check_id(const weft_agent_t *a, const weft__tls_id_t *id, int rank,
+                                 const char *name, char *why, size_t n);
+/* Direct connections: the TLS handshake on a connected socket, within @p deadline_ns; an SSL *,
+ * or NULL with the reason in @p why. The acceptor gets the client's identity in @p id. */
+void *weft__tls_connect(weft_agent_t *a, int fd, int peer, int64_t deadline_ns, char *why,
+                        size_t n);
+void *weft__tls_accept(weft_agent_t *a, int fd, int64_t deadline_ns, weft__tls_id_t *id,
+                       char *why, size_t n);
+/* Clears the handshake's socket timeouts. */
+void weft__tls_after_handshake(int fd);
+/* OpenSSL writes with write(2), so a peer gone raises SIGPIPE: a thread that may write through
+ * it blocks SIGPIPE for the time (begin/end: a SIGPIPE it caused is taken back) or for good
+ * (weft's own threads). */
+typedef struct {
+    sigset_t old;
+    bool pending; /* one was pending before: not ours to take */
+} weft__nopipe_t;
+void weft__nopipe_begin(weft__nopipe_t *np);
+void weft__nopipe_end(weft__nopipe_t *np, bool failed);
+void weft__nopipe_thread(void);
+/* Why a connection to rank @p peer at @p address fails at the TLS level, found by a handshake
+ * of its own: WEFT_OK when it finds nothing (or cannot tell), else WEFT_ERR_AUTH (a certificate
+ * refused either way, expired, not naming the rank) or WEFT_ERR_PROTOCOL (TLS on one side only),
+ * with the text set. */
+weft_status_t weft__tls_diagnose(weft_agent_t *a, const char *address, int peer,
+                                 int64_t deadline_ns);
+
 /* ------------------------------------------------------------------ peers and identities */
 
 #define WEFT__ID_KEY_BYTES    32 /* Ed25519 public key */
@@ -266,14 +316,16 @@ typedef enum {
 /*
  * THE HELLO CHECK, for a Join, a stream and a direct connection: protocol version, the job's
  * token (compared in constant time), world size, rank range, and (connections) the proof of the
- * claimed rank with its key from the world map. A connection that arrives before this rank's own
- * join finished waits for it, until @p deadline_ns (its handshake deadline; unused for a Join).
- * The refusal's text goes to @p why.
+ * claimed rank with its key from the world map; with TLS on, the certificate @p tls of the
+ * connection must name the claimed rank (and name: weft__tls_check_id). A connection that
+ * arrives before this rank's own join finished waits for it, until @p deadline_ns (its handshake
+ * deadline; unused for a Join). The refusal's text goes to @p why.
  * WEFT_ERR_VERSION, WEFT_ERR_AUTH, WEFT_ERR_MISMATCH, WEFT_ERR_INVALID_ARG, WEFT_ERR_PROTOCOL,
  * WEFT_ERR_INVALID_STATE.
  */
 weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h, weft__hello_kind_t kind,
-                                const uint8_t *challenge, int64_t deadline_ns, char *why, size_t n);
+                                const uint8_t *challenge, int64_t deadline_ns,
+                                const weft__tls_id_t *tls, char *why, size_t n);
 /* Constant-time comparison of two secrets (length included). */
 bool weft__secret_equal(const void *x, size_t xlen, const void *y, size_t ylen);
 /* Cryptographically random bytes. */
@@ -343,6 +395,7 @@ struct weft_agent {
     uint64_t max_message_bytes;
     int port;
     bool direct_enabled;
+    weft__tls_t *tls; /* NULL: plaintext */
     /* the Ed25519 key pair (hello.c) */
     void *id_key; /* EVP_PKEY */
     uint8_t id_pub[WEFT__ID_KEY_BYTES];

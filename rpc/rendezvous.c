@@ -365,11 +365,12 @@ static void decide_world_locked(weft_agent_t *a)
 }
 
 /* Validates a Hello against the world so far. Called with jn->mu held. */
-static weft_status_t check_join(weft_agent_t *a, const Weft__V1__Hello *h, char *why, size_t n)
+static weft_status_t check_join(weft_agent_t *a, const Weft__V1__Hello *h,
+                                const weft__tls_id_t *tls, char *why, size_t n)
 {
     weft__join_t *jn = a->join;
 
-    weft_status_t st = weft__hello_check(a, h, WEFT__HELLO_JOIN, NULL, 0, why, n);
+    weft_status_t st = weft__hello_check(a, h, WEFT__HELLO_JOIN, NULL, 0, tls, why, n);
     if (st != WEFT_OK) {
         return st;
     }
@@ -420,9 +421,11 @@ static void recv_done(weft__op_t *op, int ok)
         grpc_byte_buffer_destroy(j->bb);
         j->bb = NULL;
     }
+    weft__tls_id_t tls;
+    weft__tls_call_id(j->call, &tls);
     pthread_mutex_lock(&jn->mu);
     if (h != NULL) {
-        st = check_join(a, h, why, sizeof(why));
+        st = check_join(a, h, &tls, why, sizeof(why));
     }
     if (st != WEFT_OK) {
         WEFT_WARN("rendezvous: refused a join: %s", why);
@@ -610,9 +613,11 @@ static weft_status_t rendezvous_join(weft_agent_t *a)
     weft__op_t tag = {NULL};
 
     snprintf(target, sizeof(target), "%s:%d", a->master_addr, a->master_port);
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    grpc_channel *ch = grpc_channel_create(target, creds, a->chan_args);
-    grpc_channel_credentials_release(creds);
+    grpc_channel *ch = weft__channel_create(a, target, 0);
+    if (ch == NULL) {
+        return weft__set_error(WEFT_ERR_TRANSPORT, "rendezvous: cannot make a channel to %s",
+                               target);
+    }
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
     gpr_timespec dl =
         gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
@@ -643,7 +648,34 @@ static weft_status_t rendezvous_join(weft_agent_t *a)
         st = weft__set_error(WEFT_ERR_TRANSPORT, "rendezvous: gRPC refused the join call");
         goto out;
     }
-    grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    /* While the channel cannot connect, a handshake of our own tells a master that is not up
+     * yet from one this rank can never reach (TLS on one side only, certificates refused):
+     * those end the join at once, with the reason. */
+    weft_status_t probe = WEFT_OK;
+    char probe_why[768] = "";
+    int64_t next_probe = weft__now_ns() + 200 * 1000000LL;
+    for (;;) {
+        gpr_timespec tick = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                         gpr_time_from_millis(100, GPR_TIMESPAN));
+        if (grpc_completion_queue_pluck(cq, &tag, tick, NULL).type == GRPC_OP_COMPLETE) {
+            break;
+        }
+        int64_t now = weft__now_ns();
+        if (probe == WEFT_OK && now >= next_probe &&
+            grpc_channel_check_connectivity_state(ch, 0) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
+            int64_t budget = a->handshake_timeout_ms < 2000 ? a->handshake_timeout_ms : 2000;
+            probe = weft__tls_diagnose(a, target, 0, now + budget * 1000000);
+            if (probe != WEFT_OK) {
+                snprintf(probe_why, sizeof(probe_why), "%s", weft_last_error());
+                grpc_call_cancel(call, NULL);
+            }
+            next_probe = weft__now_ns() + 1000 * 1000000LL;
+        }
+    }
+    if (probe != WEFT_OK) {
+        st = weft__set_error(probe, "rendezvous: cannot join the master: %s", probe_why);
+        goto out;
+    }
     if (code != GRPC_STATUS_OK || reply == NULL) {
         char *d = grpc_slice_to_c_string(details);
         if (code == GRPC_STATUS_DEADLINE_EXCEEDED || code == GRPC_STATUS_UNAVAILABLE) {

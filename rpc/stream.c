@@ -497,8 +497,10 @@ static bool server_hello(weft__stream_t *s, weft_status_t st, Weft__V1__Envelope
     }
     hello_timer_cancel(s);
     if (st == WEFT_OK && env->kind == WEFT__V1__KIND__KIND_HELLO) {
+        weft__tls_id_t tls;
+        weft__tls_call_id(s->call, &tls);
         st = weft__hello_check(a, env->hello, WEFT__HELLO_STREAM, s->challenge, s->hs_deadline_ns,
-                               why, sizeof(why));
+                               &tls, why, sizeof(why));
     } else if (st == WEFT_OK) {
         st = WEFT_ERR_PROTOCOL;
         snprintf(why, sizeof(why), "the first message of a stream must be a Hello");
@@ -1009,9 +1011,7 @@ static weft_status_t stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_
     weft__stream_t *s;
 
     if (p->channel == NULL) {
-        grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-        p->channel = grpc_channel_create(p->address, creds, a->chan_args);
-        grpc_channel_credentials_release(creds);
+        p->channel = weft__channel_create(a, p->address, p->rank);
         if (p->channel == NULL) {
             return weft__set_error(WEFT_ERR_TRANSPORT, "rpc: cannot create a channel to %s",
                                    p->address);

@@ -38,6 +38,8 @@
 #include <unistd.h>
 
 #include <weft/config.h>
+
+#include "certs.h"
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
@@ -53,7 +55,9 @@
 #define ADDR_MAX       255
 #define NPROC_MAX      1024
 #define IOV_BATCH      256
-#define ENV_COUNT      14
+#define ENV_COUNT      14 /* always set; 3 more with --tls */
+#define ENV_MAX        17
+#define TLS_DAYS       30
 #define PREFIX_MAX     32
 
 typedef enum {
@@ -76,6 +80,9 @@ typedef struct {
     bool print_env;
     bool standalone;
     const char *servers; /* --servers: WEFT_PS_SERVERS for every rank */
+    bool tls;            /* --tls: a job CA and a certificate per rank */
+    const char *tls_ca;  /* --tls-ca: sign with this CA instead of a new one */
+    const char *tls_ca_key;
     char **prog_argv;    /* program and its arguments, NULL-terminated */
 } opts_t;
 
@@ -101,6 +108,7 @@ typedef struct {
     char master_addr[ADDR_MAX + 1];
     char master_port[8];
     char token[TOKEN_MAX + 1];
+    char tls_dir[PATH_MAX]; /* --tls: ca.pem, rank<r>.pem, rank<r>.key; "" without */
 } job_t;
 
 typedef struct {
@@ -110,7 +118,9 @@ typedef struct {
 
 typedef struct {
     char num[5][16];
-    env_var_t vars[ENV_COUNT];
+    char tls[3][PATH_MAX + 32];
+    env_var_t vars[ENV_MAX];
+    int n;
 } rank_env_t;
 
 typedef struct {
@@ -177,6 +187,13 @@ static const char *const usage_text =
     "      --standalone        ignore srun/mpirun variables in the environment\n"
     "      --servers N|LIST    parameter server ranks: N means ranks 0..N-1, or a\n"
     "                          list like 0,3 (sets WEFT_PS_SERVERS; docs/ps.md)\n"
+    "      --tls               TLS with client certificates on every connection:\n"
+    "                          make a job CA and a certificate per rank (in a\n"
+    "                          private directory removed at the end) and set\n"
+    "                          WEFT_TLS_CA, WEFT_TLS_CERT, WEFT_TLS_KEY\n"
+    "      --tls-ca FILE       with --tls: sign with this CA certificate instead\n"
+    "      --tls-ca-key FILE   and this key (the same on every node: needed when\n"
+    "                          --nnodes > 1; docs/security.md)\n"
     "  -h, --help              show this help\n"
     "\n"
     "Multi-node: run one weftrun per node with the same --nnodes, --master-addr,\n"
@@ -365,6 +382,9 @@ enum {
     OPT_PRINT_CONFIG,
     OPT_STANDALONE,
     OPT_SERVERS,
+    OPT_TLS,
+    OPT_TLS_CA,
+    OPT_TLS_CA_KEY,
 };
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -396,6 +416,9 @@ static int parse_opts(int argc, char **argv, opts_t *opts)
         {"print-config", no_argument, NULL, OPT_PRINT_CONFIG},
         {"standalone", no_argument, NULL, OPT_STANDALONE},
         {"servers", required_argument, NULL, OPT_SERVERS},
+        {"tls", no_argument, NULL, OPT_TLS},
+        {"tls-ca", required_argument, NULL, OPT_TLS_CA},
+        {"tls-ca-key", required_argument, NULL, OPT_TLS_CA_KEY},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -474,6 +497,15 @@ static int parse_opts(int argc, char **argv, opts_t *opts)
                                    optarg);
             }
             opts->servers = optarg;
+            break;
+        case OPT_TLS:
+            opts->tls = true;
+            break;
+        case OPT_TLS_CA:
+            opts->tls_ca = optarg;
+            break;
+        case OPT_TLS_CA_KEY:
+            opts->tls_ca_key = optarg;
             break;
         case ':':
             return usage_error("option '%s' needs an argument", argv[optind - 1]);
@@ -855,11 +887,20 @@ static void rank_env_fill(const job_t *job, int local_rank, rank_env_t *re)
     re->vars[i++] = (env_var_t){"LOCAL_WORLD_SIZE", lworld_s};
     re->vars[i++] = (env_var_t){"MASTER_ADDR", job->master_addr};
     re->vars[i++] = (env_var_t){"MASTER_PORT", job->master_port};
+    if (job->tls_dir[0] != '\0') {
+        snprintf(re->tls[0], sizeof(re->tls[0]), "%s/ca.pem", job->tls_dir);
+        snprintf(re->tls[1], sizeof(re->tls[1]), "%s/rank%d.pem", job->tls_dir, rank);
+        snprintf(re->tls[2], sizeof(re->tls[2]), "%s/rank%d.key", job->tls_dir, rank);
+        re->vars[i++] = (env_var_t){"WEFT_TLS_CA", re->tls[0]};
+        re->vars[i++] = (env_var_t){"WEFT_TLS_CERT", re->tls[1]};
+        re->vars[i++] = (env_var_t){"WEFT_TLS_KEY", re->tls[2]};
+    }
+    re->n = i;
 }
 
 static int rank_env_apply(const rank_env_t *re)
 {
-    for (int i = 0; i < ENV_COUNT; i++) {
+    for (int i = 0; i < re->n; i++) {
         if (setenv(re->vars[i].name, re->vars[i].value, 1) != 0) {
             return -1;
         }
@@ -870,7 +911,7 @@ static int rank_env_apply(const rank_env_t *re)
 static void rank_env_print(const rank_env_t *re)
 {
     printf("rank %s:", re->vars[0].value);
-    for (int i = 0; i < ENV_COUNT; i++) {
+    for (int i = 0; i < re->n; i++) {
         printf(" %s=%s", re->vars[i].name, re->vars[i].value);
     }
     putchar('\n');
@@ -885,6 +926,13 @@ static int exec_one_rank(const opts_t *opts, const launcher_t *li)
     int err;
 
     memset(&job, 0, sizeof(job));
+    if (opts->tls) {
+        errorf("--tls cannot be used under %s (prog is exec'd in place, so nobody would remove "
+               "its keys): give every rank its files in WEFT_TLS_CA, WEFT_TLS_CERT and "
+               "WEFT_TLS_KEY (docs/security.md)",
+               launcher_name(li->kind));
+        return EXIT_USAGE;
+    }
     if (opts->nnodes_set || opts->node_rank_set) {
         errorf("--nnodes/--node-rank conflict with the ranks %s assigns; pass --standalone to "
                "ignore %s",
@@ -1552,6 +1600,87 @@ static void ensure_std_fds(void)
     }
 }
 
+/* ---- --tls ------------------------------------------------------------ */
+
+/* Removes the job's TLS directory and what weftrun wrote in it. */
+static void tls_cleanup(job_t *job)
+{
+    if (job->tls_dir[0] == '\0') {
+        return;
+    }
+    char p[PATH_MAX + 32];
+    snprintf(p, sizeof(p), "%s/ca.pem", job->tls_dir);
+    unlink(p);
+    for (int i = 0; i < job->nproc; i++) {
+        snprintf(p, sizeof(p), "%s/rank%d.pem", job->tls_dir, job->first_rank + i);
+        unlink(p);
+        snprintf(p, sizeof(p), "%s/rank%d.key", job->tls_dir, job->first_rank + i);
+        unlink(p);
+    }
+    if (rmdir(job->tls_dir) != 0) {
+        errorf("warning: cannot remove %s: %s", job->tls_dir, strerror(errno));
+    }
+    job->tls_dir[0] = '\0';
+}
+
+/* A private directory with the job's CA and this node's ranks' certificates and keys. */
+static int tls_prepare(const opts_t *opts, job_t *job)
+{
+    weft_certs_pem_t ca = {NULL, NULL};
+    char why[512];
+    if ((opts->tls_ca != NULL) != (opts->tls_ca_key != NULL)) {
+        errorf("--tls-ca and --tls-ca-key go together");
+        return -1;
+    }
+    if (opts->tls_ca != NULL) {
+        if (weft_certs_read(opts->tls_ca, opts->tls_ca_key, &ca, why, sizeof(why)) != 0) {
+            errorf("--tls-ca: %s", why);
+            return -1;
+        }
+    } else if (job->nnodes > 1) {
+        errorf("--tls with --nnodes %d needs one CA for the whole job: give every node the same "
+               "--tls-ca and --tls-ca-key (docs/security.md)",
+               job->nnodes);
+        return -1;
+    } else {
+        weft_certs_spec_t spec = {"weft job CA", -1, -300, TLS_DAYS * 24L * 3600};
+        if (weft_certs_make_ca(&spec, &ca, why, sizeof(why)) != 0) {
+            errorf("--tls: %s", why);
+            return -1;
+        }
+    }
+    const char *tmp = getenv("TMPDIR");
+    snprintf(job->tls_dir, sizeof(job->tls_dir), "%s/weftrun-tls-XXXXXX",
+             tmp != NULL && tmp[0] != '\0' ? tmp : "/tmp");
+    if (mkdtemp(job->tls_dir) == NULL) { /* mode 0700 */
+        errorf("--tls: cannot make a directory %s: %s", job->tls_dir, strerror(errno));
+        job->tls_dir[0] = '\0';
+        weft_certs_pem_free(&ca);
+        return -1;
+    }
+    int rc = weft_certs_write(job->tls_dir, "ca", &ca, false, why, sizeof(why));
+    for (int i = 0; rc == 0 && i < job->nproc; i++) {
+        int rank = job->first_rank + i;
+        char cn[32], stem[32];
+        snprintf(cn, sizeof(cn), "weft-rank-%d", rank);
+        snprintf(stem, sizeof(stem), "rank%d", rank);
+        weft_certs_spec_t spec = {cn, rank, -300, TLS_DAYS * 24L * 3600};
+        weft_certs_pem_t leaf;
+        rc = weft_certs_make_leaf(&ca, &spec, &leaf, why, sizeof(why));
+        if (rc == 0) {
+            rc = weft_certs_write(job->tls_dir, stem, &leaf, true, why, sizeof(why));
+            weft_certs_pem_free(&leaf);
+        }
+    }
+    weft_certs_pem_free(&ca);
+    if (rc != 0) {
+        errorf("--tls: %s", why);
+        tls_cleanup(job);
+        return -1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     opts_t opts;
@@ -1605,13 +1734,23 @@ int main(int argc, char **argv)
     if (resolve_rendezvous(&opts, &li, job.nnodes > 1, &job) != 0) {
         return EXIT_USAGE;
     }
+    if (!opts.tls && (opts.tls_ca != NULL || opts.tls_ca_key != NULL)) {
+        errorf("--tls-ca and --tls-ca-key need --tls");
+        return EXIT_USAGE;
+    }
+    if (opts.tls && tls_prepare(&opts, &job) != 0) {
+        return EXIT_USAGE;
+    }
     if (opts.print_env) {
         for (int i = 0; i < job.nproc; i++) {
             rank_env_t re;
             rank_env_fill(&job, i, &re);
             rank_env_print(&re);
         }
+        tls_cleanup(&job);
         return fflush(stdout) == 0 ? 0 : 1;
     }
-    return run_local(&opts, &job);
+    rc = run_local(&opts, &job);
+    tls_cleanup(&job);
+    return rc;
 }

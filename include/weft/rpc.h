@@ -61,6 +61,18 @@ typedef struct {
                                       blocks in a weft wait) */
     int64_t max_message_bytes;     /**< largest message this rank accepts; 0:
                                       WEFT_MAX_MESSAGE_BYTES or 4 GiB - 1 (a gRPC message's limit) */
+    /**
+     * TLS with client certificates (mTLS) on every connection: the gRPC streams, the join and the
+     * direct connections (docs/security.md). On when a CA is given (here or WEFT_TLS_CA); then
+     * the certificate and key are required. A field left NULL is taken from WEFT_TLS_CA,
+     * WEFT_TLS_CERT, WEFT_TLS_KEY (`weftrun --tls` makes a job CA and sets them). The certificate
+     * must name this rank: a subjectAltName DNS entry "weft-rank-<rank>"; a common name other than
+     * that binds the worker name too. The files are read again when they change (rotation without
+     * a restart: new connections use the new ones).
+     */
+    const char *tls_ca_file;   /**< PEM: the CA(s) that sign every rank's certificate */
+    const char *tls_cert_file; /**< PEM: this rank's certificate, then any intermediates */
+    const char *tls_key_file;  /**< PEM: its private key */
 } weft_agent_opts_t;
 
 /** Fills @p opts with "take from the environment / default" markers. Thread-safe. */

@@ -81,6 +81,20 @@ static int rank_process(const ranks_opts_t *o, int rank, int port, int port_fd)
         ao.max_message_bytes = (int64_t)o->max_message_bytes_rank1;
     }
     ao.auth_token = o->auth_token;
+    char ca[1024], cert[1024], key[1024];
+    if (o->tls_dir != NULL) {
+        snprintf(cert, sizeof(cert), "%s/rank%d.pem", o->tls_dir, rank);
+        snprintf(key, sizeof(key), "%s/rank%d.key", o->tls_dir, rank);
+        snprintf(ca, sizeof(ca), "%s/ca%d.pem", o->tls_dir, rank);
+        if (access(ca, R_OK) != 0) {
+            snprintf(ca, sizeof(ca), "%s/ca.pem", o->tls_dir);
+        }
+        if (access(cert, R_OK) == 0) {
+            ao.tls_ca_file = ca;
+            ao.tls_cert_file = cert;
+            ao.tls_key_file = key;
+        }
+    }
     weft_status_t st = weft_agent_create(&ao, &a);
     if (st != WEFT_OK) {
         fprintf(stderr, "rank %d: create: %s: %s\n", rank, weft_strerror(st), weft_last_error());

@@ -23,6 +23,9 @@ typedef struct {
     uint64_t max_message_bytes;
     uint64_t max_message_bytes_rank1; /* rank 1's own limit, if set */
     const char *auth_token;
+    /* TLS: rank r uses <tls_dir>/ca<r>.pem (else <tls_dir>/ca.pem), <tls_dir>/rank<r>.pem and
+     * <tls_dir>/rank<r>.key; a rank whose rank<r>.pem is missing runs plaintext. NULL: none. */
+    const char *tls_dir;
     int no_direct_rank; /* this rank runs with WEFT_DIRECT=0 (-1: none) */
     rank_setup_cb_t setup;
     rank_main_cb_t body;

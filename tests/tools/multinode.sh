@@ -13,6 +13,7 @@
 #   WEFT_AUTH_TOKEN        the job's token, the same on both nodes
 #   NODE0_ENV, NODE1_ENV   "NAME=VALUE ..." given to that node's weftrun only (may be empty)
 #   NODE_TIMEOUT           each weftrun's --timeout, in seconds
+#   WEFTRUN_ARGS           more weftrun options for both nodes (may be empty)
 #   PRIVATE_RUN            1: started in user and mount namespaces of its own (unshare -Urnm, not
 #                          root): a tmpfs on /run first, where `ip netns` keeps its namespaces
 # Writes OUTDIR/node<k>.out, node<k>.err and node<k>.status (weftrun's exit status). Exits 0 when
@@ -75,10 +76,11 @@ run_node() {
     ns=$2
     nodeenv=$3
     shift 3
-    # shellcheck disable=SC2086 # NODEk_ENV is a list of NAME=VALUE words
+    # shellcheck disable=SC2086 # NODEk_ENV and WEFTRUN_ARGS are lists of words
     "$IP" netns exec "$ns" env $nodeenv "$UNSHARE" --pid --fork --kill-child "$WEFTRUN" \
         --timeout "$NODE_TIMEOUT" --nnodes 2 --node-rank "$k" -n "$nproc" \
-        --master-addr 10.99.0.1 --master-port 29500 "$@" >"$out/node$k.out" 2>"$out/node$k.err"
+        --master-addr 10.99.0.1 --master-port 29500 ${WEFTRUN_ARGS:-} "$@" \
+        >"$out/node$k.out" 2>"$out/node$k.err"
     echo $? >"$out/node$k.status"
 }
 

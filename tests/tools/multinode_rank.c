@@ -256,6 +256,10 @@ int main(int argc, char **argv)
     weft_agent_free(a);
     CHECK(rc == 0, "failed");
     CHECK(st == WEFT_OK, "shutdown: %s: %s", weft_strerror(st), why);
+    const char *ca = getenv("WEFT_TLS_CA");
+    if (ca != NULL && ca[0] != '\0') {
+        printf("MULTINODE TLS rank %d\n", rank); /* its agent ran with TLS (the variables are set) */
+    }
     printf("MULTINODE OK rank %d\n", rank);
     return 0;
 }

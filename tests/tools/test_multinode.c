@@ -20,6 +20,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "certs.h"
 #include "run.h"
 
 #define TOKEN "0123456789abcdef0123456789abcdef"
@@ -143,11 +144,15 @@ static void remove_outputs(const char *dir)
 
 /* One try of run_nodes in @p mode: 77 when the namespaces cannot be made that way (why in
  * @p why), else 0 with @p nodes filled. */
+/* More weftrun options for both nodes (WEFTRUN_ARGS of multinode.sh). */
+static char g_weftrun_args[1400];
+
 static int try_nodes(const machine_t *m, ns_mode_t mode, char tag, const char *env0,
                      const char *env1, nodes_t *nodes, char *why, size_t why_n)
 {
     char dir[] = "/tmp/weft-multinode-XXXXXX";
     char names[16], e_ip[600], e_unshare[600], e_weftrun[600], e_env0[300], e_env1[300];
+    char e_args[1500];
     const char *argv[16];
     int n = 0;
 
@@ -158,7 +163,9 @@ static int try_nodes(const machine_t *m, ns_mode_t mode, char tag, const char *e
     snprintf(e_weftrun, sizeof(e_weftrun), "WEFTRUN=%s", run_path_from_env("WEFTRUN"));
     snprintf(e_env0, sizeof(e_env0), "NODE0_ENV=%s", env0);
     snprintf(e_env1, sizeof(e_env1), "NODE1_ENV=%s", env1);
-    const char *env[] = {e_ip,
+    snprintf(e_args, sizeof(e_args), "WEFTRUN_ARGS=%s", g_weftrun_args);
+    const char *env[] = {e_args,
+                         e_ip,
                          e_unshare,
                          e_weftrun,
                          e_env0,
@@ -284,6 +291,38 @@ Test(multinode, two_nodes_by_interface, .timeout = 200)
     snprintf(env1, sizeof(env1), "WEFT_SOCKET_IFNAME=wv%dib", (int)getpid());
     run_nodes(&m, 'i', "", env1, &nodes);
     expect_job_ran(&nodes);
+    nodes_free(&nodes);
+}
+
+/* The same job with TLS on every connection, the certificates signed by one CA given to both
+ * nodes' weftrun --tls. */
+Test(multinode, two_nodes_over_tls, .timeout = 200)
+{
+    machine_t m;
+    nodes_t nodes;
+    char dir[] = "/tmp/weft-multinode-ca-XXXXXX", why[512], ca[600], key[600];
+
+    machine_or_skip(&m);
+    cr_assert_not_null(mkdtemp(dir));
+    weft_certs_spec_t spec = {"multinode test CA", -1, -60, 24L * 3600};
+    weft_certs_pem_t pem;
+    cr_assert_eq(weft_certs_make_ca(&spec, &pem, why, sizeof(why)), 0, "%s", why);
+    cr_assert_eq(weft_certs_write(dir, "ca", &pem, true, why, sizeof(why)), 0, "%s", why);
+    weft_certs_pem_free(&pem);
+    snprintf(ca, sizeof(ca), "%s/ca.pem", dir);
+    snprintf(key, sizeof(key), "%s/ca.key", dir);
+    snprintf(g_weftrun_args, sizeof(g_weftrun_args), "--tls --tls-ca %s --tls-ca-key %s", ca, key);
+    run_nodes(&m, 't', "", "", &nodes);
+    g_weftrun_args[0] = '\0';
+    unlink(ca);
+    unlink(key);
+    rmdir(dir);
+    expect_job_ran(&nodes);
+    for (int rank = 0; rank < 4; rank++) {
+        char want[64];
+        snprintf(want, sizeof(want), "[rank %d] MULTINODE TLS rank %d", rank, rank);
+        cr_expect_not_null(run_find_line(nodes.out[rank / 2], want, false), "'%s' missing", want);
+    }
     nodes_free(&nodes);
 }
 
