@@ -12,6 +12,9 @@
  *                                          WINDOW futures in flight
  *   bench_rpc async N [INFLIGHT [SIZE]]    weft_rpc_async("echo"), INFLIGHT futures in flight
  *
+ * BENCH_TLS=1 in the environment: both ranks use TLS with client certificates (a job CA and
+ * their certificates made before the fork, bench_tls.h).
+ *
  * Prints {"system":"weft","metric":...,"value":...} lines on stdout. */
 #include "bench_common.h"
 
@@ -21,10 +24,13 @@
 
 #include <weft/weft.h>
 
+#include "bench_tls.h"
+
 #define SHUTDOWN_TIMEOUT_MS   30000
 #define RENDEZVOUS_TIMEOUT_MS 30000
 
 static int my_rank = -1;
+static bench_tls_t g_tls; /* dir "" without BENCH_TLS */
 
 static void fail(const char *what, weft_status_t s, const char *detail)
 {
@@ -143,6 +149,7 @@ static void opts_for(weft_agent_opts_t *o, int rank, int port)
     o->master_addr = "127.0.0.1";
     o->master_port = port;
     o->rendezvous_timeout_ms = RENDEZVOUS_TIMEOUT_MS;
+    bench_tls_opts(&g_tls, o, rank);
 }
 
 static int rank0_main(const bench_args_t *b, int port_fd, int done_fd)
@@ -218,6 +225,10 @@ int main(int argc, char **argv)
     }
     int port_pipe[2];
     int done_pipe[2];
+    const char *tls = getenv("BENCH_TLS");
+    if (tls != NULL && strcmp(tls, "1") == 0 && bench_tls_make(&g_tls, 2) != 0) {
+        return 1;
+    }
     if (pipe(port_pipe) != 0 || pipe(done_pipe) != 0) {
         perror("pipe");
         return 1;
@@ -259,5 +270,6 @@ int main(int argc, char **argv)
     close(done_pipe[1]);
     int bad = reap(r0, "rank 0");
     bad |= reap(r1, "rank 1");
+    bench_tls_remove(&g_tls);
     return bad;
 }
