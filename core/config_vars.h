@@ -82,6 +82,8 @@
       "tests: send each push twice (the same sequence number)")                                   \
     X(PS_FAULT_DELAY_US, "WEFT_PS_FAULT_DELAY_US", INT, "0", 0, INT64_MAX, "", "", "ps",           \
       "tests: delay each push by up to this many microseconds (reorders them)")                   \
+    X(PS_FAULT_COMMIT_EXIT, "WEFT_PS_FAULT_COMMIT_EXIT", INT, "-1", -1, INT64_MAX, "", "", "ps",   \
+      "test hook: worker 0 exits (8) in the save of this checkpoint, before its MANIFEST")         \
     X(PS_FAULT_SAVE_EXIT, "WEFT_PS_FAULT_SAVE_EXIT", INT, "-1", -1, INT64_MAX, "", "", "ps",       \
       "tests: a server exits at once (as if killed) half-way through the checkpoint of this clock") \
     /* examples */                                                                                 \

@@ -6,7 +6,9 @@
  * "<name>.s<server>.v<version>.tmp", renames it to ".bin" and answers with the files, their row
  * counts and CRC32C. The first worker then writes MANIFEST.tmp and renames it to MANIFEST, and
  * removes the files of other versions: until that rename the previous MANIFEST and its files are
- * whole. weft_ps_load: every worker sends LOAD; each server reads the MANIFEST and every file of
+ * whole. The other workers' answers wait on each server until the first worker's COMMIT says the
+ * MANIFEST is written (or why not): a save returns OK only once the checkpoint exists, and fails
+ * with PEER_LOST if the first worker is lost before it commits. weft_ps_load: every worker sends LOAD; each server reads the MANIFEST and every file of
  * its tables, checks their CRC32C, and keeps the chunks and rows it holds under today's map.
  *
  * A shard file, little-endian: "WEFTPSS1", u32 format (1), u32 kind, u32 dtype, u32 n_state,
@@ -445,6 +447,14 @@ static weft_status_t do_save(ps_server_t *srv, Weft__V1__PsRequest **reqs, uint3
             snprintf(why, n, "ps: the pushes before the checkpoint never all arrived");
             return WEFT_ERR_TIMEOUT;
         }
+        /* A lost worker's pushes and steps will never all be applied. */
+        pthread_mutex_lock(&srv->mu);
+        if (srv->lost_why[0] != '\0') {
+            snprintf(why, n, "ps: the checkpoint cannot complete: %s", srv->lost_why);
+            pthread_mutex_unlock(&srv->mu);
+            return WEFT_ERR_PEER_LOST;
+        }
+        pthread_mutex_unlock(&srv->mu);
         struct timespec ts = {0, 200000};
         nanosleep(&ts, NULL);
     }
@@ -529,8 +539,20 @@ static void *job_run(void *arg)
     pthread_mutex_lock(&srv->mu);
     srv->ckpt_running = false;
     pthread_mutex_unlock(&srv->mu);
+    bool hold = st == WEFT_OK && job->reqs[0]->op == WEFT__V1__PS_OP__PS_SAVE && nw > 1;
+    if (hold) {
+        /* Worker 0 gets the files and writes the MANIFEST; the others hear once it has. */
+        pthread_mutex_lock(&srv->mu);
+        srv->held_calls = job->calls;
+        srv->held_version = job->reqs[0]->version;
+        pthread_mutex_unlock(&srv->mu);
+    }
     for (uint32_t w = 0; w < nw; w++) {
         weft_value_t *v = NULL;
+        if (hold && w > 0) {
+            weft__v1__ps_request__free_unpacked(job->reqs[w], &weft__pb_allocator);
+            continue;
+        }
         if (st == WEFT_OK && weft_msg_pack(&rep.base, NULL, &v) == WEFT_OK) {
             weft_call_reply(job->calls[w], v);
         } else {
@@ -545,9 +567,123 @@ static void *job_run(void *arg)
     }
     weft_free(rep.files);
     weft_free(job->reqs);
-    weft_free(job->calls);
+    if (!hold) {
+        weft_free(job->calls);
+    }
     weft_free(job);
     return NULL;
+}
+
+/* Takes the held SAVE calls (NULL: none); then answers or fails them (free the array). */
+static weft_call_t **take_held(ps_server_t *srv, uint64_t *version_p)
+{
+    pthread_mutex_lock(&srv->mu);
+    weft_call_t **held = srv->held_calls;
+    srv->held_calls = NULL;
+    if (version_p != NULL) {
+        *version_p = srv->held_version;
+    }
+    pthread_mutex_unlock(&srv->mu);
+    return held;
+}
+
+static void fail_held(ps_server_t *srv, weft_call_t **held, weft_status_t st, const char *text)
+{
+    for (uint32_t w = 1; held != NULL && w < srv->ps->n_workers; w++) {
+        weft_call_fail(held[w], st, "%s", text);
+    }
+    weft_free(held);
+}
+
+void weft__ps_server_commit(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest *req)
+{
+    weft_ps_t *ps = srv->ps;
+    int caller = weft_call_caller_rank(call);
+    if (ps->n_workers == 0 || caller != ps->workers[0] || req->worker != 0) {
+        weft_call_fail(call, WEFT_ERR_INVALID_ARG,
+                       "ps: a checkpoint's commit from rank %d, which is not worker 0", caller);
+        weft__v1__ps_request__free_unpacked(req, &weft__pb_allocator);
+        return;
+    }
+    uint64_t version = 0;
+    weft_call_t **held = take_held(srv, &version);
+    if (held != NULL && version != req->version) {
+        /* Not this checkpoint's: put them back. */
+        pthread_mutex_lock(&srv->mu);
+        srv->held_calls = held;
+        pthread_mutex_unlock(&srv->mu);
+        weft_call_fail(call, WEFT_ERR_MISMATCH,
+                       "ps: a commit of checkpoint %llu while checkpoint %llu waits for one",
+                       (unsigned long long)req->version, (unsigned long long)version);
+        weft__v1__ps_request__free_unpacked(req, &weft__pb_allocator);
+        return;
+    }
+    if (req->error != NULL && req->error[0] != '\0') {
+        char text[768];
+        snprintf(text, sizeof(text),
+                 "ps: worker 0 could not write checkpoint %llu's MANIFEST: %s",
+                 (unsigned long long)req->version, req->error);
+        fail_held(srv, held, WEFT_ERR_IO, text);
+    } else {
+        Weft__V1__PsReply rep = WEFT__V1__PS_REPLY__INIT;
+        for (uint32_t w = 1; held != NULL && w < ps->n_workers; w++) {
+            weft_value_t *v = NULL;
+            if (weft_msg_pack(&rep.base, NULL, &v) == WEFT_OK) {
+                weft_call_reply(held[w], v);
+            } else {
+                weft_call_fail(held[w], WEFT_ERR_NO_MEMORY, "ps: no memory");
+            }
+        }
+        weft_free(held);
+    }
+    weft__v1__ps_request__free_unpacked(req, &weft__pb_allocator);
+    weft_call_reply(call, NULL);
+}
+
+/* Fails the gathered requests @p reqs / @p calls (taken, freed) with @p st and @p text. */
+static void fail_gathered(uint32_t nw, Weft__V1__PsRequest **reqs, weft_call_t **calls,
+                          weft_status_t st, const char *text)
+{
+    for (uint32_t k = 0; reqs != NULL && k < nw; k++) {
+        if (reqs[k] != NULL) {
+            weft_call_fail(calls[k], st, "%s", text);
+            weft__v1__ps_request__free_unpacked(reqs[k], &weft__pb_allocator);
+        }
+    }
+    weft_free(reqs);
+    weft_free(calls);
+}
+
+void weft__ps_server_checkpoint_lost(ps_server_t *srv, int w, int rank, const char *why)
+{
+    uint32_t nw = srv->ps->n_workers;
+    char text[512];
+
+    if (w == 0) {
+        weft_call_t **held = take_held(srv, NULL);
+        if (held != NULL) {
+            snprintf(text, sizeof(text),
+                     "ps: worker 0 (rank %d), which writes the checkpoint's MANIFEST, was lost "
+                     "before it did (%s): the checkpoint may not exist",
+                     rank, why);
+            fail_held(srv, held, WEFT_ERR_PEER_LOST, text);
+        }
+    }
+
+    pthread_mutex_lock(&srv->mu);
+    Weft__V1__PsRequest **reqs = srv->ckpt_reqs;
+    weft_call_t **calls = srv->ckpt_calls;
+    if (reqs == NULL || calls == NULL || srv->ckpt_arrived == 0) {
+        pthread_mutex_unlock(&srv->mu); /* nothing gathered */
+        return;
+    }
+    srv->ckpt_reqs = NULL;
+    srv->ckpt_calls = NULL;
+    srv->ckpt_arrived = 0;
+    pthread_mutex_unlock(&srv->mu);
+    snprintf(text, sizeof(text),
+             "ps: the checkpoint cannot complete: worker %d (rank %d) was lost: %s", w, rank, why);
+    fail_gathered(nw, reqs, calls, WEFT_ERR_PEER_LOST, text);
 }
 
 void weft__ps_server_checkpoint(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest *req)
@@ -571,8 +707,30 @@ void weft__ps_server_checkpoint(ps_server_t *srv, weft_call_t *call, Weft__V1__P
         srv->ckpt_calls = weft_calloc(nw, sizeof(*srv->ckpt_calls));
     }
     const char *busy = NULL;
+    int gone = -1; /* a worker that will never send its request: lost, or finished */
+    for (uint32_t k = 0; srv->ckpt_reqs != NULL && k < nw; k++) {
+        if ((int)k != w && srv->ckpt_reqs[k] == NULL && srv->finished[k]) {
+            gone = (int)k;
+        }
+    }
     if (srv->ckpt_reqs == NULL || srv->ckpt_calls == NULL) {
         busy = "ps: no memory";
+    } else if (gone >= 0) {
+        char text[512];
+        snprintf(text, sizeof(text), "ps: the checkpoint cannot complete: worker %d (rank %d) %s",
+                 gone, ps->workers[gone],
+                 srv->lost_why[0] != '\0' ? srv->lost_why : "has finished");
+        weft_status_t st = srv->lost_why[0] != '\0' ? WEFT_ERR_PEER_LOST : WEFT_ERR_INVALID_STATE;
+        Weft__V1__PsRequest **reqs = srv->ckpt_reqs;
+        weft_call_t **calls = srv->ckpt_calls;
+        srv->ckpt_reqs = NULL;
+        srv->ckpt_calls = NULL;
+        srv->ckpt_arrived = 0;
+        pthread_mutex_unlock(&srv->mu);
+        fail_gathered(nw, reqs, calls, st, text);
+        weft_call_fail(call, st, "%s", text);
+        weft__v1__ps_request__free_unpacked(req, &weft__pb_allocator);
+        return;
     } else if (srv->ckpt_running) {
         busy = "ps: a checkpoint is still being written or read";
     } else if (srv->ckpt_reqs[w] != NULL) {
@@ -640,6 +798,7 @@ void weft__ps_server_checkpoint_free(ps_server_t *srv)
     if (join) {
         pthread_join(srv->ckpt_thread, NULL);
     }
+    fail_held(srv, take_held(srv, NULL), WEFT_ERR_SHUTDOWN, "ps: the server is closing");
     for (uint32_t w = 0; srv->ckpt_reqs != NULL && w < srv->ps->n_workers; w++) {
         if (srv->ckpt_reqs[w] != NULL) {
             weft_call_fail(srv->ckpt_calls[w], WEFT_ERR_SHUTDOWN, "ps: the server is closing");
@@ -725,6 +884,10 @@ weft_status_t weft_ps_save(weft_ps_t *ps, const char *dir, int64_t timeout_ms)
         return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory");
     }
     weft_status_t st = ckpt_all(ps, WEFT__V1__PS_OP__PS_SAVE, dir, timeout_ms, reps);
+    if (st == WEFT_OK && ps->worker_index == 0 &&
+        weft__cfg_int(WEFT__CFG_PS_FAULT_COMMIT_EXIT) == atomic_load(&ps->clock)) {
+        _exit(8); /* test hook: the servers have written their files, the MANIFEST never comes */
+    }
     if (st == WEFT_OK && ps->worker_index == 0) {
         /* The manifest, last. */
         Weft__V1__PsManifest m = WEFT__V1__PS_MANIFEST__INIT;
@@ -787,6 +950,29 @@ weft_status_t weft_ps_save(weft_ps_t *ps, const char *dir, int64_t timeout_ms)
         weft_free(specs);
         weft_free(sp);
         weft_free(files);
+    }
+    if (ps->worker_index == 0 && ps->n_workers > 1) {
+        /* The others' saves return now: OK, or why the MANIFEST is not there (sent whatever
+         * failed, so that no server holds their answers until the deadline). */
+        char why[512] = "", err[600] = "";
+        if (st != WEFT_OK) {
+            snprintf(why, sizeof(why), "%s", weft_last_error());
+            snprintf(err, sizeof(err), "%s: %s", weft_strerror(st), why);
+        }
+        Weft__V1__PsRequest r = WEFT__V1__PS_REQUEST__INIT;
+        r.op = WEFT__V1__PS_OP__PS_COMMIT;
+        r.worker = 0;
+        r.clock = atomic_load(&ps->clock);
+        r.version = (uint64_t)r.clock;
+        r.dir = (char *)dir;
+        r.table_name = "";
+        r.error = err;
+        weft_status_t cst = weft__ps_all_servers(ps, &r, NULL, timeout_ms, NULL, false);
+        if (st == WEFT_OK) {
+            st = cst;
+        } else {
+            weft__set_error(st, "%s", why); /* this worker's own failure, not the commit's */
+        }
     }
     for (uint32_t s = 0; s < ns; s++) {
         if (reps[s] != NULL) {

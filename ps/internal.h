@@ -205,6 +205,9 @@ typedef struct ps_server {
     Weft__V1__PsRequest **ckpt_reqs;
     weft_call_t **ckpt_calls;
     uint32_t ckpt_arrived;
+    /* a SAVE answered to worker 0: the others' calls wait for its COMMIT (the MANIFEST) */
+    weft_call_t **held_calls;
+    uint64_t held_version;
     bool ckpt_running;
     pthread_t ckpt_thread;
     bool ckpt_joinable;
@@ -270,6 +273,12 @@ weft_status_t weft__ps_reply_unpack(const weft_value_t *v, Weft__V1__PsReply **r
  * shards and answers them all. */
 void weft__ps_server_checkpoint(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest *req);
 void weft__ps_server_checkpoint_free(ps_server_t *srv);
+/* COMMIT from worker 0: answers the SAVE calls held for its MANIFEST. */
+void weft__ps_server_commit(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest *req);
+/* Worker @p w (rank @p rank) was lost (@p why): the requests of a checkpoint being gathered fail
+ * at once with WEFT_ERR_PEER_LOST (its answer cannot reach it, and the others may never come: the
+ * workers that see the loss first stop). */
+void weft__ps_server_checkpoint_lost(ps_server_t *srv, int w, int rank, const char *why);
 uint32_t weft__ps_crc32c(uint32_t crc, const void *data, size_t n);
 
 #endif

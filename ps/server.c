@@ -1381,6 +1381,9 @@ void weft__ps_handle(weft_call_t *call, void *arg)
     case WEFT__V1__PS_OP__PS_LOAD:
         weft__ps_server_checkpoint(srv, call, req);
         return;
+    case WEFT__V1__PS_OP__PS_COMMIT:
+        weft__ps_server_commit(srv, call, req);
+        return;
     default:
         weft_call_fail(call, WEFT_ERR_PROTOCOL, "ps: unknown operation %d", (int)req->op);
         weft__v1__ps_request__free_unpacked(req, &weft__pb_allocator);
@@ -1427,6 +1430,9 @@ void weft__ps_server_peer_lost(ps_server_t *srv, int rank, const char *why)
         create_clear(srv, pc);
     }
     pthread_mutex_unlock(&srv->mu);
+    if (w >= 0) {
+        weft__ps_server_checkpoint_lost(srv, w, rank, why);
+    }
     for (uint32_t i = 0; w >= 0 && i < n; i++) {
         ps_stable_t *t = srv->tables[i];
         pthread_mutex_lock(&t->mu);

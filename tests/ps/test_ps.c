@@ -818,6 +818,59 @@ Test(ps, a_server_killed_during_a_save_leaves_the_previous_checkpoint_loadable, 
     rmdir_all();
 }
 
+/* Worker 0 dies after the servers wrote their files and before the MANIFEST: the other worker's
+ * save must not say OK (the checkpoint does not exist); it fails with PEER_LOST saying so. And a
+ * save that a lost worker can never join fails at once for the others. */
+static int commit_lost_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_t *d, *sp, *h;
+    ck_tables(&d, &sp, &h);
+    if (!weft_ps_is_worker(PS)) {
+        weft_status_t st = weft_ps_finish(PS, 60000);
+        RANK_CHECK(st == WEFT_ERR_PEER_LOST, "finish: %s", weft_last_error());
+        return 0;
+    }
+    int w = weft_ps_worker_index(PS);
+    for (int k = 0; k < 2; k++) {
+        RANK_CHECK(ck_step(d, sp, h, w, k) == 0, "step %d: %s", k, weft_last_error());
+    }
+    weft_status_t st = weft_ps_save(PS, g_dir, 60000); /* worker 0 exits 8 in it */
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST &&
+                   strstr(weft_last_error(), "was lost before it did") != NULL,
+               "worker %d: a save whose MANIFEST never came: %s: %s", w, weft_strerror(st),
+               weft_last_error());
+    char path[400];
+    snprintf(path, sizeof(path), "%s/MANIFEST", g_dir);
+    RANK_CHECK(access(path, F_OK) != 0, "a MANIFEST exists");
+    /* The next save cannot complete either: worker 0 will never join it. */
+    st = weft_ps_save(PS, g_dir, 60000);
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST && strstr(weft_last_error(), "worker 0") != NULL,
+               "a save without worker 0: %s: %s", weft_strerror(st), weft_last_error());
+    (void)weft_ps_finish(PS, 10000);
+    return 0;
+}
+
+Test(ps, a_save_is_ok_only_once_its_manifest_exists, .timeout = 240)
+{
+    tmpdir("commit");
+    roles(2, 2);
+    setenv("WEFT_PS_FAULT_COMMIT_EXIT", "2", 1);
+    ranks_opts_t o;
+    int codes[4];
+    ranks_opts_init(&o, 4, commit_lost_body);
+    o.setup = ps_setup;
+    o.deadline_ms = 100000;
+    o.handler_threads = 2;
+    o.no_shutdown = 1;
+    ranks_run(&o, codes);
+    unsetenv("WEFT_PS_FAULT_COMMIT_EXIT");
+    cr_expect(codes[2] == 8, "worker 0 exits 8 before its MANIFEST: %d", codes[2]);
+    cr_expect(codes[0] == 0 && codes[1] == 0 && codes[3] == 0, "servers %d %d, worker 1 %d",
+              codes[0], codes[1], codes[3]);
+    rmdir_all();
+}
+
 /* ------------------------------------------------------------------ lost peers */
 
 static void die(weft_call_t *call, void *arg)
