@@ -620,10 +620,12 @@ void weft__ps_server_commit(ps_server_t *srv, weft_call_t *call, Weft__V1__PsReq
     }
     if (req->error != NULL && req->error[0] != '\0') {
         char text[768];
-        snprintf(text, sizeof(text),
-                 "ps: worker 0 could not write checkpoint %llu's MANIFEST: %s",
+        snprintf(text, sizeof(text), "ps: checkpoint %llu was not written (worker 0: %s)",
                  (unsigned long long)req->version, req->error);
-        fail_held(srv, held, WEFT_ERR_IO, text);
+        weft_status_t st = req->status < 0 && weft_status_valid(req->status)
+                               ? (weft_status_t)req->status
+                               : WEFT_ERR_IO;
+        fail_held(srv, held, st, text);
     } else {
         Weft__V1__PsReply rep = WEFT__V1__PS_REPLY__INIT;
         for (uint32_t w = 1; held != NULL && w < ps->n_workers; w++) {
@@ -967,6 +969,7 @@ weft_status_t weft_ps_save(weft_ps_t *ps, const char *dir, int64_t timeout_ms)
         r.dir = (char *)dir;
         r.table_name = "";
         r.error = err;
+        r.status = (int32_t)st;
         weft_status_t cst = weft__ps_all_servers(ps, &r, NULL, timeout_ms, NULL, false);
         if (st == WEFT_OK) {
             st = cst;

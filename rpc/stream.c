@@ -1044,6 +1044,11 @@ static weft_status_t stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_
 
     memset(ops, 0, sizeof(ops));
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    /* A failed connect is tried again (gRPC's backoff) until the handshake deadline above: gRPC
+     * bounds a connect by TCP_USER_TIMEOUT (the keepalive timeout, half the peer timeout), which
+     * one lost SYN outlasts (its retransmission comes after 1 s); failing the stream then would
+     * lose the peer for good (found in tests/netns, syn_loss). */
+    ops[0].flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY;
     ops[1].op = GRPC_OP_RECV_INITIAL_METADATA;
     ops[1].data.recv_initial_metadata.recv_initial_metadata = &s->md_in;
     weft__stream_ref(s);

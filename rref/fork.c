@@ -541,6 +541,48 @@ static void fork_request_done(rref_ctx_t *ctx, weft_status_t st, const char *why
     rref__ctl_send(ctx, WEFT__V1__RREF_MSG_KIND__RREF_CHILD_ACCEPT, parent, id, fork, NULL, NULL);
 }
 
+/* Whether the creation of @p id may still come to this owner: made by another rank, which is
+ * not lost, and not freed here. */
+static bool creation_may_come_locked(rref_ctx_t *ctx, weft_rref_id_t id)
+{
+    return id.worker != ctx->rank && id.worker >= 0 && id.worker < ctx->world &&
+           !ctx->lost[id.worker] && !rref__freed_locked(ctx, id);
+}
+
+/* A placeholder's creation did not come in time (or never will: the agent closes): it fails
+ * and lets go of the creation's hold; then of the task's. */
+static void placeholder_end(weft_rref_t *e, weft_status_t st)
+{
+    rref_ctx_t *ctx = e->ctx;
+    pthread_mutex_lock(&ctx->mu);
+    bool expired = e->awaiting_creation;
+    e->awaiting_creation = false;
+    pthread_mutex_unlock(&ctx->mu);
+    if (expired) {
+        char text[256];
+        snprintf(text, sizeof(text),
+                 "rref (%d,%llu): a call carrying it reached its owner %s, but its creation "
+                 "never did",
+                 e->id.worker, (unsigned long long)e->id.local,
+                 rref__worker_name(ctx, ctx->rank));
+        rref__owner_set(e, st, text, NULL, NULL);
+        weft_rref_release(e); /* the creation's hold */
+    }
+    weft_rref_release(e); /* the task's */
+}
+
+static void placeholder_expire(void *arg, uint64_t data)
+{
+    (void)data;
+    placeholder_end(arg, WEFT_ERR_NOT_FOUND);
+}
+
+static void placeholder_drop(void *arg, uint64_t data)
+{
+    (void)data;
+    placeholder_end(arg, WEFT_ERR_SHUTDOWN);
+}
+
 static weft_status_t codec_decode(void *state, weft_agent_t *a, int src, const void *bytes,
                                   size_t len, void **obj_p, weft_future_t **ready_p)
 {
@@ -554,18 +596,45 @@ static weft_status_t codec_decode(void *state, weft_agent_t *a, int src, const v
         return WEFT_ERR_PROTOCOL;
     }
     if (f->parent != src) {
+        int parent = f->parent;
         weft__v1__rref_fork__free_unpacked(f, &weft__pb_allocator);
         return weft__set_error(WEFT_ERR_PROTOCOL, "rref: fork from rank %d names parent %d", src,
-                               f->parent);
+                               parent);
     }
     if (f->owner == ctx->rank) {
         /* A fork that comes home: the owner entry itself; the parent may let go. */
         pthread_mutex_lock(&ctx->mu);
         weft_rref_t *e = ctx->dead ? NULL : rref__owner_find_locked(ctx, id);
+        bool on_the_way = e == NULL && !ctx->dead && creation_may_come_locked(ctx, id);
+        pthread_mutex_unlock(&ctx->mu);
+        weft_rref_t *fresh =
+            on_the_way ? rref__alloc(ctx, RREF_OWNER, id, ctx->rank, f->type, f->created_by) : NULL;
+        bool placeholder = false;
+        pthread_mutex_lock(&ctx->mu);
+        e = ctx->dead ? NULL : rref__owner_find_locked(ctx, id);
+        if (e == NULL && fresh != NULL && creation_may_come_locked(ctx, id)) {
+            /* Its creation was sent before this call but runs on another handler thread: a
+             * placeholder (its one reference is the creation's hold) that the creation fills. */
+            e = fresh;
+            fresh = NULL;
+            e->awaiting_creation = true;
+            rref__owner_insert_locked(ctx, e);
+            e->refs++; /* the expiry task's */
+            placeholder = true;
+        }
         if (e != NULL) {
             e->refs++;
         }
         pthread_mutex_unlock(&ctx->mu);
+        if (fresh != NULL) {
+            fresh->refs = 0;
+            rref__free(fresh);
+        }
+        if (placeholder) {
+            /* Not queued (the agent is closing): placeholder_drop has run. */
+            (void)weft_agent_timer_add(ctx->a, ctx->ctl_timeout_ms * 1000, placeholder_expire,
+                                       placeholder_drop, e, 0, ctx);
+        }
         weft__v1__rref_fork__free_unpacked(f, &weft__pb_allocator);
         rref__ctl_send(ctx, WEFT__V1__RREF_MSG_KIND__RREF_CHILD_ACCEPT, src, id, fork, NULL, NULL);
         if (e == NULL) {

@@ -106,6 +106,9 @@ struct weft_rref {
     weft_rref_id_t *tombs; /* deleted forks: a late duplicate FORK_REQUEST does not revive one */
     size_t ntombs, captombs;
     bool in_map;
+    /* A placeholder: a call carrying the reference home overtook its creation (they run on
+     * different handler threads); the creation fills it, or it expires (rref__placeholder_*). */
+    bool awaiting_creation;
 };
 
 /* A fork sent by a user and not yet accepted by its receiver (G2: its parent stays alive). */

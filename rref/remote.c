@@ -1365,6 +1365,7 @@ void rref__handle_remote(weft_call_t *call, void *arg)
     weft_rref_id_t id, fork, target = {0, 0};
     int caller = weft_call_caller_rank(call);
     weft_rref_t *e, *fresh = NULL;
+    bool adopt = false;
 
     if (call_header(weft_call_args(call), &hdr) != WEFT_OK ||
         weft_msg_body(weft_call_args(call), &args) != WEFT_OK) {
@@ -1404,6 +1405,11 @@ void rref__handle_remote(weft_call_t *call, void *arg)
             e = fresh; /* its one reference is the creation's hold */
             fresh = NULL;
             rref__owner_insert_locked(ctx, e);
+        } else if (e->awaiting_creation) {
+            /* The placeholder a call carrying it home made (its one reference is the creation's
+             * hold): this creation fills it. */
+            e->awaiting_creation = false;
+            adopt = true;
         }
         /* A delete that overtook the creation leaves the caller's fork out. */
         if (!rref__orphan_take_locked(ctx, id, fork)) {
@@ -1422,6 +1428,11 @@ void rref__handle_remote(weft_call_t *call, void *arg)
         weft_call_fail(call, st, "rref (%d,%llu) cannot be created on %s", id.worker,
                        (unsigned long long)id.local, rref__worker_name(ctx, ctx->rank));
         return;
+    }
+    if (adopt) {
+        fresh->refs = 0;
+        rref__free(fresh);
+        fresh = NULL;
     }
     if (fresh == NULL) {
         owner_create(ctx, e, kind, hdr->name, target, args, weft_call_time_left_ms(call));

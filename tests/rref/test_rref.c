@@ -1010,6 +1010,49 @@ static int body_eager(weft_agent_t *a, int rank, int world, void *arg)
     return 0;
 }
 
+/*
+ * A reference sent home at once: the call carrying it to its owner follows its creation on the
+ * stream, but the owner runs them on different handler threads, so the call may be decoded before
+ * the creation made the owner entry (found by the chaos runs). It must wait for the creation, not
+ * be refused as a reference already deleted.
+ */
+static int body_home_at_once(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    for (int i = 0; i < 200; i++) {
+        weft_rref_t *r = NULL;
+        RANK_CHECK(weft_rref_remote(a, 1, "make", NULL, 20000, &r) == WEFT_OK, "remote: %s",
+                   weft_last_error());
+        weft_value_t *v = NULL, *out = NULL;
+        RANK_CHECK(weft_value_create(&v) == WEFT_OK && weft_value_add_rref(v, r) == WEFT_OK, "v");
+        weft_status_t st = weft_rpc_sync(a, 1, "take_rref_sync", v, 20000, &out);
+        RANK_CHECK(st == WEFT_OK, "round %d: the owner refused its own reference: %s: %s", i,
+                   weft_strerror(st), weft_last_error());
+        const weft_tensor_t *t = weft_value_tensor(out, 0);
+        RANK_CHECK(t != NULL && weft_tensor_numel(t) == 4 &&
+                       ((const float *)weft_tensor_data(t))[3] == 4.0f,
+                   "round %d: wrong value", i);
+        weft_value_free(out);
+        weft_value_free(v);
+        weft_rref_release(r);
+    }
+    return 0;
+}
+
+Test(rref, a_reference_sent_home_at_once_waits_for_its_creation, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_home_at_once);
+    o.setup = setup;
+    o.handler_threads = 4;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 Test(rref, small_values_come_with_the_creation, .timeout = 60)
 {
     ranks_opts_t o;
