@@ -35,5 +35,8 @@ UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 LSAN_OPTIONS=suppressions="$PWD/tests/lsan.supp" \
   meson test -C build-asan --no-rebuild --print-errorlogs --timeout-multiplier 3 || status=1
 
+echo "== libFuzzer harnesses (clang, ASan + UBSan; docs/fuzzing.md) =="
+tests/fuzz/run.sh || status=1
+
 summary build/meson-logs/testlog.json build-asan/meson-logs/testlog.json || status=1
 exit $status
