@@ -521,6 +521,8 @@ static weft_status_t do_load(ps_server_t *srv, Weft__V1__PsRequest **reqs, uint3
     return st;
 }
 
+static void fail_held(ps_server_t *srv, weft_call_t **held, weft_status_t st, const char *text);
+
 static void *job_run(void *arg)
 {
     job_t *job = arg;
@@ -535,25 +537,47 @@ static void *job_run(void *arg)
                            ? do_save(srv, job->reqs, n_tables, &rep, why, sizeof(why))
                            : do_load(srv, job->reqs, n_tables, &rep, why, sizeof(why));
     /* Over before anyone hears so: a worker answered first may ask for the next checkpoint at
-     * once (its start joins this thread, which takes srv->mu no more). */
+     * once (its start joins this thread, which takes srv->mu no more after this). Worker 0
+     * gets a save's files and writes the MANIFEST; the others hear once it has (its COMMIT),
+     * unless it is gone, or its COMMIT came already. */
+    bool hold = st == WEFT_OK && job->reqs[0]->op == WEFT__V1__PS_OP__PS_SAVE && nw > 1;
+    weft_status_t others = WEFT_OK; /* hold == false: a failure for workers 1.. */
+    char others_why[700] = "";
+    weft_call_t **stale = NULL;
     pthread_mutex_lock(&srv->mu);
     srv->ckpt_running = false;
-    pthread_mutex_unlock(&srv->mu);
-    bool hold = st == WEFT_OK && job->reqs[0]->op == WEFT__V1__PS_OP__PS_SAVE && nw > 1;
     if (hold) {
-        /* Worker 0 gets the files and writes the MANIFEST; the others hear once it has. */
-        pthread_mutex_lock(&srv->mu);
-        srv->held_calls = job->calls;
-        srv->held_version = job->reqs[0]->version;
-        pthread_mutex_unlock(&srv->mu);
+        uint64_t version = job->reqs[0]->version;
+        if (srv->finished[0]) {
+            hold = false;
+            others = srv->lost_why[0] != '\0' ? WEFT_ERR_PEER_LOST : WEFT_ERR_INVALID_STATE;
+            snprintf(others_why, sizeof(others_why),
+                     "ps: worker 0 (rank %d), which writes the checkpoint's MANIFEST, %s before "
+                     "it did: the checkpoint may not exist",
+                     srv->ps->workers[0], srv->lost_why[0] != '\0' ? "was lost" : "finished");
+        } else if (srv->commit_seen && srv->commit_version == version) {
+            hold = false;
+            others = srv->commit_status;
+            snprintf(others_why, sizeof(others_why), "%s", srv->commit_text);
+            srv->commit_seen = false;
+        } else {
+            stale = srv->held_calls; /* an older save worker 0 never committed */
+            srv->held_calls = job->calls;
+            srv->held_version = version;
+        }
     }
+    pthread_mutex_unlock(&srv->mu);
+    fail_held(srv, stale, WEFT_ERR_CANCELLED,
+              "ps: a later checkpoint started before worker 0 committed this one");
     for (uint32_t w = 0; w < nw; w++) {
         weft_value_t *v = NULL;
         if (hold && w > 0) {
             weft__v1__ps_request__free_unpacked(job->reqs[w], &weft__pb_allocator);
             continue;
         }
-        if (st == WEFT_OK && weft_msg_pack(&rep.base, NULL, &v) == WEFT_OK) {
+        if (w > 0 && others != WEFT_OK) {
+            weft_call_fail(job->calls[w], others, "%s", others_why);
+        } else if (st == WEFT_OK && weft_msg_pack(&rep.base, NULL, &v) == WEFT_OK) {
             weft_call_reply(job->calls[w], v);
         } else {
             weft_call_fail(job->calls[w], st == WEFT_OK ? WEFT_ERR_NO_MEMORY : st, "%s",
@@ -605,26 +629,35 @@ void weft__ps_server_commit(ps_server_t *srv, weft_call_t *call, Weft__V1__PsReq
         weft__v1__ps_request__free_unpacked(req, &weft__pb_allocator);
         return;
     }
-    uint64_t version = 0;
-    weft_call_t **held = take_held(srv, &version);
-    if (held != NULL && version != req->version) {
-        /* Not this checkpoint's: put them back. */
-        pthread_mutex_lock(&srv->mu);
-        srv->held_calls = held;
-        pthread_mutex_unlock(&srv->mu);
-        weft_call_fail(call, WEFT_ERR_MISMATCH,
-                       "ps: a commit of checkpoint %llu while checkpoint %llu waits for one",
-                       (unsigned long long)req->version, (unsigned long long)version);
-        weft__v1__ps_request__free_unpacked(req, &weft__pb_allocator);
-        return;
-    }
-    if (req->error != NULL && req->error[0] != '\0') {
-        char text[768];
+    bool failed = req->error != NULL && req->error[0] != '\0';
+    weft_status_t st = !failed                                               ? WEFT_OK
+                       : req->status < 0 && weft_status_valid(req->status) ? (weft_status_t)req->status
+                                                                             : WEFT_ERR_IO;
+    char text[640] = "";
+    if (failed) {
         snprintf(text, sizeof(text), "ps: checkpoint %llu was not written (worker 0: %s)",
                  (unsigned long long)req->version, req->error);
-        weft_status_t st = req->status < 0 && weft_status_valid(req->status)
-                               ? (weft_status_t)req->status
-                               : WEFT_ERR_IO;
+    }
+    weft_call_t **held = NULL, **stale = NULL;
+    pthread_mutex_lock(&srv->mu);
+    if (srv->held_calls != NULL && srv->held_version == req->version) {
+        held = srv->held_calls;
+        srv->held_calls = NULL;
+    } else {
+        if (srv->held_calls != NULL && srv->held_version < req->version) {
+            stale = srv->held_calls; /* an older save worker 0 never committed */
+            srv->held_calls = NULL;
+        }
+        /* Its save's calls are not held yet (still being written here): they hear it then. */
+        srv->commit_seen = true;
+        srv->commit_version = req->version;
+        srv->commit_status = (int32_t)st;
+        snprintf(srv->commit_text, sizeof(srv->commit_text), "%s", text);
+    }
+    pthread_mutex_unlock(&srv->mu);
+    fail_held(srv, stale, WEFT_ERR_CANCELLED,
+              "ps: a later checkpoint was committed before this one");
+    if (failed) {
         fail_held(srv, held, st, text);
     } else {
         Weft__V1__PsReply rep = WEFT__V1__PS_REPLY__INIT;
@@ -869,6 +902,41 @@ static void remove_other_versions(const char *dir, uint64_t version)
     closedir(d);
 }
 
+/* Sends the COMMIT @p r to every server, whatever an earlier send returned (a lost server must
+ * not keep the others from hearing it), and waits for them. The first failure, or WEFT_OK. */
+static weft_status_t commit_all(weft_ps_t *ps, Weft__V1__PsRequest *r, int64_t timeout_ms)
+{
+    uint32_t ns = ps->n_servers;
+    weft_future_t **fs = weft_calloc(ns, sizeof(*fs));
+    weft_status_t st = WEFT_OK;
+    char why[512] = "";
+    if (fs == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory");
+    }
+    for (uint32_t s = 0; s < ns; s++) {
+        weft_status_t cs = weft__ps_call(ps, s, r, NULL, 0, timeout_ms, &fs[s]);
+        if (cs != WEFT_OK && st == WEFT_OK) {
+            st = cs;
+            snprintf(why, sizeof(why), "%s", weft_last_error());
+        }
+    }
+    for (uint32_t s = 0; s < ns; s++) {
+        if (fs[s] == NULL) {
+            continue;
+        }
+        weft_future_wait(fs[s], 0);
+        weft_status_t fst = weft_future_status(fs[s]);
+        if (fst != WEFT_OK && st == WEFT_OK) {
+            st = fst;
+            snprintf(why, sizeof(why), "ps: server %u (rank %d): %s", s, ps->servers[s],
+                     weft_future_error(fs[s]));
+        }
+        weft_future_release(fs[s]);
+    }
+    weft_free(fs);
+    return st == WEFT_OK ? WEFT_OK : weft__set_error(st, "%s", why);
+}
+
 weft_status_t weft_ps_save(weft_ps_t *ps, const char *dir, int64_t timeout_ms)
 {
     if (ps == NULL || dir == NULL || dir[0] == '\0' || timeout_ms < 0 || strlen(dir) > 3000) {
@@ -970,7 +1038,7 @@ weft_status_t weft_ps_save(weft_ps_t *ps, const char *dir, int64_t timeout_ms)
         r.table_name = "";
         r.error = err;
         r.status = (int32_t)st;
-        weft_status_t cst = weft__ps_all_servers(ps, &r, NULL, timeout_ms, NULL, false);
+        weft_status_t cst = commit_all(ps, &r, timeout_ms);
         if (st == WEFT_OK) {
             st = cst;
         } else {

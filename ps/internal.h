@@ -208,6 +208,12 @@ typedef struct ps_server {
     /* a SAVE answered to worker 0: the others' calls wait for its COMMIT (the MANIFEST) */
     weft_call_t **held_calls;
     uint64_t held_version;
+    /* a COMMIT that came before its save's calls were held here (the save still being
+     * written when worker 0 gave up on it): its outcome, for them */
+    bool commit_seen;
+    uint64_t commit_version;
+    int32_t commit_status;
+    char commit_text[640];
     bool ckpt_running;
     pthread_t ckpt_thread;
     bool ckpt_joinable;

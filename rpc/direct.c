@@ -110,11 +110,21 @@ static bool write_all(int fd, const void *buf, size_t n)
     return true;
 }
 
+/* A failed SSL_read or SSL_write that a signal interrupted: the same call goes again. */
+static bool ssl_interrupted(SSL *ssl, int k)
+{
+    int e = SSL_get_error(ssl, k);
+    return (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) && errno == EINTR;
+}
+
 static bool ssl_write_all(SSL *ssl, const void *buf, size_t n)
 {
     const uint8_t *p = buf;
     while (n > 0) {
         int k = SSL_write(ssl, p, n > (1u << 30) ? (1 << 30) : (int)n);
+        if (k <= 0 && ssl_interrupted(ssl, k)) {
+            continue;
+        }
         if (k <= 0) {
             return false;
         }
@@ -141,6 +151,9 @@ static bool ssl_read_all(SSL *ssl, void *buf, size_t n)
     uint8_t *p = buf;
     while (n > 0) {
         int k = SSL_read(ssl, p, n > (1u << 30) ? (1 << 30) : (int)n);
+        if (k <= 0 && ssl_interrupted(ssl, k)) {
+            continue;
+        }
         if (k <= 0) {
             return false;
         }
@@ -194,8 +207,24 @@ static bool read_all(conn_in_t *c, void *buf, size_t n)
 static bool read_until(int fd, SSL *ssl, void *buf, size_t n, int64_t deadline_ns)
 {
     uint8_t *p = buf;
+    while (ssl != NULL && n > 0) {
+        /* Each read may wait only what is left of the deadline. */
+        if (weft__now_ns() >= deadline_ns) {
+            return false;
+        }
+        weft__tls_deadline(fd, deadline_ns);
+        int k = SSL_read(ssl, p, n > (1u << 30) ? (1 << 30) : (int)n);
+        if (k <= 0 && ssl_interrupted(ssl, k)) {
+            continue;
+        }
+        if (k <= 0) {
+            return false;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
     if (ssl != NULL) {
-        return weft__now_ns() < deadline_ns && ssl_read_all(ssl, buf, n);
+        return true;
     }
     while (n > 0) {
         int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;

@@ -13,6 +13,8 @@
  *   stream.c     transport: long-lived gRPC streams
  *   direct.c     transport: direct TCP connections for large frames
  *   hello.c      identities, the Hello and its one check
+ *   tls.c        TLS: this rank's certificate files (watched), gRPC's credentials, the direct
+ *                connections' sessions, certificate identities, the join's diagnosis
  *   refs.c       references inside values
  *   wire.c       the frame codec and reader
  *   bulk.c       the bulk queue (large messages read out off the transport threads)
@@ -259,6 +261,8 @@ void *weft__tls_accept(weft_agent_t *a, int fd, int64_t deadline_ns, weft__tls_i
                        char *why, size_t n);
 /* Clears the handshake's socket timeouts. */
 void weft__tls_after_handshake(int fd);
+/* Bounds each blocking read or write on @p fd by what is left until @p deadline_ns. */
+void weft__tls_deadline(int fd, int64_t deadline_ns);
 /* OpenSSL writes with write(2), so a peer gone raises SIGPIPE: a thread that may write through
  * it blocks SIGPIPE for the time (begin/end: a SIGPIPE it caused is taken back) or for good
  * (weft's own threads). */

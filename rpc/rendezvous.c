@@ -651,7 +651,7 @@ static weft_status_t rendezvous_join(weft_agent_t *a)
     /* While the channel cannot connect, a handshake of our own tells a master that is not up
      * yet from one this rank can never reach (TLS on one side only, certificates refused):
      * those end the join at once, with the reason. */
-    weft_status_t probe = WEFT_OK;
+    weft_status_t probe = WEFT_OK, last = WEFT_OK;
     char probe_why[768] = "";
     int64_t next_probe = weft__now_ns() + 200 * 1000000LL;
     for (;;) {
@@ -664,12 +664,16 @@ static weft_status_t rendezvous_join(weft_agent_t *a)
         if (probe == WEFT_OK && now >= next_probe &&
             grpc_channel_check_connectivity_state(ch, 0) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
             int64_t budget = a->handshake_timeout_ms < 2000 ? a->handshake_timeout_ms : 2000;
-            probe = weft__tls_diagnose(a, target, 0, now + budget * 1000000);
-            if (probe != WEFT_OK) {
+            /* The same verdict twice, a probe apart: a master restarting or shedding
+             * connections may look refused once. */
+            weft_status_t v = weft__tls_diagnose(a, target, 0, now + budget * 1000000);
+            if (v != WEFT_OK && v == last) {
+                probe = v;
                 snprintf(probe_why, sizeof(probe_why), "%s", weft_last_error());
                 grpc_call_cancel(call, NULL);
             }
-            next_probe = weft__now_ns() + 1000 * 1000000LL;
+            last = v;
+            next_probe = weft__now_ns() + 300 * 1000000LL;
         }
     }
     if (probe != WEFT_OK) {

@@ -11,7 +11,12 @@
  * client queues its requests meanwhile; they leave right behind the Hello.
  *
  * Everything received after the Hello goes to weft__deliver. */
+#include <errno.h>
+#include <netdb.h>
+#include <poll.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <grpc/grpc_security.h>
 #include <grpc/support/time.h>
@@ -1005,6 +1010,49 @@ void weft__stream_accept(weft_agent_t *a, grpc_call *call)
     }
 }
 
+/* Whether a TCP connect to @p address is refused (nothing listens: the peer is gone), tried for
+ * at most @p timeout_ms; false when it connects, or no answer comes in time (a lost SYN). */
+static bool connect_refused(const char *address, int timeout_ms)
+{
+    char host[300];
+    snprintf(host, sizeof(host), "%s", address);
+    char *colon = strrchr(host, ':');
+    if (colon == NULL) {
+        return false;
+    }
+    *colon = '\0';
+    char *h = host;
+    if (h[0] == '[') {
+        h++;
+        h[strcspn(h, "]")] = '\0';
+    }
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(h, colon + 1, &hints, &res) != 0) {
+        return false;
+    }
+    bool refused = false;
+    int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd >= 0) {
+        int r = connect(fd, res->ai_addr, res->ai_addrlen);
+        if (r != 0 && errno == EINPROGRESS) {
+            struct pollfd pfd = {fd, POLLOUT, 0};
+            int err = 0;
+            socklen_t len = sizeof(err);
+            if (poll(&pfd, 1, timeout_ms) == 1 &&
+                getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0) {
+                refused = err == ECONNREFUSED;
+            }
+        } else if (r != 0) {
+            refused = errno == ECONNREFUSED;
+        }
+        close(fd);
+    }
+    freeaddrinfo(res);
+    return refused;
+}
+
 static weft_status_t stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_t **s_p)
 {
     grpc_op ops[2];
@@ -1047,8 +1095,11 @@ static weft_status_t stream_open(weft_agent_t *a, weft__peer_t *p, weft__stream_
     /* A failed connect is tried again (gRPC's backoff) until the handshake deadline above: gRPC
      * bounds a connect by TCP_USER_TIMEOUT (the keepalive timeout, half the peer timeout), which
      * one lost SYN outlasts (its retransmission comes after 1 s); failing the stream then would
-     * lose the peer for good (found in tests/netns, syn_loss). */
-    ops[0].flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY;
+     * lose the peer for good (found in tests/netns, syn_loss). But a peer whose port refuses
+     * connections is gone: its stream fails at once, and the peer with it, as it always did. */
+    if (!connect_refused(p->address, 200)) {
+        ops[0].flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY;
+    }
     ops[1].op = GRPC_OP_RECV_INITIAL_METADATA;
     ops[1].data.recv_initial_metadata.recv_initial_metadata = &s->md_in;
     weft__stream_ref(s);

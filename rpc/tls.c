@@ -16,6 +16,7 @@
  * (weft__tls_diagnose), so the user reads why: another CA, an expired certificate, no client
  * certificate, a plaintext rank on one side. */
 #include <errno.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
@@ -611,6 +612,47 @@ static void set_timeouts(int fd, int64_t deadline_ns)
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
+void weft__tls_deadline(int fd, int64_t deadline_ns)
+{
+    set_timeouts(fd, deadline_ns);
+}
+
+/* The TLS handshake within one deadline however slowly the bytes come: non-blocking, waiting in
+ * poll for what is left of it. 1, or what SSL_accept / SSL_connect returned. */
+static int handshake(SSL *ssl, int fd, bool server, int64_t deadline_ns)
+{
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) {
+        return -1;
+    }
+    int r;
+    for (;;) {
+        r = server ? SSL_accept(ssl) : SSL_connect(ssl);
+        if (r == 1) {
+            break;
+        }
+        int e = SSL_get_error(ssl, r);
+        if (e != SSL_ERROR_WANT_READ && e != SSL_ERROR_WANT_WRITE) {
+            break;
+        }
+        int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;
+        if (left_ms <= 0) {
+            errno = ETIMEDOUT;
+            r = -1;
+            break;
+        }
+        struct pollfd pfd = {fd, e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT, 0};
+        if (poll(&pfd, 1, (int)(left_ms < 1000 ? left_ms : 1000)) < 0 && errno != EINTR) {
+            r = -1;
+            break;
+        }
+    }
+    int saved = errno;
+    (void)fcntl(fd, F_SETFL, flags);
+    errno = saved;
+    return r;
+}
+
 static SSL *ssl_new(weft__tls_t *t, bool server, int fd)
 {
     pthread_mutex_lock(&t->mu);
@@ -653,7 +695,7 @@ void *weft__tls_connect(weft_agent_t *a, int fd, int peer, int64_t deadline_ns, 
         return NULL;
     }
     set_timeouts(fd, deadline_ns);
-    int r = SSL_connect(ssl);
+    int r = handshake(ssl, fd, false, deadline_ns);
     if (r != 1) {
         handshake_why(ssl, r, why, n);
         SSL_free(ssl);
@@ -671,7 +713,7 @@ void *weft__tls_accept(weft_agent_t *a, int fd, int64_t deadline_ns, weft__tls_i
         return NULL;
     }
     set_timeouts(fd, deadline_ns);
-    int r = SSL_accept(ssl);
+    int r = handshake(ssl, fd, true, deadline_ns);
     if (r != 1) {
         handshake_why(ssl, r, why, n);
         SSL_free(ssl);

@@ -644,7 +644,9 @@ static weft_status_t codec_decode(void *state, weft_agent_t *a, int src, const v
                                    ctx->a != NULL ? rref__worker_name(ctx, ctx->rank) : "?");
         }
         *obj_p = e;
-        *ready_p = NULL;
+        /* A placeholder: the request runs once the creation filled it (or failed, or it
+         * expired), never on a handler thread waiting for it. */
+        *ready_p = placeholder ? weft_future_retain(e->ready) : NULL;
         return WEFT_OK;
     }
     weft_rref_t *u = rref__alloc(ctx, RREF_USER, id, f->owner, f->type, f->created_by);
