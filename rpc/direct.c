@@ -287,6 +287,7 @@ static bool write_buffer_tls(SSL *ssl, grpc_byte_buffer *bb)
         used = 0;
     }
     ok = ok && (used == 0 || ssl_write_all(ssl, stage, used));
+    ok = ok && BIO_flush(SSL_get_wbio(ssl)) == 1; /* a buffered sender's last records */
     weft__nopipe_end(&np, !ok);
     return ok;
 }
@@ -480,6 +481,7 @@ static int open_out(weft_agent_t *a, int peer, SSL **ssl_p)
     weft_free(hello);
     if (ssl != NULL) {
         weft__tls_after_handshake(fd);
+        (void)weft__tls_buffer_writes(ssl); /* unbuffered if it cannot: correct, slower */
     }
     *ssl_p = ssl;
     return fd;

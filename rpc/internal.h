@@ -261,6 +261,9 @@ void *weft__tls_accept(weft_agent_t *a, int fd, int64_t deadline_ns, weft__tls_i
                        char *why, size_t n);
 /* Clears the handshake's socket timeouts. */
 void weft__tls_after_handshake(int fd);
+/* A sending connection: records are gathered into writes of up to 256 KiB (one system call and
+ * one pass of TCP for 16 of them); BIO_flush after each frame sends the rest. */
+bool weft__tls_buffer_writes(void *ssl);
 /* Bounds each blocking read or write on @p fd by what is left until @p deadline_ns. */
 void weft__tls_deadline(int fd, int64_t deadline_ns);
 /* OpenSSL writes with write(2), so a peer gone raises SIGPIPE: a thread that may write through

@@ -735,6 +735,24 @@ void weft__tls_after_handshake(int fd)
     set_timeouts(fd, 0);
 }
 
+bool weft__tls_buffer_writes(void *ssl_p)
+{
+    SSL *ssl = ssl_p;
+    BIO *buf = BIO_new(BIO_f_buffer());
+    if (buf == NULL || BIO_set_write_buffer_size(buf, 256 << 10) != 1) {
+        BIO_free(buf);
+        return false;
+    }
+    BIO *sock = SSL_get_wbio(ssl);
+    if (BIO_up_ref(sock) != 1) {
+        BIO_free(buf);
+        return false;
+    }
+    BIO_push(buf, sock);
+    SSL_set0_wbio(ssl, buf); /* the read side keeps the socket BIO */
+    return true;
+}
+
 /* ------------------------------------------------------------ SIGPIPE */
 
 void weft__nopipe_begin(weft__nopipe_t *np)
