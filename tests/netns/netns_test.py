@@ -204,7 +204,12 @@ class Hosts:
             for k in (0, 1):
                 self.tc_netem(k, 'change', 'loss 100%')
         else:
+            # The signal is handled by the wire's own loop: the cut holds once it says so.
             self.wire.send_signal(signal.SIGUSR1)
+            until = time.monotonic() + 10
+            while 'cut' not in self._wire_text().splitlines():
+                expect(time.monotonic() < until, 'netns_wire did not cut the link within 10 s')
+                time.sleep(0.01)
 
     def start_node(self, k, args, env_extra):
         env = {n: v for n, v in os.environ.items()

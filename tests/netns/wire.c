@@ -274,7 +274,15 @@ int main(int argc, char **argv)
     printf("ready\n");
     fflush(stdout);
 
+    bool cut_said = false;
     while (!stop) {
+        if (cut && !cut_said) {
+            /* The cut is in effect from here: the driver waits for this line before it tells the
+             * ranks (a packet that came before is still delivered or dropped as it was). */
+            printf("cut\n");
+            fflush(stdout);
+            cut_said = true;
+        }
         int64_t wait_ns = -1;
         for (int i = 0; i < 2; i++) {
             int64_t w = give(&dirs[i]);

@@ -28,6 +28,8 @@
 
 #include <weft/weft.h>
 
+#include "../common/host_rank.h"
+
 /* White-box counters: which all_reduce algorithm ran, and cross-memory reads. */
 #include "../../collectives/internal.h"
 
@@ -44,41 +46,6 @@
             return 1;                                                                              \
         }                                                                                          \
     } while (0)
-
-/* whoami() -> this worker's name */
-static void fn_whoami(weft_call_t *call, void *arg)
-{
-    weft_value_t *v;
-
-    (void)arg;
-    if (weft_value_create(&v) != WEFT_OK) {
-        weft_call_fail(call, WEFT_ERR_NO_MEMORY, "no memory");
-        return;
-    }
-    weft_value_set_string(v, weft_agent_name(weft_call_agent(call)));
-    weft_call_reply(call, v);
-}
-
-/* echo(anything) -> the same value */
-static void fn_echo(weft_call_t *call, void *arg)
-{
-    (void)arg;
-    weft_call_reply(call, weft_call_take_args(call));
-}
-
-static int env_int(const char *name)
-{
-    const char *s = getenv(name);
-    return s != NULL ? atoi(s) : -1;
-}
-
-/* Whether @p address is "@p host:<port>". */
-static bool at_host(const char *address, const char *host)
-{
-    size_t n = strlen(host);
-    return address != NULL && strncmp(address, host, n) == 0 && address[n] == ':' &&
-           atoi(address + n + 1) > 0;
-}
 
 /* Whether this network namespace has an established TCP connection to @p address (an IPv4
  * "a.b.c.d:port"). */
