@@ -529,6 +529,12 @@ void weft__agent_peer_lost(weft_agent_t *a, int rank, weft_status_t st, const ch
     if (rank < 0 || rank >= a->world_size) {
         return;
     }
+    /* A peer with a ring to this rank: what it wrote there before it went is read first (its
+     * answers are on the ring, the end of its process on the stream); the ring's reader then
+     * declares the loss with this reason. */
+    if (weft__shm_defer_loss(a, rank, st, why)) {
+        return;
+    }
     weft__peer_t *p = &a->peers[rank];
     pthread_mutex_lock(&p->mu);
     bool first = !p->lost;
@@ -582,6 +588,7 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
     pthread_condattr_destroy(&ca);
     a->transports[WEFT__TP_STREAM] = &weft__stream_transport;
     a->transports[WEFT__TP_DIRECT] = &weft__direct_transport;
+    a->transports[WEFT__TP_SHM] = &weft__shm_transport;
     pthread_mutex_init(&a->streams_mu, NULL);
     pthread_cond_init(&a->streams_cv, NULL);
     pthread_mutex_init(&a->sd_mu, NULL);
@@ -643,6 +650,7 @@ weft_status_t weft_agent_create(const weft_agent_opts_t *opts, weft_agent_t **ag
     snprintf(addr, sizeof(addr), "%s:%d", a->rank == 0 ? a->master_addr : a->listen_host, a->port);
     a->address = weft_strdup(addr);
     (void)weft__direct_create(a, bind_host, a->rank == 0 ? a->master_addr : a->listen_host);
+    (void)weft__shm_create(a);
     weft__join_init(a);
     if (weft__bulk_create(&a->bulk) != WEFT_OK) {
         a->bulk = NULL; /* large messages are then read on the transport threads */
@@ -693,6 +701,7 @@ weft_status_t weft_agent_join(weft_agent_t *a)
     weft_status_t st = weft__rendezvous(a);
     if (st == WEFT_OK) {
         atomic_store(&a->state, WEFT__AGENT_JOINED);
+        weft__shm_open_all(a); /* rings to the ranks of this host, before the first frames */
     }
     /* Handlers that called out while the join was under way go on now. */
     weft_future_complete(a->join_done, st, st == WEFT_OK ? NULL : weft_last_error(), NULL);
@@ -863,7 +872,8 @@ void weft_agent_free(weft_agent_t *a)
         WEFT_DEBUG("agent freed without shutdown: closing abruptly");
     }
     atomic_store(&a->state, WEFT__AGENT_CLOSED);
-    /* Direct connections first: their threads feed the agent. */
+    /* Shared-memory rings and direct connections first: their threads feed the agent. */
+    a->transports[WEFT__TP_SHM]->stop(a);
     a->transports[WEFT__TP_DIRECT]->stop(a);
     if (a->server != NULL) {
         /* Server: stop accepting, cancel what is left, wait until it is done. */
@@ -914,8 +924,9 @@ void weft_agent_free(weft_agent_t *a)
         weft__bulk_destroy(a->bulk);
         a->bulk = NULL;
     }
-    /* No thread is left that may look at the direct state. */
+    /* No thread is left that may look at the direct or shared-memory state. */
     weft__direct_destroy(a);
+    weft__shm_destroy(a);
     /* Nor any that may add a task: what is left is dropped (modules' tasks included; their
      * drop callbacks run). */
     weft__timer_free(a->timer);
@@ -953,6 +964,7 @@ void weft_agent_free(weft_agent_t *a)
             weft_free(a->peers[i].address);
             weft_free(a->peers[i].lost_why);
             weft_free(a->peers[i].direct_address);
+            weft_free(a->peers[i].shm_address);
             pthread_mutex_destroy(&a->peers[i].mu);
         }
         weft_free(a->peers);

@@ -48,6 +48,7 @@ void weft__hello_fill(weft_agent_t *a, Weft__V1__Hello *h)
     h->auth_token.len = strlen(a->auth_token);
     h->max_message_bytes = a->max_message_bytes;
     h->direct_address = (char *)weft__direct_address(a);
+    h->shm_address = (char *)weft__shm_address(a);
     h->identity_key.data = a->id_pub;
     h->identity_key.len = WEFT__ID_KEY_BYTES;
 }
@@ -181,12 +182,16 @@ weft_status_t weft__hello_check(weft_agent_t *a, const Weft__V1__Hello *h, weft_
         return WEFT_ERR_INVALID_STATE;
     }
     weft__peer_t *p = &a->peers[h->rank];
-    weft_status_t st = weft__tls_check_id(a, tls, h->rank, p->name, why, n);
+    /* A shared-memory connection has no certificate: the key (which the join's TLS vouched for)
+     * proves the rank. */
+    weft_status_t st =
+        kind == WEFT__HELLO_SHM ? WEFT_OK : weft__tls_check_id(a, tls, h->rank, p->name, why, n);
     if (st != WEFT_OK) {
         return st;
     }
     uint8_t msg[64 + WEFT__CHALLENGE_BYTES];
-    size_t len = transcript(msg, kind == WEFT__HELLO_STREAM ? 'S' : 'D', challenge, h->rank,
+    char tp = kind == WEFT__HELLO_STREAM ? 'S' : kind == WEFT__HELLO_SHM ? 'M' : 'D';
+    size_t len = transcript(msg, tp, challenge, h->rank,
                             a->rank, a->world_size);
     if (!p->has_key || !verify(p->identity_key, msg, len, h->proof.data, h->proof.len)) {
         snprintf(why, n,

@@ -12,6 +12,7 @@
  *                any transport, is dispatched on its kind here); the transport table
  *   stream.c     transport: long-lived gRPC streams
  *   direct.c     transport: direct TCP connections for large frames
+ *   shm.c        transport: shared-memory rings between the ranks of one host (every frame)
  *   hello.c      identities, the Hello and its one check
  *   tls.c        TLS: this rank's certificate files (watched), gRPC's credentials, the direct
  *                connections' sessions, certificate identities, the join's diagnosis
@@ -149,7 +150,12 @@ weft_status_t weft__grpc_status(grpc_status_code code);
 /* ------------------------------------------------------------------ route and delivery */
 
 /* The transports, by index in the agent's table. */
-typedef enum { WEFT__TP_STREAM = 0, WEFT__TP_DIRECT = 1, WEFT__TP_COUNT } weft__tp_id_t;
+typedef enum {
+    WEFT__TP_STREAM = 0,
+    WEFT__TP_DIRECT = 1,
+    WEFT__TP_SHM = 2,
+    WEFT__TP_COUNT
+} weft__tp_id_t;
 
 /* Where a received frame came from; a REQUEST's answer goes back by it. */
 typedef struct {
@@ -202,6 +208,7 @@ typedef struct {
 
 extern const weft__transport_t weft__stream_transport;
 extern const weft__transport_t weft__direct_transport;
+extern const weft__transport_t weft__shm_transport;
 
 /*
  * THE ROUTE: builds the envelope of @p fr, encodes its references and value, checks the
@@ -295,6 +302,7 @@ typedef struct weft__peer {
     char *address;
     uint64_t max_message_bytes;
     char *direct_address; /* its listener for large frames; "" if none */
+    char *shm_address;    /* its shared-memory listener; "" if none */
     uint8_t identity_key[WEFT__ID_KEY_BYTES];
     bool has_key;
     pthread_mutex_t mu;
@@ -319,6 +327,7 @@ typedef enum {
     WEFT__HELLO_JOIN,   /* to rank 0, to join the world (no challenge) */
     WEFT__HELLO_STREAM, /* opening a stream: proves its rank over @p challenge */
     WEFT__HELLO_DIRECT, /* opening a direct connection: the same */
+    WEFT__HELLO_SHM,    /* opening a shared-memory ring: the same (no certificate to check) */
 } weft__hello_kind_t;
 /*
  * THE HELLO CHECK, for a Join, a stream and a direct connection: protocol version, the job's
@@ -425,6 +434,8 @@ struct weft_agent {
     struct weft__bulk *bulk;
     /* direct TCP connections for large frames */
     struct weft__direct *direct;
+    /* shared-memory rings to the ranks of this host (shm.c) */
+    struct weft__shm *shm;
 
     /* pollers */
     pthread_mutex_t threads_mu;
@@ -555,6 +566,24 @@ weft_status_t weft__direct_create(weft_agent_t *a, const char *bind_host, const 
 const char *weft__direct_address(const weft_agent_t *a);
 /* Frees the state (after weft__direct_transport.stop and the last thread that may look at it). */
 void weft__direct_destroy(weft_agent_t *a);
+
+/* shm.c */
+typedef struct weft__shm weft__shm_t;
+/* Listens for shared-memory connections of ranks on this host (WEFT_SHM=1); on failure frames take
+ * the other transports. */
+weft_status_t weft__shm_create(weft_agent_t *a);
+/* The name this rank's listener advertises ("" none). */
+const char *weft__shm_address(const weft_agent_t *a);
+/* Frees the state (after weft__shm_transport.stop and the last thread that may look at it). */
+void weft__shm_destroy(weft_agent_t *a);
+/* Starts opening the rings to every rank of this host (after the join): frames sent meanwhile
+ * wait, in order, for their ring. */
+void weft__shm_open_all(weft_agent_t *a);
+/* Whether @p peer has opened a ring to this rank (one that is not over). */
+bool weft__shm_reads_from(weft_agent_t *a, int peer);
+/* @p peer is lost (@p st, @p why): when it has a ring to this rank, the ring's reader reads what
+ * was written to it until now, then declares the loss itself (true); false: declare it now. */
+bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const char *why);
 
 /* call.c */
 /* A request from @p o's peer: runs its handler (takes @p env and @p args). */

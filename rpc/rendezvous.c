@@ -159,6 +159,9 @@ static void install_world(weft_agent_t *a, Weft__V1__Worker **workers)
         weft_free(p->direct_address);
         p->direct_address =
             weft_strdup(workers[i]->direct_address != NULL ? workers[i]->direct_address : "");
+        weft_free(p->shm_address);
+        p->shm_address =
+            weft_strdup(workers[i]->shm_address != NULL ? workers[i]->shm_address : "");
         p->has_key = workers[i]->identity_key.len == WEFT__ID_KEY_BYTES;
         if (p->has_key) {
             memcpy(p->identity_key, workers[i]->identity_key.data, WEFT__ID_KEY_BYTES);
@@ -349,6 +352,7 @@ static void decide_world_locked(weft_agent_t *a)
         w[i].address = jn->hellos[i]->address;
         w[i].max_message_bytes = jn->hellos[i]->max_message_bytes;
         w[i].direct_address = jn->hellos[i]->direct_address;
+        w[i].shm_address = jn->hellos[i]->shm_address;
         w[i].identity_key = jn->hellos[i]->identity_key;
         wp[i] = &w[i];
     }

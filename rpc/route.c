@@ -2,7 +2,7 @@
  * answer, a module's one-way message) is encoded, checked against the receiver's limit and handed
  * to a transport by weft__route; every frame it receives, from any transport, is dispatched on its
  * kind by weft__deliver. The transports are entries of a table (send, usable, cut, stop): the
- * gRPC stream and the direct connection today, a shared-memory or GPU transport later. */
+ * gRPC stream, the direct connection and the shared-memory ring (a GPU transport later). */
 #include "internal.h"
 
 /* ------------------------------------------------------------------ messages */
@@ -38,7 +38,18 @@ void weft__outmsg_free(weft__outmsg_t *m, weft_status_t fail_status, const char 
 static weft__tp_id_t choose(weft_agent_t *a, const weft__frame_t *fr, const weft__outmsg_t *m)
 {
     const weft__transport_t *direct = a->transports[WEFT__TP_DIRECT];
+    const weft__transport_t *shm = a->transports[WEFT__TP_SHM];
     bool large = false;
+
+    if (fr->kind == WEFT__V1__KIND__KIND_RESPONSE && fr->reply_to != NULL) {
+        /* An answer goes back the way its request came: a ring's request by the ring back. */
+        if (fr->reply_to->tp == WEFT__TP_SHM && shm != NULL && shm->usable(a, fr->to)) {
+            return WEFT__TP_SHM;
+        }
+    } else if (shm != NULL && shm->usable(a, fr->to)) {
+        /* A rank of this host: every call and message, in order, through its ring. */
+        return WEFT__TP_SHM;
+    }
 
     switch (fr->kind) {
     case WEFT__V1__KIND__KIND_REQUEST:
@@ -169,14 +180,15 @@ weft_status_t weft__route(weft_agent_t *a, const weft__frame_t *fr, weft__path_t
     if (fr->kind == WEFT__V1__KIND__KIND_RESPONSE && fr->reply_to != NULL &&
         fr->reply_to->stream != NULL) {
         via = fr->reply_to->stream;
-        if (tp == WEFT__TP_DIRECT) {
-            /* Kept in case the direct connection cannot carry it after all. */
+        if (tp != WEFT__TP_STREAM) {
+            /* Kept in case the direct connection or ring cannot carry it after all. */
             weft__stream_ref(via);
             m->reply_via = via;
         }
     }
     if (tp == WEFT__TP_DIRECT) {
-        /* The peer's stream stays open while frames go direct: its keepalive watches the peer. */
+        /* The peer's stream stays open while frames go direct: its keepalive watches the peer
+         * (a ring's connection opens it once, shm.c). */
         weft__stream_t *s;
         if (weft__peer_stream(a, fr->to, &s) == WEFT_OK) {
             weft__stream_unref(s);

@@ -131,6 +131,31 @@ WEFT_API const char *weft_agent_worker_address(const weft_agent_t *a, int rank);
 WEFT_API const char *weft_agent_worker_direct_address(const weft_agent_t *a, int rank);
 
 /**
+ * Borrowed name of @p rank's shared-memory listener (after join; "" when it has none, with
+ * WEFT_SHM=0). Ranks of one host (same boot, PID and network namespace, user) exchange every
+ * frame through a ring in shared memory, opened at the first frame (docs/protocol.md section 4).
+ * Thread-safe after join.
+ */
+WEFT_API const char *weft_agent_worker_shm_address(const weft_agent_t *a, int rank);
+
+/** What went between this rank and a peer through shared memory (weft_agent_shm_stats). */
+typedef struct {
+    bool ring_open;          /**< frames to the peer take its ring now */
+    uint64_t frames_sent;    /**< frames written to the peer's ring */
+    uint64_t bytes_sent;     /**< their bytes (envelopes, payloads, tensors) */
+    uint64_t frames_received; /**< frames read from the ring the peer writes to this rank */
+    uint64_t bytes_received;
+    uint64_t writer_waits;   /**< times a frame to the peer found its ring full */
+} weft_shm_stats_t;
+
+/**
+ * The shared-memory counters of this rank with @p rank (all 0 when no ring was opened). Any
+ * thread. WEFT_ERR_INVALID_ARG (NULL agent or output, rank out of range).
+ */
+WEFT_API weft_status_t weft_agent_shm_stats(const weft_agent_t *a, int rank,
+                                            weft_shm_stats_t *stats_p);
+
+/**
  * Graceful, collective shutdown: every rank calls it. The modules settle first (rref waits until
  * every reference is settled), then the ranks wait until no call is in flight anywhere in the
  * world (they agree on it through rank 0), then connections close. New calls fail with
@@ -223,7 +248,8 @@ typedef struct {
 /**
  * weft_rpc_async whose result's tensors may be received straight into the caller's memory, with
  * no copy: tensor i of the result lands in @p into[i] when the answer comes over a direct
- * connection (a large answer) and the tensor has exactly into[i]'s dtype and byte count. That
+ * connection (a large answer) or a shared-memory ring (a rank of this host, any size) and the
+ * tensor has exactly into[i]'s dtype and byte count. That
  * tensor of the result value then wraps into[i].data (weft_tensor_data(x) == into[i].data tells);
  * otherwise it is a fresh tensor, as with weft_rpc_async. @p into is copied; the memory it names
  * must stay valid, and not be read or written by the caller, until the future completes or

@@ -67,6 +67,9 @@ static int rank_process(const ranks_opts_t *o, int rank, int port, int port_fd)
     if (rank == o->no_direct_rank) {
         setenv("WEFT_DIRECT", "0", 1);
     }
+    if (rank < 8 && o->rank_env[rank] != NULL) {
+        putenv((char *)o->rank_env[rank]);
+    }
     weft_agent_opts_init(&ao);
     ao.rank = rank;
     ao.world_size = o->world;

@@ -7,7 +7,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -789,4 +792,131 @@ void rawpeer_silent_stop(rawpeer_silent_t *s)
     grpc_completion_queue_destroy(s->cq);
     grpc_shutdown();
     free(s);
+}
+
+/* ------------------------------------------------------------ shared-memory listeners */
+
+#define SHM_MAGIC 0x4d544657u
+
+int rawpeer_shm_open(const char *name, uint8_t challenge[32])
+{
+    struct sockaddr_un sa;
+    size_t n = strlen(name);
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    if (n > sizeof(sa.sun_path) - 1) {
+        return -1;
+    }
+    memcpy(sa.sun_path + 1, name, n);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa,
+                          (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n)) != 0) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        return -1;
+    }
+    uint8_t hdr[8 + 32];
+    if (!read_ms(fd, hdr, sizeof(hdr), 10000) || get_u32(hdr) != SHM_MAGIC) {
+        close(fd);
+        return -1;
+    }
+    memcpy(challenge, hdr + 8, 32);
+    return fd;
+}
+
+/* A ring's memory as rawpeer_shm_hello hands it over; -1 for none. */
+static int shm_ring_fd(rawpeer_ring_t ring)
+{
+    size_t len = 4096 + (64u << 10);
+    if (ring == RAWPEER_RING_NONE) {
+        return -1;
+    }
+    int fd = memfd_create("rawpeer-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0 || ftruncate(fd, (off_t)len) != 0) {
+        return fd;
+    }
+    uint8_t *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p != MAP_FAILED) {
+        put_u32(p, ring == RAWPEER_RING_BAD_HEAD ? 0x12345678u : SHM_MAGIC);
+        put_u32(p + 4, 1);
+        uint64_t cap = 64u << 10;
+        memcpy(p + 8, &cap, sizeof(cap));
+        munmap(p, len);
+    }
+    if (ring != RAWPEER_RING_UNSEALED) {
+        (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+    }
+    return fd;
+}
+
+int rawpeer_shm_hello(int fd, uint32_t magic, uint32_t version, const uint8_t challenge[32],
+                      int server_rank, int rank, int world, const char *token, weft_agent_t *as,
+                      rawpeer_ring_t ring, char *why, size_t why_len)
+{
+    uint8_t sig[64] = {0};
+    uint8_t key[32] = {0};
+    if (as != NULL) {
+        (void)weft__hello_sign(as, 'M', challenge, server_rank, sig);
+    }
+    Weft__V1__Hello h = WEFT__V1__HELLO__INIT;
+    h.protocol_version = WEFT_PROTOCOL_VERSION;
+    h.name = "rawpeer";
+    h.rank = rank;
+    h.world_size = world;
+    h.address = "127.0.0.1:1";
+    h.auth_token.data = (uint8_t *)token;
+    h.auth_token.len = strlen(token);
+    h.identity_key.data = key;
+    h.identity_key.len = sizeof(key);
+    h.proof.data = sig;
+    h.proof.len = sizeof(sig);
+    size_t n = weft__v1__hello__get_packed_size(&h);
+    uint8_t *buf = malloc(12 + n);
+    put_u32(buf, magic);
+    put_u32(buf + 4, version);
+    put_u32(buf + 8, (uint32_t)n);
+    weft__v1__hello__pack(&h, buf + 12);
+    int memfd = shm_ring_fd(ring);
+    struct iovec iov = {buf, 12};
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    memset(&ctl, 0, sizeof(ctl));
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    if (memfd >= 0) {
+        mh.msg_control = ctl.b;
+        mh.msg_controllen = sizeof(ctl.b);
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &memfd, sizeof(int));
+    }
+    ssize_t k = sendmsg(fd, &mh, MSG_NOSIGNAL);
+    if (k == 12) {
+        /* A listener that refuses the header answers before it reads the Hello: the write may
+         * fail, the answer is still there to read. */
+        (void)rawpeer_write(fd, buf + 12, n);
+    }
+    free(buf);
+    if (memfd >= 0) {
+        close(memfd);
+    }
+    uint8_t ans[8];
+    if (k != 12 || !read_ms(fd, ans, sizeof(ans), 10000)) {
+        snprintf(why, why_len, "the connection ended before the answer");
+        return 1000;
+    }
+    uint32_t tlen = get_u32(ans + 4);
+    char text[512] = "";
+    size_t tk = tlen < sizeof(text) - 1 ? tlen : sizeof(text) - 1;
+    if (tk > 0 && read_ms(fd, text, tk, 10000)) {
+        text[tk] = '\0';
+    }
+    snprintf(why, why_len, "%s", text);
+    return (int)(int32_t)get_u32(ans);
 }

@@ -116,6 +116,25 @@ int rawpeer_direct_hello(int fd, const uint8_t challenge[32], int server_rank, i
                          const char *token, weft_agent_t *as, char *why, size_t why_len);
 /* Writes @p len bytes; 0 on success. */
 int rawpeer_write(int fd, const void *bytes, size_t len);
+
+/* ---- shared-memory listeners (rpc/shm.c) */
+
+/* Connects to the shared-memory listener named @p name and reads its challenge; the socket, or
+ * -1. */
+int rawpeer_shm_open(const char *name, uint8_t challenge[32]);
+/* What rawpeer_shm_hello hands over with its Hello. */
+typedef enum {
+    RAWPEER_RING_NONE,     /* no memory */
+    RAWPEER_RING_GOOD,     /* a sealed memfd with a new ring's header */
+    RAWPEER_RING_UNSEALED, /* a memfd that may shrink */
+    RAWPEER_RING_BAD_HEAD, /* sealed, but its header is not a ring's */
+} rawpeer_ring_t;
+/* Sends a ring's handshake: @p magic and @p version, a Hello claiming @p rank (proof signed by
+ * @p as for a listener of rank @p server_rank; NULL: none) and @p ring; reads the answer: its
+ * status (text in @p why), or 1000 if the connection ended first. */
+int rawpeer_shm_hello(int fd, uint32_t magic, uint32_t version, const uint8_t challenge[32],
+                      int server_rank, int rank, int world, const char *token, weft_agent_t *as,
+                      rawpeer_ring_t ring, char *why, size_t why_len);
 /* Whether the peer closed the connection within @p ms (reads and drops what comes). */
 bool rawpeer_closed_within(int fd, int ms);
 

@@ -1,0 +1,1735 @@
+/* The shared-memory transport: rings between the ranks of one host.
+ *
+ * Between two ranks of one host a frame need not cross the kernel at all. Each ordered pair of
+ * ranks gets a ring in shared memory (a sealed memfd the writer makes and hands to the reader
+ * over a Unix socket); the writer copies a frame in, the reader copies it out into the value it
+ * delivers (or straight into the caller's memory, weft_rpc_async_into). Single producer (a lock
+ * orders the writing threads), single consumer (one thread at a time holds the ring's reading
+ * role). Every frame to such a peer takes its ring, in order, whatever its kind or size; the
+ * frame layout is the stream's (docs/protocol.md section 5); a frame larger than the ring goes
+ * through it in pieces while the reader copies out.
+ *
+ * Waiting: a side that finds the ring empty (reader) or full (writer) polls it for
+ * WEFT_SHM_SPIN_US, then sleeps on a futex word in the ring, which the other side wakes only
+ * when it sees the word set (so a busy pair makes no system call at all). Nothing is ever
+ * dropped: a full ring holds the writer (back-pressure) until there is room, the peer is lost,
+ * or the agent closes.
+ *
+ * Opening (docs/protocol.md section 4): the first frame to a rank whose listener name says it is
+ * on this host (the same boot, PID and network namespace, user and WEFT_SHM_HOST_TAG) opens the
+ * ring; frames sent meanwhile wait in order behind it. The listener sends a challenge; the
+ * connecting rank answers with a Hello proving its rank (transcript 'M'), the ring's memfd
+ * attached (SCM_RIGHTS); the listener checks both (the Hello as every connection's, the memfd's
+ * size and seals, the ring's header) and answers with a status. A ring that cannot be opened
+ * leaves the pair on the gRPC stream and direct connection for good (order kept: the frames that
+ * waited go there first). The peer's gRPC stream is opened too and kept: its keepalive still
+ * watches for a stopped process.
+ *
+ * A peer's death: its end of the Unix socket closes with the process, and a side that sleeps on
+ * the ring looks at the socket every SLEEP_MS: the reader drains what was written, then reports
+ * the peer lost; a writer held by a full ring fails its frame. A lost peer (from any transport)
+ * wakes both.
+ *
+ * A thread holding a ring's reading role runs what it delivers (handlers, completions, module
+ * callbacks) itself; when that work blocks (a weft wait, or a write held by a full ring) it hands
+ * the role to a new thread first, so that the ring keeps being read: two ranks filling each
+ * other's rings with requests cannot deadlock. */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdalign.h>
+#include <stdlib.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define SHM_MAGIC   0x4d544657u /* "WFTM" little-endian */
+#define SHM_VERSION 1u
+#define RING_OFF    4096u                /* the ring's bytes start here in its memory */
+#define MAX_HELLO   (64u << 10)
+#define SLEEP_MS    50                   /* a sleeping side looks at the peer's socket this often */
+#define PUBLISH_MIN ((uint64_t)64 << 10) /* a long frame is made visible in pieces this large */
+#define NAME_PREFIX "weft-shm-"
+
+_Static_assert(ATOMIC_LLONG_LOCK_FREE == 2 && ATOMIC_INT_LOCK_FREE == 2,
+               "the ring's words are shared between processes: they must be lock-free");
+
+/* The ring's header, at the start of its memory; the bytes follow at RING_OFF. */
+typedef struct {
+    uint32_t magic, version;
+    uint64_t capacity;                             /* a power of two */
+    alignas(64) _Atomic uint64_t head;             /* bytes written; the writer's */
+    alignas(64) _Atomic uint32_t reader_sleeping;  /* futex: 1 while the reader sleeps */
+    alignas(64) _Atomic uint64_t tail;             /* bytes read; the reader's */
+    alignas(64) _Atomic uint32_t writer_waiting;   /* futex: 1 while the writer waits for room */
+} ring_hdr_t;
+
+_Static_assert(sizeof(ring_hdr_t) <= RING_OFF, "the ring's header fits before its bytes");
+
+typedef struct thr {
+    struct thr *next;
+    pthread_t t;
+} thr_t;
+
+/* A ring this rank reads: one per peer that opened one to it. */
+typedef struct shm_in {
+    struct shm_in *next;
+    weft_agent_t *agent;
+    int sock;
+    _Atomic int peer; /* -1 until the handshake */
+    ring_hdr_t *ring;
+    uint8_t *data;
+    uint64_t cap;
+    size_t map_len;
+    uint64_t tail;   /* the reading role's position */
+    uint8_t *ebuf;   /* the reading role's envelope buffer */
+    size_t ebuf_cap;
+    thr_t *threads;    /* every thread that held the role (under d->mu); joined when reaped */
+    _Atomic int live;  /* of those, the ones still running */
+    _Atomic bool done; /* the ring is over (no role holder left) */
+    _Atomic bool cut;
+    /* The peer was declared lost elsewhere (its stream): the ring is read up to lose_at, then
+     * the loss is declared with this status and text (under d->mu until lose is set). */
+    _Atomic bool lose;
+    uint64_t lose_at;
+    weft_status_t lose_st;
+    char lose_why[256];
+    _Atomic uint64_t frames, bytes;
+} shm_in_t;
+
+enum { OUT_IDLE = 0, OUT_OPENING, OUT_READY, OUT_FAILED };
+
+/* The ring this rank writes to one peer. */
+typedef struct {
+    weft_agent_t *agent;
+    int peer;
+    pthread_mutex_t mu;       /* state, queue */
+    pthread_mutex_t write_mu; /* one writer at a time */
+    pthread_cond_t cv;        /* the state left OPENING */
+    int state;
+    weft__outmsg_t *qh, *qt; /* frames sent while the ring opens */
+    pthread_t opener;
+    bool opener_started;
+    _Atomic bool cut;
+    int sock;
+    ring_hdr_t *ring;
+    uint8_t *data;
+    uint64_t cap;
+    size_t map_len;
+    uint64_t head, published; /* under write_mu */
+    _Atomic uint64_t frames, bytes, waits;
+    _Atomic bool watched; /* the peer's gRPC stream was opened beside the ring */
+    _Atomic bool opened;  /* the handshake succeeded (frames that waited may still be flushing) */
+} shm_out_t;
+
+struct weft__shm {
+    weft_agent_t *agent;
+    int listen_fd;
+    int wake_fd; /* eventfd: wakes the acceptor to stop */
+    char address[128];
+    char host[17]; /* this host's identity, 16 hex digits */
+    uint64_t ring_bytes;
+    int64_t spin_ns;
+    pthread_t acceptor;
+    bool acceptor_started;
+    pthread_mutex_t mu;
+    shm_in_t *ins;
+    shm_out_t *outs; /* world_size entries, made at the first send (after join) */
+    _Atomic bool stop;
+};
+
+/* ------------------------------------------------------------ small helpers */
+
+static void put_u32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void futex_wait(_Atomic uint32_t *w, uint32_t val, int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    /* Shared (not private): the word lives in memory two processes map. */
+    (void)syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *w)
+{
+    (void)syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Whether the other end of @p fd has closed (or broke); the peer never writes after its
+ * handshake, so anything readable means that. */
+static bool sock_gone(int fd)
+{
+    uint8_t b;
+    ssize_t k = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    return k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) || k > 0;
+}
+
+static bool send_all(int fd, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k < 0 && errno == EINTR) {
+            continue;
+        }
+        if (k <= 0) {
+            return false;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return true;
+}
+
+/* Reads exactly @p n bytes by @p deadline_ns; with @p fd_p, a descriptor that came with them
+ * (SCM_RIGHTS) goes there (the first one; later ones are closed). */
+static bool recv_until(int fd, void *buf, size_t n, int64_t deadline_ns, int *fd_p)
+{
+    uint8_t *p = buf;
+    while (n > 0) {
+        int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;
+        if (left_ms <= 0) {
+            return false;
+        }
+        struct pollfd pfd = {fd, POLLIN, 0};
+        int r = poll(&pfd, 1, (int)(left_ms < 1000 ? left_ms : 1000));
+        if (r < 0 && errno != EINTR) {
+            return false;
+        }
+        if (r <= 0) {
+            continue;
+        }
+        struct iovec iov = {p, n};
+        union {
+            struct cmsghdr h;
+            char buf[CMSG_SPACE(sizeof(int) * 4)];
+        } ctl;
+        struct msghdr mh = {0};
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = ctl.buf;
+        mh.msg_controllen = sizeof(ctl.buf);
+        ssize_t k = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) {
+            continue;
+        }
+        if (k <= 0) {
+            return false;
+        }
+        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm != NULL; cm = CMSG_NXTHDR(&mh, cm)) {
+            if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) {
+                continue;
+            }
+            size_t nfd = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < nfd; i++) {
+                int got;
+                memcpy(&got, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+                if (fd_p != NULL && *fd_p < 0) {
+                    *fd_p = got;
+                } else {
+                    close(got);
+                }
+            }
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return true;
+}
+
+/* This host as the rings see it: the boot, the PID and network namespaces, the user and the
+ * test tag. Ranks that differ in any of them never open rings to each other. */
+static void host_identity(char out[17])
+{
+    uint64_t h = 1469598103934665603ull;
+    char boot[64] = "";
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f != NULL) {
+        if (fgets(boot, sizeof(boot), f) == NULL) {
+            boot[0] = '\0';
+        }
+        fclose(f);
+    }
+    struct stat st;
+    uint64_t vals[3] = {
+        stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0,
+        stat("/proc/self/ns/net", &st) == 0 ? (uint64_t)st.st_ino : 0,
+        (uint64_t)getuid(),
+    };
+    for (const char *c = boot; *c != '\0'; c++) {
+        h = (h ^ (uint8_t)*c) * 1099511628211ull;
+    }
+    for (int i = 0; i < 3; i++) {
+        h = (h ^ vals[i]) * 1099511628211ull;
+    }
+    for (const char *c = weft__cfg_str(WEFT__CFG_SHM_HOST_TAG); *c != '\0'; c++) {
+        h = (h ^ (uint8_t)*c) * 1099511628211ull;
+    }
+    snprintf(out, 17, "%016llx", (unsigned long long)h);
+}
+
+/* The socket address of a listener name (the abstract namespace: nothing in the file system). */
+static socklen_t name_addr(const char *name, struct sockaddr_un *sa)
+{
+    size_t n = strlen(name);
+    memset(sa, 0, sizeof(*sa));
+    sa->sun_family = AF_UNIX;
+    if (n > sizeof(sa->sun_path) - 1) {
+        n = sizeof(sa->sun_path) - 1;
+    }
+    memcpy(sa->sun_path + 1, name, n);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+}
+
+/* Whether @p peer advertises a listener on this host. */
+static bool same_host(const weft__shm_t *d, const char *addr)
+{
+    size_t k = sizeof(NAME_PREFIX) - 1;
+    return addr != NULL && strncmp(addr, NAME_PREFIX, k) == 0 && strncmp(addr + k, d->host, 16) == 0 &&
+           addr[k + 16] == '-';
+}
+
+/* Maps a ring's memory; NULL on failure. */
+static ring_hdr_t *map_ring(int fd, size_t len)
+{
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+/* ------------------------------------------------------------ the reading role */
+
+static _Thread_local shm_in_t *tl_role; /* the ring whose reading role this thread holds */
+
+static void *role_main(void *arg);
+
+/* This thread is about to block while holding a ring's reading role: a new thread takes the role
+ * (the ring keeps being read), and this one ends once its work returns. */
+static void role_hand_over(void)
+{
+    shm_in_t *c = tl_role;
+    if (c == NULL) {
+        return;
+    }
+    weft__shm_t *d = c->agent->shm;
+    thr_t *t = weft_alloc(sizeof(*t));
+    if (t == NULL) {
+        return; /* it keeps the role: correct unless the work waits on this very ring */
+    }
+    pthread_mutex_lock(&d->mu);
+    atomic_fetch_add(&c->live, 1);
+    if (pthread_create(&t->t, NULL, role_main, c) != 0) {
+        atomic_fetch_sub(&c->live, 1);
+        pthread_mutex_unlock(&d->mu);
+        weft_free(t);
+        return;
+    }
+    t->next = c->threads;
+    c->threads = t;
+    tl_role = NULL;
+    pthread_mutex_unlock(&d->mu);
+}
+
+static void role_block_hook(int entering, void *arg)
+{
+    (void)arg;
+    if (entering) {
+        role_hand_over();
+    }
+}
+
+/* Whether the reader must stop. */
+static bool in_stopped(shm_in_t *c)
+{
+    return atomic_load(&c->cut) || atomic_load(&c->agent->shm->stop);
+}
+
+/* Bytes written and not read yet; UINT64_MAX when the writer's position is impossible. */
+static uint64_t in_avail(shm_in_t *c)
+{
+    uint64_t h = atomic_load_explicit(&c->ring->head, memory_order_acquire);
+    uint64_t n = h - c->tail;
+    return n > c->cap ? UINT64_MAX : n;
+}
+
+/* Waits until there are bytes to read: false when the ring is over (the peer closed it or died
+ * with nothing left to read, a lost peer, the agent closing, a corrupt position). */
+static bool in_wait(shm_in_t *c)
+{
+    ring_hdr_t *r = c->ring;
+    uint64_t n = in_avail(c);
+    if (n != 0) {
+        return n != UINT64_MAX;
+    }
+    int64_t spin = c->agent->shm->spin_ns;
+    if (spin > 0) {
+        int64_t end = weft__now_ns() + spin;
+        do {
+            for (int i = 0; i < 64; i++) {
+                if ((n = in_avail(c)) != 0) {
+                    return n != UINT64_MAX;
+                }
+                cpu_relax();
+            }
+            /* The core goes to a runnable thread (the writer, on a machine with few cores); back
+             * at once if there is none. */
+            sched_yield();
+        } while (weft__now_ns() < end);
+    }
+    for (;;) {
+        if (in_stopped(c) || atomic_load(&c->lose)) {
+            return false; /* lost: nothing more is coming that counts */
+        }
+        atomic_store(&r->reader_sleeping, 1);
+        if ((n = in_avail(c)) != 0) {
+            atomic_store(&r->reader_sleeping, 0);
+            return n != UINT64_MAX;
+        }
+        futex_wait(&r->reader_sleeping, 1, SLEEP_MS);
+        atomic_store(&r->reader_sleeping, 0);
+        if ((n = in_avail(c)) != 0) {
+            return n != UINT64_MAX;
+        }
+        if (sock_gone(c->sock)) {
+            /* What was written before the peer went is still read. */
+            n = in_avail(c);
+            return n != 0 && n != UINT64_MAX;
+        }
+    }
+}
+
+/* Copies @p n bytes out of the ring into @p buf (NULL: skips them), waiting as they come. */
+static bool in_read(shm_in_t *c, void *buf, uint64_t n)
+{
+    ring_hdr_t *r = c->ring;
+    uint8_t *p = buf;
+    while (n > 0) {
+        if (!in_wait(c)) {
+            return false;
+        }
+        uint64_t k = in_avail(c);
+        if (k == UINT64_MAX) {
+            return false;
+        }
+        if (k > n) {
+            k = n;
+        }
+        if (p != NULL) {
+            uint64_t off = c->tail & (c->cap - 1);
+            uint64_t first = c->cap - off < k ? c->cap - off : k;
+            memcpy(p, c->data + off, first);
+            memcpy(p + first, c->data, k - first);
+            p += k;
+        }
+        c->tail += k;
+        n -= k;
+        atomic_store_explicit(&r->tail, c->tail, memory_order_release);
+        atomic_thread_fence(memory_order_seq_cst);
+        if (atomic_load_explicit(&r->writer_waiting, memory_order_relaxed) != 0) {
+            atomic_store(&r->writer_waiting, 0);
+            futex_wake(&r->writer_waiting);
+        }
+    }
+    return true;
+}
+
+/* Hands @p n bytes of the ring to a landing's sink straight from the shared memory (no copy of
+ * its own), piece by piece as they come. */
+static bool in_sink(shm_in_t *c, const weft_landing_t *l, uint64_t n)
+{
+    ring_hdr_t *r = c->ring;
+    uint64_t done = 0;
+    while (done < n) {
+        if (!in_wait(c)) {
+            return false;
+        }
+        uint64_t k = in_avail(c);
+        if (k == UINT64_MAX) {
+            return false;
+        }
+        uint64_t off = c->tail & (c->cap - 1);
+        if (k > n - done) {
+            k = n - done;
+        }
+        if (k > c->cap - off) {
+            k = c->cap - off; /* up to the ring's end; the rest next time round */
+        }
+        l->sink(l->arg, (size_t)done, c->data + off, (size_t)k);
+        done += k;
+        c->tail += k;
+        atomic_store_explicit(&r->tail, c->tail, memory_order_release);
+        atomic_thread_fence(memory_order_seq_cst);
+        if (atomic_load_explicit(&r->writer_waiting, memory_order_relaxed) != 0) {
+            atomic_store(&r->writer_waiting, 0);
+            futex_wake(&r->writer_waiting);
+        }
+    }
+    return true;
+}
+
+/* A one-way message with one tensor, on a channel whose module may say where it lands (the
+ * collectives' pieces): its payload first, then the tensor's bytes, straight into the module's
+ * buffer or through its sink, else into a fresh tensor; delivered in the channel's order. The
+ * envelope is consumed; false when the ring is over. */
+static bool read_landing(shm_in_t *c, Weft__V1__Envelope *env, const weft__module_t *mod,
+                         uint64_t body)
+{
+    weft_agent_t *a = c->agent;
+    const Weft__V1__TensorMeta *tm = env->tensors[0];
+    uint64_t nb = body - env->payload_bytes;
+    uint32_t ch = env->channel;
+    weft_value_t *v = NULL;
+    uint8_t *pl = weft_alloc(env->payload_bytes);
+    int peer = atomic_load(&c->peer);
+    bool ok;
+
+    if (pl == NULL || weft_value_create(&v) != WEFT_OK) {
+        weft_free(pl);
+        weft_value_free(v);
+        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+        return in_read(c, NULL, body);
+    }
+    if (!in_read(c, pl, env->payload_bytes)) {
+        ok = false;
+        goto out;
+    }
+    int64_t numel = 1;
+    for (size_t i = 0; i < tm->n_shape; i++) {
+        numel *= tm->shape[i];
+    }
+    weft_landing_t l = {0};
+    bool deliver = true;
+    if (mod->desc.lander(mod->state, peer, pl, env->payload_bytes, (weft_dtype_t)tm->dtype, numel,
+                         &l)) {
+        ok = l.sink != NULL ? in_sink(c, &l, nb) : in_read(c, l.dst, nb);
+        l.done(l.arg, ok);
+    } else {
+        weft_tensor_t *t = NULL;
+        if (weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t) !=
+                WEFT_OK ||
+            weft_value_push_tensor(v, t) != WEFT_OK) {
+            weft_tensor_release(t);
+            WEFT_WARN("shared-memory ring from rank %d: no memory for a message; dropped", peer);
+            ok = in_read(c, NULL, nb);
+            deliver = false;
+        } else {
+            ok = in_read(c, weft_tensor_data(t), nb);
+        }
+    }
+    if (ok) {
+        atomic_fetch_add_explicit(&c->frames, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&c->bytes, body, memory_order_relaxed);
+    }
+    if (ok && deliver && weft_value_take_payload(v, pl, env->payload_bytes) == WEFT_OK) {
+        pl = NULL;
+        weft__channel_deliver(a, ch, peer, v);
+        v = NULL;
+    }
+out:
+    weft_free(pl);
+    weft_value_free(v);
+    weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+    return ok;
+}
+
+/* A frame's value, copied out of the ring (a RESPONSE's tensors straight into the caller's
+ * memory when its call asked, weft_rpc_async_into). False when the ring broke mid-frame; *st_p a
+ * refusal (no memory) with the frame's body skipped. */
+static bool read_value(shm_in_t *c, const Weft__V1__Envelope *env, uint64_t body,
+                       weft_value_t **v_p, weft_status_t *st_p)
+{
+    weft_rpc_into_t *into = NULL;
+    size_t n_into = 0;
+    weft_value_t *v = NULL;
+    uint64_t done = 0;
+    bool ok = true;
+    int peer = atomic_load(&c->peer);
+    bool claimed = env->kind == WEFT__V1__KIND__KIND_RESPONSE && env->n_tensors > 0 &&
+                   env->status == 0 &&
+                   weft__pending_claim(c->agent, env->request_id, peer, &into, &n_into);
+
+    *v_p = NULL;
+    *st_p = weft_value_create(&v);
+    if (*st_p != WEFT_OK) {
+        ok = in_read(c, NULL, body);
+        goto out;
+    }
+    if (env->payload_bytes > 0) {
+        void *pl = weft_alloc(env->payload_bytes);
+        if (pl == NULL) {
+            *st_p = weft__set_error(WEFT_ERR_NO_MEMORY, "shm: no memory for a %llu-byte payload",
+                                    (unsigned long long)env->payload_bytes);
+        } else if (!in_read(c, pl, env->payload_bytes)) {
+            weft_free(pl);
+            ok = false;
+            goto out_free;
+        } else {
+            done += env->payload_bytes;
+            *st_p = weft_value_take_payload(v, pl, env->payload_bytes);
+            if (*st_p != WEFT_OK) {
+                weft_free(pl);
+            }
+        }
+    }
+    for (size_t i = 0; *st_p == WEFT_OK && i < env->n_tensors; i++) {
+        const Weft__V1__TensorMeta *tm = env->tensors[i];
+        weft_tensor_t *t = NULL;
+        weft_status_t st;
+        if (i < n_into && into[i].nbytes == tm->nbytes && tm->nbytes > 0 &&
+            (int)into[i].dtype == (int)tm->dtype) {
+            st = weft_tensor_wrap((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape,
+                                  into[i].data, into[i].nbytes, WEFT_CPU, NULL, NULL, &t);
+        } else {
+            st = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t);
+        }
+        if (st == WEFT_OK && !in_read(c, weft_tensor_data(t), tm->nbytes)) {
+            weft_tensor_release(t);
+            ok = false;
+            goto out_free;
+        }
+        if (st == WEFT_OK) {
+            done += tm->nbytes;
+            st = weft_value_push_tensor(v, t);
+            if (st != WEFT_OK) {
+                weft_tensor_release(t);
+            }
+        }
+        *st_p = st;
+    }
+    if (*st_p == WEFT_OK && env->kind == WEFT__V1__KIND__KIND_ONEWAY && env->n_refs > 0) {
+        /* Decoded at delivery, in the channel's order (as on a stream). */
+        *st_p = weft__refs_keep_raw(env, v);
+    }
+    if (*st_p != WEFT_OK) {
+        /* Refused: the rest of the body is skipped, the ring stays framed. */
+        ok = in_read(c, NULL, body - done);
+        goto out_free;
+    }
+    *v_p = v;
+    goto out;
+
+out_free:
+    weft_value_free(v);
+out:
+    if (claimed) {
+        weft__pending_unclaim(c->agent, env->request_id, ok);
+        weft_free(into);
+    }
+    return ok;
+}
+
+/* Reads and delivers one frame; false when the ring is over or cannot be framed any more. */
+static bool read_frame(shm_in_t *c)
+{
+    weft_agent_t *a = c->agent;
+    int peer = atomic_load(&c->peer);
+    weft__origin_t o = {WEFT__TP_SHM, peer, NULL, false};
+    uint8_t lenb[4];
+
+    if (!in_read(c, lenb, 4)) {
+        return false;
+    }
+    uint32_t elen = get_u32(lenb);
+    if (elen > WEFT__MAX_ENVELOPE) {
+        WEFT_WARN("shared-memory ring from rank %d: an envelope of %u bytes (max %u); closing",
+                  peer, elen, WEFT__MAX_ENVELOPE);
+        return false;
+    }
+    if (elen > c->ebuf_cap) {
+        size_t cap = elen < 4096 ? 4096 : elen;
+        uint8_t *b = weft_alloc(cap);
+        if (b == NULL) {
+            WEFT_WARN("shared-memory ring from rank %d: no memory for an envelope; closing", peer);
+            return false;
+        }
+        weft_free(c->ebuf);
+        c->ebuf = b;
+        c->ebuf_cap = cap;
+    }
+    if (!in_read(c, c->ebuf, elen)) {
+        return false;
+    }
+    Weft__V1__Envelope *env = weft__v1__envelope__unpack(&weft__pb_allocator, elen, c->ebuf);
+    if (env == NULL) {
+        WEFT_WARN("shared-memory ring from rank %d: an envelope that does not decode; closing",
+                  peer);
+        return false;
+    }
+    uint64_t body = 0;
+    bool framed = true;
+    weft_status_t st = weft__frame_check(env, elen, a->max_message_bytes, &body, &framed);
+    if (st != WEFT_OK) {
+        /* Refused before its body is read: its request is answered, or its answer fails our
+         * call. Over the limit (the sender checked it: it is broken) or unframed, the ring ends. */
+        bool over = st == WEFT_ERR_TOO_LARGE;
+        char why[WEFT__ERROR_MAX];
+        snprintf(why, sizeof(why), "%s", weft_last_error());
+        bool keep = framed && !over && in_read(c, NULL, body);
+        weft__set_error(st, "%s", why);
+        weft__deliver(a, &o, env, NULL, st);
+        if (!keep) {
+            WEFT_WARN("shared-memory ring from rank %d: %s; closing", peer, why);
+        }
+        return keep;
+    }
+    if (env->kind == WEFT__V1__KIND__KIND_ONEWAY && env->n_tensors == 1 && env->n_refs == 0 &&
+        env->payload_bytes > 0 && env->payload_bytes <= 65536 && env->channel >= 1 &&
+        env->channel <= WEFT_CHANNEL_MAX) {
+        const weft__module_t *mod = weft__module_at(a, env->channel);
+        if (mod != NULL && mod->desc.lander != NULL) {
+            return read_landing(c, env, mod, body);
+        }
+    }
+    weft_value_t *v = NULL;
+    weft_status_t vst = WEFT_OK;
+    if (!read_value(c, env, body, &v, &vst)) {
+        /* The ring broke mid-frame: the peer is going away. Keep the shutdown counters whole:
+         * the sender counted this request. */
+        if (env->kind == WEFT__V1__KIND__KIND_REQUEST &&
+            (env->function == NULL || !weft__fn_internal(env->function))) {
+            atomic_fetch_add(&a->requests_received, 1);
+        }
+        weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+        return false;
+    }
+    atomic_fetch_add_explicit(&c->frames, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&c->bytes, 4 + elen + body, memory_order_relaxed);
+    /* Delivered on this thread: a handler, a completion, a module's callback. One that blocks
+     * hands the reading role on first (role_block_hook). */
+    weft__deliver(a, &o, env, v, vst);
+    return true;
+}
+
+/* ------------------------------------------------------------ accepting a ring */
+
+static bool answer(int fd, weft_status_t st, const char *text)
+{
+    size_t n = strlen(text);
+    uint8_t hdr[8];
+    put_u32(hdr, (uint32_t)(int32_t)st);
+    put_u32(hdr + 4, (uint32_t)n);
+    return send_all(fd, hdr, sizeof(hdr)) && (n == 0 || send_all(fd, text, n));
+}
+
+/* Checks the memory a connecting rank handed over and maps it. */
+static weft_status_t take_ring(shm_in_t *c, int memfd, char *why, size_t n)
+{
+    struct stat st;
+    if (memfd < 0) {
+        snprintf(why, n, "no ring memory came with the Hello");
+        return WEFT_ERR_PROTOCOL;
+    }
+    int seals = fcntl(memfd, F_GET_SEALS);
+    if (fstat(memfd, &st) != 0 || seals < 0 || (seals & F_SEAL_SHRINK) == 0 ||
+        (uint64_t)st.st_size <= RING_OFF) {
+        snprintf(why, n, "the ring's memory is not a sealed memfd (size %lld, seals %d)",
+                 (long long)st.st_size, seals);
+        return WEFT_ERR_PROTOCOL;
+    }
+    uint64_t cap = (uint64_t)st.st_size - RING_OFF;
+    if (cap < (64u << 10) || cap > ((uint64_t)256 << 20) || (cap & (cap - 1)) != 0) {
+        snprintf(why, n, "a ring of %llu bytes (a power of two from 64 KiB to 256 MiB)",
+                 (unsigned long long)cap);
+        return WEFT_ERR_PROTOCOL;
+    }
+    ring_hdr_t *r = map_ring(memfd, (size_t)st.st_size);
+    if (r == NULL) {
+        snprintf(why, n, "cannot map the ring: %s", strerror(errno));
+        return WEFT_ERR_NO_MEMORY;
+    }
+    if (r->magic != SHM_MAGIC || r->version != SHM_VERSION || r->capacity != cap ||
+        atomic_load(&r->head) != 0 || atomic_load(&r->tail) != 0) {
+        snprintf(why, n, "the ring's header is not a new ring (magic %08x, version %u)", r->magic,
+                 r->version);
+        munmap(r, (size_t)st.st_size);
+        return WEFT_ERR_PROTOCOL;
+    }
+    c->ring = r;
+    c->data = (uint8_t *)r + RING_OFF;
+    c->cap = cap;
+    c->map_len = (size_t)st.st_size;
+    return WEFT_OK;
+}
+
+/* The listener's side of the handshake, within one deadline; the rank it proved, or -1. */
+static int handshake_in(shm_in_t *c)
+{
+    weft_agent_t *a = c->agent;
+    weft__shm_t *d = a->shm;
+    int64_t deadline = weft__now_ns() + a->handshake_timeout_ms * 1000000;
+    uint8_t ch[8 + WEFT__CHALLENGE_BYTES];
+    uint8_t hdr[12];
+    char why[512];
+    int memfd = -1;
+    weft__tls_id_t tls = {0};
+
+    put_u32(ch, SHM_MAGIC);
+    put_u32(ch + 4, SHM_VERSION);
+    if (weft__random_bytes(ch + 8, WEFT__CHALLENGE_BYTES) != WEFT_OK ||
+        !send_all(c->sock, ch, sizeof(ch))) {
+        return -1;
+    }
+    if (!recv_until(c->sock, hdr, sizeof(hdr), deadline, &memfd)) {
+        WEFT_WARN("a shared-memory connection closed or timed out before its handshake");
+        goto err_close_fd;
+    }
+    uint32_t hlen = get_u32(hdr + 8);
+    if (get_u32(hdr) != SHM_MAGIC || get_u32(hdr + 4) != SHM_VERSION || hlen > MAX_HELLO) {
+        snprintf(why, sizeof(why), "bad handshake (magic %08x, version %u, hello of %u bytes)",
+                 get_u32(hdr), get_u32(hdr + 4), hlen);
+        WEFT_WARN("refused a shared-memory connection: %s", why);
+        (void)answer(c->sock, get_u32(hdr + 4) != SHM_VERSION ? WEFT_ERR_VERSION
+                                                                : WEFT_ERR_PROTOCOL,
+                     why);
+        goto err_close_fd;
+    }
+    uint8_t *buf = weft_alloc(hlen == 0 ? 1 : hlen);
+    if (buf == NULL || !recv_until(c->sock, buf, hlen, deadline, &memfd)) {
+        weft_free(buf);
+        goto err_close_fd;
+    }
+    Weft__V1__Hello *h = weft__v1__hello__unpack(&weft__pb_allocator, hlen, buf);
+    weft_free(buf);
+    weft_status_t st =
+        weft__hello_check(a, h, WEFT__HELLO_SHM, ch + 8, deadline, &tls, why, sizeof(why));
+    int rank = st == WEFT_OK ? h->rank : -1;
+    if (h != NULL) {
+        weft__v1__hello__free_unpacked(h, &weft__pb_allocator);
+    }
+    if (st == WEFT_OK) {
+        st = take_ring(c, memfd, why, sizeof(why));
+    }
+    if (st == WEFT_OK) {
+        /* One ring per ordered pair: a second one claiming the rank is refused. */
+        pthread_mutex_lock(&d->mu);
+        for (shm_in_t *o = d->ins; o != NULL; o = o->next) {
+            if (o != c && !atomic_load(&o->done) && atomic_load(&o->peer) == rank) {
+                st = WEFT_ERR_ALREADY_EXISTS;
+                snprintf(why, sizeof(why), "rank %d has a shared-memory ring to %s already", rank,
+                         a->name);
+                break;
+            }
+        }
+        if (st == WEFT_OK) {
+            atomic_store(&c->peer, rank);
+        }
+        pthread_mutex_unlock(&d->mu);
+    }
+    if (memfd >= 0) {
+        close(memfd); /* the mapping stays */
+        memfd = -1;
+    }
+    if (st != WEFT_OK) {
+        WEFT_WARN("refused a shared-memory connection: %s", why);
+        (void)answer(c->sock, st, why);
+        return -1;
+    }
+    return answer(c->sock, WEFT_OK, "") ? rank : -1;
+
+err_close_fd:
+    if (memfd >= 0) {
+        close(memfd);
+    }
+    return -1;
+}
+
+/* A thread of a ring this rank reads: the first one shakes hands; each reads while it holds the
+ * reading role. */
+static void *role_main(void *arg)
+{
+    shm_in_t *c = arg;
+    weft_agent_t *a = c->agent;
+
+    weft__nopipe_thread();
+    /* The first thread shakes hands (before it holds the role: the Hello's check may wait). */
+    bool ok = atomic_load(&c->peer) >= 0 || handshake_in(c) >= 0;
+    tl_role = c;
+    weft__set_block_hook(role_block_hook, NULL);
+    while (ok && tl_role == c && !in_stopped(c) &&
+           !(atomic_load(&c->lose) && c->tail >= c->lose_at)) {
+        ok = read_frame(c);
+    }
+    if (tl_role == c) {
+        /* The ring is over with this thread: the peer closed it or died, was lost, or the agent
+         * closes. A peer gone while the agent runs is lost (after what it wrote was read). */
+        int peer = atomic_load(&c->peer);
+        tl_role = NULL;
+        pthread_mutex_lock(&a->shm->mu);
+        atomic_store(&c->done, true); /* from here on, losses are declared at once */
+        bool lose = atomic_load(&c->lose);
+        pthread_mutex_unlock(&a->shm->mu);
+        shutdown(c->sock, SHUT_RDWR); /* its writer, if alive, stops waiting */
+        if (lose) {
+            weft__agent_peer_lost(a, peer, c->lose_st, c->lose_why);
+        } else if (peer >= 0 && !in_stopped(c) && !weft__agent_closing(a) &&
+                   atomic_load(&a->state) < WEFT__AGENT_SHUTTING_DOWN) {
+            char why[300];
+            snprintf(why, sizeof(why), "%s (rank %d) closed its shared-memory ring (it exited?)",
+                     a->peers[peer].name != NULL ? a->peers[peer].name : "?", peer);
+            weft__agent_peer_lost(a, peer, WEFT_ERR_PEER_LOST, why);
+        }
+    }
+    weft__set_block_hook(NULL, NULL);
+    atomic_fetch_sub(&c->live, 1); /* the last thing it does with @p c */
+    return NULL;
+}
+
+/* Frees a ring whose threads have all ended. */
+static void in_free(shm_in_t *c)
+{
+    for (thr_t *t = c->threads; t != NULL;) {
+        thr_t *next = t->next;
+        pthread_join(t->t, NULL);
+        weft_free(t);
+        t = next;
+    }
+    if (c->ring != NULL) {
+        munmap(c->ring, c->map_len);
+    }
+    close(c->sock);
+    weft_free(c->ebuf);
+    weft_free(c);
+}
+
+/* Unlinks and frees the rings that are over. Called with d->mu held; returns what it unlinked. */
+static shm_in_t *reap_locked(weft__shm_t *d)
+{
+    shm_in_t *gone = NULL;
+    shm_in_t **pp = &d->ins;
+    while (*pp != NULL) {
+        shm_in_t *c = *pp;
+        if (atomic_load(&c->done) && atomic_load(&c->live) == 0) {
+            *pp = c->next;
+            c->next = gone;
+            gone = c;
+        } else {
+            pp = &c->next;
+        }
+    }
+    return gone;
+}
+
+static void free_list(shm_in_t *c)
+{
+    while (c != NULL) {
+        shm_in_t *next = c->next;
+        in_free(c);
+        c = next;
+    }
+}
+
+static void *acceptor_main(void *arg)
+{
+    weft__shm_t *d = arg;
+    weft_agent_t *a = d->agent;
+
+    while (!atomic_load(&d->stop)) {
+        struct pollfd pf[2] = {{d->listen_fd, POLLIN, 0}, {d->wake_fd, POLLIN, 0}};
+        int r = poll(pf, 2, 1000);
+        pthread_mutex_lock(&d->mu);
+        shm_in_t *gone = reap_locked(d);
+        pthread_mutex_unlock(&d->mu);
+        free_list(gone);
+        if (r <= 0 || (pf[0].revents & POLLIN) == 0 || atomic_load(&d->stop)) {
+            continue;
+        }
+        int fd = accept4(d->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            continue;
+        }
+        shm_in_t *c = weft_calloc(1, sizeof(*c));
+        thr_t *t = weft_alloc(sizeof(*t));
+        if (c == NULL || t == NULL) {
+            weft_free(c);
+            weft_free(t);
+            close(fd);
+            continue;
+        }
+        c->agent = a;
+        c->sock = fd;
+        atomic_init(&c->peer, -1);
+        atomic_init(&c->live, 1);
+        pthread_mutex_lock(&d->mu);
+        if (pthread_create(&t->t, NULL, role_main, c) != 0) {
+            pthread_mutex_unlock(&d->mu);
+            weft_free(t);
+            weft_free(c);
+            close(fd);
+            continue;
+        }
+        t->next = NULL;
+        c->threads = t;
+        c->next = d->ins;
+        d->ins = c;
+        pthread_mutex_unlock(&d->mu);
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------ writing a ring */
+
+static bool out_stopped(shm_out_t *o)
+{
+    return atomic_load(&o->cut) || atomic_load(&o->agent->shm->stop);
+}
+
+/* Makes what was written visible, and wakes the reader if it sleeps. */
+static void out_publish(shm_out_t *o)
+{
+    ring_hdr_t *r = o->ring;
+    if (o->published == o->head) {
+        return;
+    }
+    o->published = o->head;
+    atomic_store_explicit(&r->head, o->head, memory_order_release);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load_explicit(&r->reader_sleeping, memory_order_relaxed) != 0) {
+        atomic_store(&r->reader_sleeping, 0);
+        futex_wake(&r->reader_sleeping);
+    }
+}
+
+/* Room in the ring; UINT64_MAX when the reader's position is impossible. */
+static uint64_t out_room(shm_out_t *o)
+{
+    uint64_t t = atomic_load_explicit(&o->ring->tail, memory_order_acquire);
+    if (t > o->head || o->head - t > o->cap) {
+        return UINT64_MAX;
+    }
+    return o->cap - (o->head - t);
+}
+
+/* Waits for room (back-pressure): false when the peer is gone or lost or the agent closes. */
+static bool out_wait_room(shm_out_t *o)
+{
+    ring_hdr_t *r = o->ring;
+    uint64_t n;
+
+    out_publish(o);
+    atomic_fetch_add_explicit(&o->waits, 1, memory_order_relaxed);
+    int64_t spin = o->agent->shm->spin_ns;
+    if (spin > 0) {
+        int64_t end = weft__now_ns() + spin;
+        do {
+            for (int i = 0; i < 64; i++) {
+                if ((n = out_room(o)) != 0) {
+                    return n != UINT64_MAX;
+                }
+                cpu_relax();
+            }
+            sched_yield();
+        } while (weft__now_ns() < end);
+    }
+    /* This may take long: a thread reading a ring lets another read it meanwhile. */
+    role_hand_over();
+    for (;;) {
+        if (out_stopped(o)) {
+            return false;
+        }
+        atomic_store(&r->writer_waiting, 1);
+        if ((n = out_room(o)) != 0) {
+            atomic_store(&r->writer_waiting, 0);
+            return n != UINT64_MAX;
+        }
+        futex_wait(&r->writer_waiting, 1, SLEEP_MS);
+        atomic_store(&r->writer_waiting, 0);
+        if ((n = out_room(o)) != 0) {
+            return n != UINT64_MAX;
+        }
+        if (sock_gone(o->sock)) {
+            return false;
+        }
+    }
+}
+
+static bool out_write(shm_out_t *o, const uint8_t *p, size_t n)
+{
+    while (n > 0) {
+        uint64_t room = out_room(o);
+        if (room == 0 && !out_wait_room(o)) {
+            return false;
+        }
+        room = out_room(o);
+        if (room == UINT64_MAX) {
+            return false;
+        }
+        uint64_t k = room < n ? room : n;
+        uint64_t off = o->head & (o->cap - 1);
+        uint64_t first = o->cap - off < k ? o->cap - off : k;
+        memcpy(o->data + off, p, first);
+        memcpy(o->data, p + first, k - first);
+        o->head += k;
+        p += k;
+        n -= k;
+        if (o->head - o->published >= PUBLISH_MIN) {
+            out_publish(o); /* the reader starts on a long frame while the rest is copied */
+        }
+    }
+    return true;
+}
+
+/* Writes a frame (the caller holds write_mu). */
+static bool out_frame(shm_out_t *o, grpc_byte_buffer *bb)
+{
+    grpc_slice_buffer *sb = &bb->data.raw.slice_buffer;
+    for (size_t i = 0; i < sb->count; i++) {
+        if (!out_write(o, GRPC_SLICE_START_PTR(sb->slices[i]), GRPC_SLICE_LENGTH(sb->slices[i]))) {
+            return false;
+        }
+    }
+    out_publish(o);
+    return true;
+}
+
+/* Writes @p m and settles it. */
+static void write_out(shm_out_t *o, weft__outmsg_t *m)
+{
+    weft_agent_t *a = o->agent;
+
+    /* While the agent closes, a frame that finds room still goes (an answer of a handler that
+     * ran meanwhile); only waiting for room gives up. */
+    if (pthread_mutex_trylock(&o->write_mu) != 0) {
+        /* Another writer has the ring (it may wait for room): a thread reading a ring lets
+         * another read it while this one waits its turn. */
+        role_hand_over();
+        pthread_mutex_lock(&o->write_mu);
+    }
+    bool ok = !atomic_load(&o->cut) && out_frame(o, m->bb);
+    pthread_mutex_unlock(&o->write_mu);
+    if (ok) {
+        atomic_fetch_add_explicit(&o->frames, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&o->bytes, m->nbytes, memory_order_relaxed);
+        weft__outmsg_free(m, WEFT_OK, NULL);
+        if (!atomic_load_explicit(&o->watched, memory_order_relaxed) &&
+            !atomic_exchange(&o->watched, true)) {
+            /* The first frame: the peer's gRPC stream opens beside the ring (as it would for
+             * it), and its keepalive watches the peer (a stopped process, which a ring cannot
+             * tell from a busy one). */
+            weft__stream_t *s;
+            if (weft__peer_stream(a, o->peer, &s) == WEFT_OK) {
+                weft__stream_unref(s);
+            }
+        }
+        return;
+    }
+    bool closed = atomic_load(&a->shm->stop);
+    char why[300];
+    snprintf(why, sizeof(why), "%s (rank %d) %s while a frame was written to its ring",
+             a->peers[o->peer].name != NULL ? a->peers[o->peer].name : "?", o->peer,
+             closed ? "was closed" : "was lost");
+    if (m->user_request) {
+        /* Never delivered: uncount it, or shutdown's counters cannot agree. */
+        atomic_fetch_sub(&a->requests_sent, 1);
+    }
+    weft__outmsg_free(m, closed ? WEFT_ERR_SHUTDOWN : WEFT_ERR_PEER_LOST, why);
+    if (!closed && !weft__agent_closing(a) && atomic_load(&a->state) < WEFT__AGENT_SHUTTING_DOWN) {
+        weft__agent_peer_lost(a, o->peer, WEFT_ERR_PEER_LOST, why);
+    }
+}
+
+/* Makes the ring's memory (sealed: neither side can shrink it under the other). */
+static int make_ring(shm_out_t *o, uint64_t cap)
+{
+    size_t len = RING_OFF + (size_t)cap;
+    int fd = memfd_create("weft-shm-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) {
+        return -1;
+    }
+    if (ftruncate(fd, (off_t)len) != 0 ||
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        close(fd);
+        return -1;
+    }
+    ring_hdr_t *r = map_ring(fd, len);
+    if (r == NULL) {
+        close(fd);
+        return -1;
+    }
+    r->magic = SHM_MAGIC;
+    r->version = SHM_VERSION;
+    r->capacity = cap;
+    o->ring = r;
+    o->data = (uint8_t *)r + RING_OFF;
+    o->cap = cap;
+    o->map_len = len;
+    return fd;
+}
+
+/* Opens the ring to o->peer; false (logged) when it cannot. */
+static bool open_out(shm_out_t *o)
+{
+    weft_agent_t *a = o->agent;
+    weft__shm_t *d = a->shm;
+    int peer = o->peer;
+    const char *addr = a->peers[peer].shm_address;
+    int64_t deadline = weft__now_ns() + a->handshake_timeout_ms * 1000000;
+    const char *why = "the peer went away during the handshake";
+    uint8_t ch[8 + WEFT__CHALLENGE_BYTES];
+    uint8_t sig[WEFT__ID_SIG_BYTES];
+    uint8_t *hello = NULL;
+    int memfd = -1;
+
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        why = "no socket";
+        goto err;
+    }
+    struct timeval tv = {(time_t)(a->handshake_timeout_ms / 1000),
+                         (suseconds_t)(a->handshake_timeout_ms % 1000) * 1000};
+    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    struct sockaddr_un sa;
+    socklen_t salen = name_addr(addr, &sa);
+    if (connect(fd, (struct sockaddr *)&sa, salen) != 0) {
+        why = "its listener cannot be reached";
+        goto err;
+    }
+    if (!recv_until(fd, ch, sizeof(ch), deadline, NULL)) {
+        goto err;
+    }
+    if (get_u32(ch) != SHM_MAGIC || get_u32(ch + 4) != SHM_VERSION) {
+        why = "the peer speaks another handshake";
+        goto err;
+    }
+    if (weft__hello_sign(a, 'M', ch + 8, peer, sig) != WEFT_OK) {
+        why = "cannot sign the challenge";
+        goto err;
+    }
+    memfd = make_ring(o, d->ring_bytes);
+    if (memfd < 0) {
+        why = "cannot make the ring's memory (memfd)";
+        goto err;
+    }
+    Weft__V1__Hello h = WEFT__V1__HELLO__INIT;
+    weft__hello_fill(a, &h);
+    h.proof.data = sig;
+    h.proof.len = sizeof(sig);
+    size_t hlen = weft__v1__hello__get_packed_size(&h);
+    hello = weft_alloc(12 + hlen);
+    if (hello == NULL) {
+        why = "no memory";
+        goto err;
+    }
+    put_u32(hello, SHM_MAGIC);
+    put_u32(hello + 4, SHM_VERSION);
+    put_u32(hello + 8, (uint32_t)hlen);
+    weft__v1__hello__pack(&h, hello + 12);
+    /* The memfd travels with the header. */
+    struct iovec iov = {hello, 12};
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    memset(&ctl, 0, sizeof(ctl));
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.buf;
+    mh.msg_controllen = sizeof(ctl.buf);
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &memfd, sizeof(int));
+    ssize_t k;
+    do {
+        k = sendmsg(fd, &mh, MSG_NOSIGNAL);
+    } while (k < 0 && errno == EINTR);
+    uint8_t ans[8];
+    if (k != 12 || !send_all(fd, hello + 12, hlen) ||
+        !recv_until(fd, ans, sizeof(ans), deadline, NULL)) {
+        goto err;
+    }
+    close(memfd);
+    memfd = -1;
+    int32_t status = (int32_t)get_u32(ans);
+    uint32_t tlen = get_u32(ans + 4);
+    if (status != 0) {
+        char text[512] = "";
+        size_t tk = tlen < sizeof(text) - 1 ? tlen : sizeof(text) - 1;
+        if (recv_until(fd, text, tk, deadline, NULL)) {
+            text[tk] = '\0';
+        }
+        WEFT_WARN("shared-memory ring to rank %d refused (%s): %s; its frames take the network "
+                  "transports",
+                  peer,
+                  weft_strerror(weft_status_valid(status) ? (weft_status_t)status
+                                                          : WEFT_ERR_PROTOCOL),
+                  text);
+        weft_free(hello);
+        close(fd);
+        return false;
+    }
+    weft_free(hello);
+    o->sock = fd;
+    return true;
+
+err:
+    WEFT_WARN("shared-memory ring to rank %d failed (%s); its frames take the network transports",
+              peer, why);
+    weft_free(hello);
+    if (memfd >= 0) {
+        close(memfd);
+    }
+    if (fd >= 0) {
+        close(fd);
+    }
+    return false;
+}
+
+/* Opens the ring, then sends what waited for it (there, or to the network transports). */
+static void *opener_main(void *arg)
+{
+    shm_out_t *o = arg;
+    weft_agent_t *a = o->agent;
+
+    weft__nopipe_thread();
+    bool ok = open_out(o);
+    atomic_store(&o->opened, ok);
+    if (!ok && o->ring != NULL) {
+        munmap(o->ring, o->map_len);
+        o->ring = NULL;
+    }
+    pthread_mutex_lock(&o->mu);
+    while (o->qh != NULL) {
+        weft__outmsg_t *m = o->qh;
+        o->qh = m->next;
+        if (o->qh == NULL) {
+            o->qt = NULL;
+        }
+        m->next = NULL;
+        pthread_mutex_unlock(&o->mu);
+        if (ok) {
+            write_out(o, m);
+        } else {
+            weft__route_fallback(a, o->peer, m);
+        }
+        pthread_mutex_lock(&o->mu);
+    }
+    __atomic_store_n(&o->state, ok ? OUT_READY : OUT_FAILED, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&o->cv);
+    pthread_mutex_unlock(&o->mu);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ the transport */
+
+/* Starts opening the ring (o->mu held, state IDLE); false (state FAILED) when it cannot. */
+static bool start_opener_locked(shm_out_t *o)
+{
+    if (pthread_create(&o->opener, NULL, opener_main, o) != 0) {
+        __atomic_store_n(&o->state, OUT_FAILED, __ATOMIC_RELEASE);
+        return false;
+    }
+    o->opener_started = true;
+    __atomic_store_n(&o->state, OUT_OPENING, __ATOMIC_RELEASE);
+    return true;
+}
+
+void weft__shm_open_all(weft_agent_t *a)
+{
+    weft__shm_t *d = a->shm;
+    for (int i = 0; d != NULL && i < a->world_size; i++) {
+        shm_out_t *o = &d->outs[i];
+        if (i == a->rank || !same_host(d, a->peers[i].shm_address)) {
+            continue;
+        }
+        pthread_mutex_lock(&o->mu);
+        if (o->state == OUT_IDLE && !atomic_load(&d->stop) && !atomic_load(&o->cut)) {
+            (void)start_opener_locked(o);
+        }
+        pthread_mutex_unlock(&o->mu);
+    }
+}
+
+static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, weft__outmsg_t *m,
+                             uint32_t flags, weft__path_t *path_p)
+{
+    weft__shm_t *d = a->shm;
+    shm_out_t *o = &d->outs[peer];
+
+    (void)via; /* kept in the message (reply_via) for a fallback */
+    (void)flags;
+    (void)path_p;
+    pthread_mutex_lock(&o->mu);
+    if (o->state == OUT_OPENING && atomic_load(&o->opened)) {
+        /* The ring is open and the frames that waited for it are being written: this one goes
+         * after them, from this thread (the queue stays bounded). */
+        role_hand_over();
+        while (o->state == OUT_OPENING && !atomic_load(&o->cut)) {
+            pthread_cond_wait(&o->cv, &o->mu);
+        }
+    }
+    if ((atomic_load(&d->stop) && o->state != OUT_READY) || atomic_load(&o->cut)) {
+        bool stopped = !atomic_load(&o->cut);
+        pthread_mutex_unlock(&o->mu);
+        weft__outmsg_free(m, stopped ? WEFT_ERR_SHUTDOWN : WEFT_ERR_PEER_LOST,
+                          stopped ? "agent closed" : "peer lost");
+        return stopped ? weft__set_error(WEFT_ERR_SHUTDOWN, "rpc: the agent is closed")
+                       : weft__set_error(WEFT_ERR_PEER_LOST, "rpc: rank %d was lost", peer);
+    }
+    switch (o->state) {
+    case OUT_READY:
+        pthread_mutex_unlock(&o->mu);
+        write_out(o, m);
+        return WEFT_OK;
+    case OUT_FAILED:
+        pthread_mutex_unlock(&o->mu);
+        weft__route_fallback(a, peer, m);
+        return WEFT_OK;
+    case OUT_IDLE:
+        if (!start_opener_locked(o)) {
+            pthread_mutex_unlock(&o->mu);
+            weft__route_fallback(a, peer, m);
+            return WEFT_OK;
+        }
+        /* fallthrough */
+    default:
+        /* Opening: in order behind the frames that wait already. */
+        if (o->qt == NULL) {
+            o->qh = o->qt = m;
+        } else {
+            o->qt->next = m;
+            o->qt = m;
+        }
+        pthread_mutex_unlock(&o->mu);
+        return WEFT_OK;
+    }
+}
+
+static bool tp_usable(weft_agent_t *a, int peer)
+{
+    weft__shm_t *d = a->shm;
+    if (d == NULL || d->outs == NULL || peer < 0 || peer >= a->world_size || peer == a->rank) {
+        return false;
+    }
+    shm_out_t *o = &d->outs[peer];
+    /* The state only ever leaves IDLE, and FAILED is final: read without the lock. While the
+     * agent closes, an open ring still carries what finds room in it. */
+    int state = __atomic_load_n(&o->state, __ATOMIC_ACQUIRE);
+    if (atomic_load(&d->stop)) {
+        return state == OUT_READY && !atomic_load(&o->cut);
+    }
+    return state != OUT_FAILED && !atomic_load(&o->cut) && same_host(d, a->peers[peer].shm_address);
+}
+
+static void tp_cut(weft_agent_t *a, int peer)
+{
+    weft__shm_t *d = a->shm;
+    if (d == NULL || d->outs == NULL || peer < 0 || peer >= a->world_size) {
+        return;
+    }
+    shm_out_t *o = &d->outs[peer];
+    pthread_mutex_lock(&o->mu);
+    atomic_store(&o->cut, true);
+    pthread_cond_broadcast(&o->cv);
+    if (o->state == OUT_READY && o->ring != NULL) {
+        futex_wake(&o->ring->writer_waiting); /* a writer held by the full ring gives up */
+    }
+    pthread_mutex_unlock(&o->mu);
+    /* And what comes from it: its reader stops (what it wrote is of a lost peer). */
+    pthread_mutex_lock(&d->mu);
+    for (shm_in_t *c = d->ins; c != NULL; c = c->next) {
+        if (atomic_load(&c->peer) == peer && !atomic_load(&c->done)) {
+            atomic_store(&c->cut, true);
+            if (c->ring != NULL) {
+                futex_wake(&c->ring->reader_sleeping);
+            }
+        }
+    }
+    pthread_mutex_unlock(&d->mu);
+}
+
+static void tp_stop(weft_agent_t *a)
+{
+    weft__shm_t *d = a->shm;
+    if (d == NULL) {
+        return;
+    }
+    atomic_store(&d->stop, true);
+    if (d->acceptor_started) {
+        uint64_t one = 1;
+        ssize_t k = write(d->wake_fd, &one, sizeof(one));
+        (void)k;
+        pthread_join(d->acceptor, NULL);
+        d->acceptor_started = false;
+    }
+    /* Writers held by a full ring and openers give up; then the rings close. */
+    for (int i = 0; d->outs != NULL && i < a->world_size; i++) {
+        shm_out_t *o = &d->outs[i];
+        pthread_mutex_lock(&o->mu);
+        bool started = o->opener_started;
+        o->opener_started = false;
+        pthread_mutex_unlock(&o->mu);
+        if (started) {
+            pthread_join(o->opener, NULL);
+        }
+        pthread_mutex_lock(&o->mu);
+        if (o->ring != NULL && o->state == OUT_READY) {
+            futex_wake(&o->ring->writer_waiting);
+        }
+        pthread_mutex_unlock(&o->mu);
+    }
+    /* Readers read no further frame; a thread delivering one finishes it (weft__shm_destroy
+     * joins them), and what it sends still goes out through open rings until then. */
+    pthread_mutex_lock(&d->mu);
+    for (shm_in_t *c = d->ins; c != NULL; c = c->next) {
+        atomic_store(&c->cut, true);
+        if (c->ring != NULL) {
+            futex_wake(&c->ring->reader_sleeping);
+        }
+        shutdown(c->sock, SHUT_RDWR);
+    }
+    pthread_mutex_unlock(&d->mu);
+}
+
+const weft__transport_t weft__shm_transport = {
+    .name = "shared memory",
+    .send = tp_send,
+    .usable = tp_usable,
+    .cut = tp_cut,
+    .stop = tp_stop,
+};
+
+/* ------------------------------------------------------------ lifecycle */
+
+weft_status_t weft__shm_create(weft_agent_t *a)
+{
+    if (!weft__cfg_bool(WEFT__CFG_SHM)) {
+        return WEFT_OK;
+    }
+    weft__shm_t *d = weft_calloc(1, sizeof(*d));
+    if (d == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "shm: no memory");
+    }
+    d->agent = a;
+    d->listen_fd = -1;
+    d->wake_fd = -1;
+    pthread_mutex_init(&d->mu, NULL);
+    host_identity(d->host);
+    uint64_t kb = (uint64_t)weft__cfg_int(WEFT__CFG_SHM_RING_KB);
+    uint64_t bytes = (uint64_t)64 << 10;
+    while (bytes < kb * 1024 && bytes < ((uint64_t)256 << 20)) {
+        bytes <<= 1; /* rounded up to a power of two */
+    }
+    d->ring_bytes = bytes;
+    d->spin_ns = weft__cfg_int(WEFT__CFG_SHM_SPIN_US) * 1000;
+    d->outs = weft_calloc((size_t)a->world_size, sizeof(*d->outs));
+    uint8_t rnd[8];
+    if (d->outs == NULL || weft__random_bytes(rnd, sizeof(rnd)) != WEFT_OK) {
+        goto err_free;
+    }
+    for (int i = 0; i < a->world_size; i++) {
+        shm_out_t *o = &d->outs[i];
+        o->agent = a;
+        o->peer = i;
+        o->sock = -1;
+        pthread_mutex_init(&o->mu, NULL);
+        pthread_mutex_init(&o->write_mu, NULL);
+        pthread_cond_init(&o->cv, NULL);
+    }
+    snprintf(d->address, sizeof(d->address), NAME_PREFIX "%s-%d-%02x%02x%02x%02x%02x%02x%02x%02x",
+             d->host, (int)getpid(), rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5], rnd[6],
+             rnd[7]);
+    d->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    d->wake_fd = eventfd(0, EFD_CLOEXEC);
+    struct sockaddr_un sa;
+    socklen_t salen = name_addr(d->address, &sa);
+    if (d->listen_fd < 0 || d->wake_fd < 0 || bind(d->listen_fd, (struct sockaddr *)&sa, salen) != 0 ||
+        listen(d->listen_fd, 128) != 0) {
+        WEFT_WARN("shared memory: cannot listen (%s); frames between ranks of this host take the "
+                  "network transports",
+                  strerror(errno));
+        goto err_free;
+    }
+    a->shm = d;
+    if (pthread_create(&d->acceptor, NULL, acceptor_main, d) != 0) {
+        a->shm = NULL;
+        goto err_free;
+    }
+    d->acceptor_started = true;
+    return WEFT_OK;
+
+err_free:
+    if (d->listen_fd >= 0) {
+        close(d->listen_fd);
+    }
+    if (d->wake_fd >= 0) {
+        close(d->wake_fd);
+    }
+    for (int i = 0; d->outs != NULL && i < a->world_size; i++) {
+        pthread_mutex_destroy(&d->outs[i].mu);
+        pthread_mutex_destroy(&d->outs[i].write_mu);
+        pthread_cond_destroy(&d->outs[i].cv);
+    }
+    weft_free(d->outs);
+    pthread_mutex_destroy(&d->mu);
+    weft_free(d);
+    return WEFT_OK; /* the other transports carry everything */
+}
+
+const char *weft__shm_address(const weft_agent_t *a)
+{
+    return a->shm != NULL ? a->shm->address : "";
+}
+
+void weft__shm_destroy(weft_agent_t *a)
+{
+    weft__shm_t *d = a->shm;
+    if (d == NULL) {
+        return;
+    }
+    /* The rings' threads: the last ones finish what they deliver (the calls they wait on have
+     * failed by now: the agent failed every pending call). */
+    for (;;) {
+        pthread_mutex_lock(&d->mu);
+        shm_in_t *gone = reap_locked(d);
+        shm_in_t *left = d->ins;
+        pthread_mutex_unlock(&d->mu);
+        free_list(gone);
+        if (left == NULL) {
+            break;
+        }
+        /* Wait for the next one to end: join any thread of the first ring still listed. */
+        pthread_mutex_lock(&d->mu);
+        thr_t *t = left->threads;
+        left->threads = NULL;
+        pthread_mutex_unlock(&d->mu);
+        for (; t != NULL;) {
+            thr_t *next = t->next;
+            pthread_join(t->t, NULL);
+            weft_free(t);
+            t = next;
+        }
+    }
+    for (int i = 0; i < a->world_size; i++) {
+        shm_out_t *o = &d->outs[i];
+        weft__outmsg_t *m = o->qh;
+        if (o->sock >= 0) {
+            shutdown(o->sock, SHUT_RDWR); /* the peer reads what is in the ring, then the end */
+        }
+        while (m != NULL) {
+            weft__outmsg_t *next = m->next;
+            weft__outmsg_free(m, WEFT_ERR_SHUTDOWN, "agent closed");
+            m = next;
+        }
+        if (o->ring != NULL) {
+            munmap(o->ring, o->map_len);
+        }
+        if (o->sock >= 0) {
+            close(o->sock);
+        }
+        pthread_mutex_destroy(&o->mu);
+        pthread_mutex_destroy(&o->write_mu);
+        pthread_cond_destroy(&o->cv);
+    }
+    weft_free(d->outs);
+    close(d->listen_fd);
+    close(d->wake_fd);
+    pthread_mutex_destroy(&d->mu);
+    weft_free(d);
+    a->shm = NULL;
+}
+
+bool weft__shm_reads_from(weft_agent_t *a, int peer)
+{
+    weft__shm_t *d = a->shm;
+    bool found = false;
+    if (d == NULL) {
+        return false;
+    }
+    pthread_mutex_lock(&d->mu);
+    for (shm_in_t *c = d->ins; c != NULL && !found; c = c->next) {
+        found = atomic_load(&c->peer) == peer && !atomic_load(&c->done);
+    }
+    pthread_mutex_unlock(&d->mu);
+    return found;
+}
+
+bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const char *why)
+{
+    weft__shm_t *d = a->shm;
+    bool deferred = false;
+    if (d == NULL) {
+        return false;
+    }
+    pthread_mutex_lock(&d->mu);
+    for (shm_in_t *c = d->ins; c != NULL && !deferred; c = c->next) {
+        if (atomic_load(&c->peer) != peer || atomic_load(&c->done) || c->ring == NULL) {
+            continue;
+        }
+        if (!atomic_load(&c->lose)) {
+            c->lose_at = atomic_load_explicit(&c->ring->head, memory_order_acquire);
+            c->lose_st = st;
+            snprintf(c->lose_why, sizeof(c->lose_why), "%s", why != NULL ? why : "peer lost");
+            atomic_store(&c->lose, true);
+            futex_wake(&c->ring->reader_sleeping);
+        }
+        deferred = true;
+    }
+    pthread_mutex_unlock(&d->mu);
+    return deferred;
+}
+
+/* ------------------------------------------------------------ public */
+
+const char *weft_agent_worker_shm_address(const weft_agent_t *a, int rank)
+{
+    if (a == NULL || a->peers == NULL || rank < 0 || rank >= a->world_size) {
+        return "";
+    }
+    return a->peers[rank].shm_address != NULL ? a->peers[rank].shm_address : "";
+}
+
+weft_status_t weft_agent_shm_stats(const weft_agent_t *a, int rank, weft_shm_stats_t *stats_p)
+{
+    if (a == NULL || stats_p == NULL || rank < 0 || rank >= a->world_size) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "agent_shm_stats: bad agent, rank or output");
+    }
+    weft_shm_stats_t s = {0};
+    weft__shm_t *d = a->shm;
+    if (d != NULL) {
+        shm_out_t *o = &d->outs[rank];
+        s.ring_open = atomic_load(&o->opened) && !atomic_load(&o->cut);
+        s.frames_sent = atomic_load(&o->frames);
+        s.bytes_sent = atomic_load(&o->bytes);
+        s.writer_waits = atomic_load(&o->waits);
+        pthread_mutex_lock(&d->mu);
+        for (shm_in_t *c = d->ins; c != NULL; c = c->next) {
+            if (atomic_load(&c->peer) == rank) {
+                s.frames_received += atomic_load(&c->frames);
+                s.bytes_received += atomic_load(&c->bytes);
+            }
+        }
+        pthread_mutex_unlock(&d->mu);
+    }
+    *stats_p = s;
+    return WEFT_OK;
+}
