@@ -30,6 +30,7 @@ def runner_args(doc, quick_help, out_help, skip_torch_help):
     p.add_argument("--torch-python", help="python interpreter with torch (default: this one, else /usr/bin/python3)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one measurement may take")
     p.add_argument("--verbose", action="store_true", help="pass the programs' stderr through")
+    p.add_argument("--plot", metavar="DIR", help="draw the sweeps into PNG files in DIR (python3-matplotlib)")
     a = p.parse_args()
     if a.repeat is None:
         a.repeat = 1 if a.quick else 2

@@ -462,7 +462,9 @@ static bool in_read(shm_in_t *c, void *buf, uint64_t n)
 }
 
 /* Hands @p n bytes of the ring to a landing's sink straight from the shared memory (no copy of
- * its own), piece by piece as they come. */
+ * its own), piece by piece as they come. A piece is a multiple of 8 bytes (whole elements of
+ * every dtype) but for the last: a few bytes split by the ring's end or not all there yet go
+ * through a small copy instead. */
 static bool in_sink(shm_in_t *c, const weft_landing_t *l, uint64_t n)
 {
     ring_hdr_t *r = c->ring;
@@ -481,6 +483,19 @@ static bool in_sink(shm_in_t *c, const weft_landing_t *l, uint64_t n)
         }
         if (k > c->cap - off) {
             k = c->cap - off; /* up to the ring's end; the rest next time round */
+        }
+        if (k < n - done) {
+            k &= ~(uint64_t)7;
+        }
+        if (k == 0) {
+            uint8_t tmp[8];
+            uint64_t t = n - done < 8 ? n - done : 8;
+            if (!in_read(c, tmp, t)) {
+                return false;
+            }
+            l->sink(l->arg, (size_t)done, tmp, (size_t)t);
+            done += t;
+            continue;
         }
         l->sink(l->arg, (size_t)done, c->data + off, (size_t)k);
         done += k;
@@ -1386,6 +1401,11 @@ static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, wef
         while (o->state == OUT_OPENING && !atomic_load(&o->cut)) {
             pthread_cond_wait(&o->cv, &o->mu);
         }
+    }
+    /* A peer declared lost is cut only after its pending calls failed: a call made in between
+     * must not go into its ring (nothing would fail it). */
+    if (__atomic_load_n(&a->peers[peer].lost, __ATOMIC_ACQUIRE)) {
+        atomic_store(&o->cut, true);
     }
     if ((atomic_load(&d->stop) && o->state != OUT_READY) || atomic_load(&o->cut)) {
         bool stopped = !atomic_load(&o->cut);

@@ -10,6 +10,7 @@ WEFT_PACKAGES=(
   libcriterion-dev libopenblas-dev
   clang libclang-rt-14-dev valgrind iproute2
   python3-grpcio python3-protobuf python3-cryptography protobuf-compiler
+  python3-matplotlib
   dataset-fashion-mnist
 )
 
