@@ -60,6 +60,7 @@
 #define SLEEP_MS    50                   /* a sleeping side looks at the peer's socket this often */
 #define PUBLISH_MIN ((uint64_t)64 << 10) /* a long frame is made visible in pieces this large */
 #define NAME_PREFIX "weft-shm-"
+#define HOT_BYTES   ((uint64_t)256 << 10) /* an unaligned landing goes through this much at a time */
 
 _Static_assert(ATOMIC_LLONG_LOCK_FREE == 2 && ATOMIC_INT_LOCK_FREE == 2,
                "the ring's words are shared between processes: they must be lock-free");
@@ -93,6 +94,7 @@ typedef struct shm_in {
     size_t map_len;
     uint64_t tail;   /* the reading role's position */
     uint8_t *ebuf;   /* the reading role's envelope buffer */
+    uint8_t *hot;    /* the reading role's landing buffer (unaligned pieces), made when needed */
     size_t ebuf_cap;
     thr_t *threads;    /* every thread that held the role (under d->mu); joined when reaped */
     _Atomic int live;  /* of those, the ones still running */
@@ -486,6 +488,22 @@ static bool in_sink(shm_in_t *c, const weft_landing_t *l, uint64_t n)
         }
         if (k < n - done) {
             k &= ~(uint64_t)7;
+        }
+        if (k > 0 && ((uintptr_t)(c->data + off) & 7) != 0) {
+            /* Not aligned for the sink's element loads (a frame starts anywhere in the ring):
+             * through a small hot buffer. */
+            if (c->hot == NULL && (c->hot = weft_alloc(HOT_BYTES)) == NULL) {
+                return false;
+            }
+            if (k > HOT_BYTES) {
+                k = HOT_BYTES;
+            }
+            if (!in_read(c, c->hot, k)) {
+                return false;
+            }
+            l->sink(l->arg, (size_t)done, c->hot, (size_t)k);
+            done += k;
+            continue;
         }
         if (k == 0) {
             uint8_t tmp[8];
@@ -931,6 +949,7 @@ static void in_free(shm_in_t *c)
     }
     close(c->sock);
     weft_free(c->ebuf);
+    weft_free(c->hot);
     weft_free(c);
 }
 
