@@ -381,6 +381,15 @@ static weft_status_t all_to_all_check(coll_group_t *g, const coll_desc_t *dv, in
         coll__msg_free(m);
         WEFT_CHECK(st);
     }
+    return coll__all_to_all_pairs(g, dv, all);
+}
+
+weft_status_t coll__all_to_all_pairs(const coll_group_t *g, const coll_desc_t *dv,
+                                     const int64_t *all)
+{
+    int n = g->size;
+    size_t row = 2 * (size_t)n;
+
     for (int s = 0; s < n; s++) {
         for (int r = 0; r < n; r++) {
             int64_t sent = all[(size_t)s * row + (size_t)r];

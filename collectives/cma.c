@@ -1,31 +1,42 @@
-/* all_reduce between ranks on one host by cross-memory attach (process_vm_readv): each
- * rank pulls its chunk of every other rank's buffer straight from that rank's memory,
- * reduces it in a cache-resident buffer, and then pulls the other ranks' reduced chunks
- * into place. One kernel copy per byte moved (TCP: two, plus the socket's system calls
- * and wake-ups); the messages that carry the addresses and say when a chunk is ready go
- * over the agent's connections like every other piece.
+/* Collectives between ranks on one host by cross-memory attach (process_vm_readv): each rank
+ * pulls what it needs straight from the other ranks' buffers. One kernel copy per byte moved
+ * (TCP: two, plus the socket's system calls and wake-ups); the messages that carry the
+ * addresses and say when a rank is done go over the agent's connections like every other
+ * piece.
  *
- * Ranks only ever read each other, never write. A rank keeps its buffer unchanged while
- * others may read it: from its HELLO until every other rank's FIN. A rank that leaves
- * the operation early (a failure, a deadline) clears its epoch word first; a reader
- * checks that word after reading, so that bytes read after the owner left become an
- * error, never a wrong result.
+ *   all_reduce      each rank pulls its chunk of every other rank's buffer, reduces it in a
+ *                   cache-resident buffer, then pulls the other ranks' reduced chunks
+ *   broadcast       every other rank pulls the root's buffer
+ *   all_gather      each rank pulls every other rank's input into its part of the output
+ *   reduce_scatter  each rank pulls its part of every other rank's input and reduces them,
+ *                   in rank order
+ *   all_to_all      each rank pulls from every other rank the part of its input meant for it
+ *
+ * Ranks only ever read each other, never write. A rank keeps what it announced unchanged
+ * while others may read it: from its HELLO until every other rank's FIN. A rank that leaves
+ * the operation early (a failure, a deadline) clears its epoch word first; a reader checks
+ * that word after reading, so that bytes read after the owner left become an error, never a
+ * wrong result.
  *
  * Whether the reads work (same host, same user, the system call allowed) is settled by a
  * vote on the first such operation of a group: every rank reads every other's epoch word,
- * and all ranks fall back to the ring together unless every read worked everywhere. */
+ * and all ranks fall back to the other algorithms together unless every read worked
+ * everywhere. */
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
 
-/* The steps of the messages of this algorithm (the ring's are below 2^31). */
+/* The steps of the messages of these algorithms (the ring's are below 2^31, basic.c's
+ * VERIFY_STEP is 0xffff0000: an operation that falls back never meets them). */
 #define CMA_STEP_HELLO 0xfff00000u
 #define CMA_STEP_VOTE  0xfff00001u
 #define CMA_STEP_DONE  0xfff00002u
@@ -34,8 +45,20 @@
 /* Pulled and reduced in pieces this large: two of them stay in cache. */
 #define CMA_SEG_BYTES (256u << 10)
 
-/* The HELLO: what a rank tells every other about itself and its buffer. */
+/* The HELLO: what a rank tells every other about itself and its buffer; an operation may
+ * add words of its own after these (all_to_all: its split lists). */
 enum { H_PID, H_ADDR, H_BYTES, H_EPOCH_ADDR, H_EPOCH, H_WILLING, H_NEED_VOTE, H_HOST, H_N };
+
+/* How an operation signals (coll_cma_board_t.mode). */
+#define CMA_MODE_BOARDS   1u
+#define CMA_MODE_MESSAGES 2u
+
+/* A wait on the boards looks, yielding the processor in between, this many times (a look
+ * and a yield: about 2 us when nothing else runs; 1000 measured slower at 4 ranks on 2
+ * cores), then naps this long between looks: a member late by more than some 40 ms costs the
+ * waiters little processor time. */
+#define CMA_SPINS  20000
+#define CMA_NAP_NS 50000
 
 /* Votes: every other rank can be read; one cannot; one has already left the operation (no
  * verdict: the operation fails everywhere and the next one votes again). */
@@ -45,6 +68,21 @@ typedef struct {
     pid_t pid;
     uint64_t addr, bytes, epoch_addr, epoch;
 } cma_peer_t;
+
+/* One operation's reads: what every member announced, and the messages sent. Opened by
+ * cma_open, closed by cma_close, whatever happened in between. */
+typedef struct {
+    coll_group_t *g;
+    const coll_desc_t *d;
+    int64_t deadline;
+    uint64_t epoch;    /* this operation's value of the epoch words */
+    bool fast;         /* signalled on the boards (the group settled), not by messages */
+    cma_peer_t *peers; /* by group rank */
+    int64_t *hello;    /* ours, H_N + nextra words (sent without copying) */
+    int64_t *extra;    /* n rows of nextra words: what each member added (ours too) */
+    size_t nextra;
+    weft_future_t **rel; /* HELLO to r at r, VOTE to r at n + r */
+} cma_t;
 
 static _Atomic long cma_ops;
 
@@ -108,16 +146,21 @@ static int64_t host_id(void)
     return v;
 }
 
+/* ------------------------------------------------------------ reading a member's memory */
+
 /* Reads @p n bytes at @p off of group rank @p q's announced region @p base (@p limit bytes
  * long) into @p dst. */
-static weft_status_t pull(const cma_peer_t *p, int q, uint64_t base, uint64_t limit, uint64_t off,
+static weft_status_t pull(const cma_t *c, int q, uint64_t base, uint64_t limit, uint64_t off,
                           void *dst, size_t n)
 {
+    const cma_peer_t *p = &c->peers[q];
+    const char *what = coll__kind_name(c->d->kind);
+
     if (off > limit || n > limit - off) {
         return weft__set_error(WEFT_ERR_PROTOCOL,
-                               "all_reduce: read of %zu bytes at %llu is outside the %llu bytes "
-                               "group rank %d announced",
-                               n, (unsigned long long)off, (unsigned long long)limit, q);
+                               "%s: read of %zu bytes at %llu is outside the %llu bytes group "
+                               "rank %d announced",
+                               what, n, (unsigned long long)off, (unsigned long long)limit, q);
     }
     uint8_t *d = dst;
     while (n > 0) {
@@ -126,20 +169,18 @@ static weft_status_t pull(const cma_peer_t *p, int q, uint64_t base, uint64_t li
         if (got <= 0) {
             int e = got < 0 ? errno : EIO;
             if (e == ESRCH) {
-                return weft__set_error(WEFT_ERR_PEER_LOST,
-                                       "all_reduce: group rank %d (pid %d) is gone", q,
-                                       (int)p->pid);
+                return weft__set_error(WEFT_ERR_PEER_LOST, "%s: group rank %d (pid %d) is gone",
+                                       what, q, (int)p->pid);
             }
             if (e == EFAULT) {
                 return weft__set_error(WEFT_ERR_PROTOCOL,
-                                       "all_reduce: group rank %d announced memory it does not "
-                                       "have (pid %d, 0x%llx)",
-                                       q, (int)p->pid, (unsigned long long)(base + off));
+                                       "%s: group rank %d announced memory it does not have "
+                                       "(pid %d, 0x%llx)",
+                                       what, q, (int)p->pid, (unsigned long long)(base + off));
             }
             return weft__set_error(WEFT_ERR_TRANSPORT,
-                                   "all_reduce: cross-memory read from group rank %d (pid %d) "
-                                   "failed: %s",
-                                   q, (int)p->pid, strerror(e));
+                                   "%s: cross-memory read from group rank %d (pid %d) failed: %s",
+                                   what, q, (int)p->pid, strerror(e));
         }
         d += got;
         off += (uint64_t)got;
@@ -150,28 +191,31 @@ static weft_status_t pull(const cma_peer_t *p, int q, uint64_t base, uint64_t li
 
 /* Whether group rank @p q is still in the operation: its epoch word still holds the value
  * it announced. Everything read from it before this check was read while it was. */
-static weft_status_t still_there(const cma_peer_t *p, int q)
+static weft_status_t still_there(const cma_t *c, int q)
 {
+    const cma_peer_t *p = &c->peers[q];
     uint64_t e = 0;
-    WEFT_CHECK(pull(p, q, p->epoch_addr, sizeof(e), 0, &e, sizeof(e)));
+    WEFT_CHECK(pull(c, q, p->epoch_addr, sizeof(e), 0, &e, sizeof(e)));
     if (e != p->epoch) {
         /* Not PEER_LOST: the rank may be alive, having given up (a deadline, a failure). */
         return weft__set_error(WEFT_ERR_TRANSPORT,
-                               "all_reduce: group rank %d left the operation while its buffer "
-                               "was being read",
-                               q);
+                               "%s: group rank %d left the operation while its buffer was being "
+                               "read",
+                               coll__kind_name(c->d->kind), q);
     }
     return WEFT_OK;
 }
 
-/* pull() from @p q's buffer; a failed read of an owner that has left says so. */
-static weft_status_t pull_data(const cma_peer_t *p, int q, uint64_t off, void *dst, size_t n)
+/* Reads @p n bytes at @p off of @p q's announced buffer; a failed read of an owner that has
+ * left says so. The caller checks still_there() once done reading @p q. */
+static weft_status_t cma_read(const cma_t *c, int q, uint64_t off, void *dst, size_t n)
 {
-    weft_status_t st = pull(p, q, p->addr, p->bytes, off, dst, n);
+    const cma_peer_t *p = &c->peers[q];
+    weft_status_t st = pull(c, q, p->addr, p->bytes, off, dst, n);
     if (st != WEFT_OK && st != WEFT_ERR_PEER_LOST) {
         char why[WEFT__ERROR_MAX];
         snprintf(why, sizeof(why), "%s", weft_last_error());
-        weft_status_t there = still_there(p, q);
+        weft_status_t there = still_there(c, q);
         if (there != WEFT_OK) {
             return there;
         }
@@ -188,33 +232,468 @@ static uint64_t epoch_of(const coll_group_t *g, uint64_t seq)
     return x != 0 ? x : 1;
 }
 
-/* Reduces chunk elements [lo, lo + len) from every rank, in rank order, into @p work. */
-static weft_status_t reduce_chunk(coll_group_t *g, const coll_desc_t *d, const coll_kern_t *k,
-                                  const cma_peer_t *peers, uint8_t *work, size_t lo, size_t len,
-                                  weft_dtype_t wt, uint8_t *acc, uint8_t *tmp)
+/* ------------------------------------------------------------ an operation's reads */
+
+/* Reads group rank @p q's board (once the group settled). */
+static weft_status_t read_board(const cma_t *c, int q, coll_cma_board_t *b)
+{
+    return pull(c, q, c->g->cma_boards[q], sizeof(*b), 0, b, sizeof(*b));
+}
+
+/* One more round of a wait on the members' boards: fails as a wait on a piece would (an
+ * abort, a lost member, the deadline); yields the processor, then, past a while, sleeps. */
+static weft_status_t wait_a_bit(cma_t *c, int *spins)
+{
+    if ((*spins)++ % 8 == 0) {
+        WEFT_CHECK(coll__check(c->g, c->d, c->deadline));
+    }
+    if (*spins < CMA_SPINS) {
+        sched_yield();
+    } else {
+        struct timespec ts = {0, CMA_NAP_NS};
+        nanosleep(&ts, NULL);
+    }
+    return WEFT_OK;
+}
+
+/* Tells the members this rank reached @p step (DONE: to all; FIN: to @p r). */
+static weft_status_t cma_tell(cma_t *c, uint32_t step, int r)
+{
+    return coll__send(c->g, c->d, step, r, NULL, 0, WEFT_U8, NULL);
+}
+
+/* This rank reduced its chunk (all_reduce): the others may read it. */
+static weft_status_t cma_reduced(cma_t *c)
+{
+    atomic_store(&c->g->cma_board.done, c->d->seq + 1);
+    for (int r = 0; r < c->g->size && !c->fast; r++) {
+        if (r != c->g->rank) {
+            WEFT_CHECK(cma_tell(c, CMA_STEP_DONE, r));
+        }
+    }
+    return WEFT_OK;
+}
+
+/* This rank read all it needed of the others (each checked and told by cma_done_with). */
+static void cma_finished(cma_t *c)
+{
+    atomic_store(&c->g->cma_board.fin, c->d->seq + 1);
+}
+
+/* Waits until group rank @p r reached @p step (DONE, FIN). On the boards, the words hold
+ * exactly this operation's seq + 1 then: the rank cannot be further while this one waits
+ * (and a torn read never shows that value). */
+static weft_status_t cma_await(cma_t *c, uint32_t step, int r)
+{
+    if (!c->fast) {
+        coll_msg_t *m;
+        WEFT_CHECK(coll__recv(c->g, c->d, step, r, c->deadline, &m));
+        coll__msg_free(m);
+        return WEFT_OK;
+    }
+    for (int spins = 0;;) {
+        coll_cma_board_t b;
+        WEFT_CHECK(read_board(c, r, &b));
+        if ((step == CMA_STEP_DONE ? b.done : b.fin) == c->d->seq + 1) {
+            return WEFT_OK;
+        }
+        WEFT_CHECK(wait_a_bit(c, &spins));
+    }
+}
+
+/* Waits for every other rank's FIN: nobody reads this rank any more. */
+static weft_status_t cma_await_all(cma_t *c)
+{
+    for (int k = 1; k < c->g->size; k++) {
+        WEFT_CHECK(cma_await(c, CMA_STEP_FIN, (c->g->rank + k) % c->g->size));
+    }
+    return WEFT_OK;
+}
+
+/* Checks that group rank @p q is still there after this rank read what it needed of it, and
+ * tells it so (its FIN; on the boards, cma_finished says it for all). */
+static weft_status_t cma_done_with(cma_t *c, int q)
+{
+    WEFT_CHECK(still_there(c, q));
+    return c->fast ? WEFT_OK : cma_tell(c, CMA_STEP_FIN, q);
+}
+
+/* Takes group rank @p r's HELLO words @p h into c->peers[r] and c->extra's row r; ANDs its
+ * willingness into *willing_p and ORs its need of a vote into *vote_p. */
+static weft_status_t take_hello(cma_t *c, int r, const int64_t *h, uint64_t bytes, bool same_bytes,
+                                bool *willing_p, bool *vote_p)
+{
+    const char *what = coll__kind_name(c->d->kind);
+
+    if (h[H_PID] <= 0 || h[H_PID] > INT32_MAX) {
+        return weft__set_error(WEFT_ERR_PROTOCOL, "%s: group rank %d announced process id %lld",
+                               what, r, (long long)h[H_PID]);
+    }
+    cma_peer_t *p = &c->peers[r];
+    p->pid = (pid_t)h[H_PID];
+    p->addr = (uint64_t)h[H_ADDR];
+    p->bytes = (uint64_t)h[H_BYTES];
+    p->epoch_addr = (uint64_t)h[H_EPOCH_ADDR];
+    p->epoch = (uint64_t)h[H_EPOCH];
+    if (c->nextra > 0) {
+        memcpy(c->extra + (size_t)r * c->nextra, h + H_N, c->nextra * sizeof(int64_t));
+    }
+    /* Another host (or PID namespace): nobody reads anybody, decided alike. */
+    *willing_p = *willing_p && h[H_WILLING] == 1 && h[H_HOST] == c->hello[H_HOST];
+    *vote_p = *vote_p || h[H_NEED_VOTE] == 1;
+    if (same_bytes && p->bytes != bytes) {
+        return weft__set_error(WEFT_ERR_PROTOCOL,
+                               "%s: group rank %d announced %llu bytes where this rank has %llu",
+                               what, r, (unsigned long long)p->bytes, (unsigned long long)bytes);
+    }
+    return WEFT_OK;
+}
+
+/* Receives group rank @p r's HELLO message and takes it. */
+static weft_status_t hello_by_message(cma_t *c, int r, uint64_t bytes, bool same_bytes,
+                                      bool *willing_p, bool *vote_p)
+{
+    coll_msg_t *m;
+    weft_status_t st;
+
+    WEFT_CHECK(coll__recv(c->g, c->d, CMA_STEP_HELLO, r, c->deadline, &m));
+    weft_tensor_t *t = coll__msg_tensor(m);
+    if (t == NULL || weft_tensor_dtype(t) != WEFT_I64 ||
+        (size_t)weft_tensor_numel(t) != H_N + c->nextra) {
+        st = weft__set_error(WEFT_ERR_PROTOCOL, "%s: group rank %d sent a malformed announcement",
+                             coll__kind_name(c->d->kind), r);
+    } else {
+        st = take_hello(c, r, weft_tensor_data(t), bytes, same_bytes, willing_p, vote_p);
+    }
+    coll__msg_free(m);
+    return st;
+}
+
+/* The check word of board @p b showing @p epoch. */
+static uint64_t board_check(const coll_cma_board_t *b, uint64_t epoch)
+{
+    const uint64_t w[] = {epoch,   b->mode, b->addr,  b->bytes, b->hello, b->nhello, b->hash,
+                          b->kind, b->seq,  b->dtype, b->rop,   b->root,  b->count};
+    uint64_t h = 0x6a09e667f3bcc909ull;
+    for (size_t i = 0; i < sizeof(w) / sizeof(w[0]); i++) {
+        h = (h ^ w[i]) * 0x100000001b3ull;
+        h ^= h >> 29;
+    }
+    h *= 0xbf58476d1ce4e5b9ull;
+    return h ^ (h >> 31);
+}
+
+/*
+ * Takes group rank @p r's announcement from its board once it shows this operation, and
+ * checks its view. With @p need_all false (nobody reads @p r), a rank already through its
+ * reads of this operation (its FIN: it checked every view, ours included) will do.
+ */
+static weft_status_t hello_by_board(cma_t *c, int r, uint64_t bytes, bool same_bytes, bool need_all,
+                                    int64_t *words)
+{
+    const coll_desc_t *d = c->d;
+    const char *what = coll__kind_name(d->kind);
+    size_t nw = H_N + c->nextra;
+    cma_peer_t *p = &c->peers[r];
+    coll_cma_board_t b;
+
+    p->epoch_addr = c->g->cma_boards[r];
+    p->epoch = c->epoch;
+    for (int spins = 0;;) {
+        WEFT_CHECK(read_board(c, r, &b));
+        /* Its words are this operation's while its epoch stays (still_there checks it after
+         * reading): read whole, they match their check. */
+        if (atomic_load(&b.epoch) == c->epoch && b.check == board_check(&b, c->epoch)) {
+            break;
+        }
+        if (!need_all && atomic_load(&b.epoch) != c->epoch && b.fin == d->seq + 1) {
+            return WEFT_OK;
+        }
+        WEFT_CHECK(wait_a_bit(c, &spins));
+    }
+    if (b.mode != CMA_MODE_BOARDS) {
+        /* It did not settle as we did (its first operation failed half-way there): this
+         * operation fails, and the group votes again on its next one. */
+        c->g->cma_state = 0;
+        return weft__set_error(WEFT_ERR_TRANSPORT,
+                               "%s: group rank %d has not settled cross-memory reads; the group "
+                               "settles them again on its next operation",
+                               what, r);
+    }
+    coll_desc_t theirs = {(coll_kind_t)b.kind,     b.seq,       (weft_dtype_t)b.dtype,
+                          (weft_reduce_op_t)b.rop, (int)b.root, b.count};
+    WEFT_CHECK(coll__check_view(c->g, d, &theirs, b.hash, r));
+    p->addr = b.addr;
+    p->bytes = b.bytes;
+    if (same_bytes && p->bytes != bytes) {
+        return weft__set_error(WEFT_ERR_PROTOCOL,
+                               "%s: group rank %d announced %llu bytes where this rank has %llu",
+                               what, r, (unsigned long long)p->bytes, (unsigned long long)bytes);
+    }
+    if (c->nextra > 0) {
+        /* The words it adds (all_to_all: its split lists), read while it stays. */
+        if (b.nhello != nw) {
+            return weft__set_error(WEFT_ERR_PROTOCOL,
+                                   "%s: group rank %d shows a malformed announcement", what, r);
+        }
+        WEFT_CHECK(pull(c, r, b.hello, nw * sizeof(int64_t), 0, words, nw * sizeof(int64_t)));
+        WEFT_CHECK(still_there(c, r));
+        memcpy(c->extra + (size_t)r * c->nextra, words + H_N, c->nextra * sizeof(int64_t));
+    }
+    return WEFT_OK;
+}
+
+/* Can every rank read every other? Each says what it found; all decide alike: *yes_p. */
+static weft_status_t vote(cma_t *c, bool *yes_p)
+{
+    int n = c->g->size, me = c->g->rank;
+    int64_t mine = VOTE_YES;
+    weft_status_t st = WEFT_OK;
+
+    for (int r = 0; r < n && mine == VOTE_YES; r++) {
+        uint64_t e = 0;
+        if (r == me) {
+            continue;
+        }
+        if (pull(c, r, c->peers[r].epoch_addr, sizeof(e), 0, &e, sizeof(e)) != WEFT_OK) {
+            mine = VOTE_NO;
+        } else if (e != c->peers[r].epoch) {
+            mine = VOTE_LEFT;
+        }
+    }
+    c->hello[H_N + c->nextra] = mine; /* the word after the HELLO: sent without copying */
+    int64_t verdict = mine;
+    int left = mine == VOTE_LEFT ? me : -1;
+    for (int r = 0; r < n && st == WEFT_OK; r++) {
+        if (r != me) {
+            st = coll__send(c->g, c->d, CMA_STEP_VOTE, r, &c->hello[H_N + c->nextra], 1, WEFT_I64,
+                            &c->rel[n + r]);
+        }
+    }
+    for (int r = 0; r < n && st == WEFT_OK; r++) {
+        if (r == me) {
+            continue;
+        }
+        coll_msg_t *m;
+        st = coll__recv(c->g, c->d, CMA_STEP_VOTE, r, c->deadline, &m);
+        if (st == WEFT_OK) {
+            weft_tensor_t *t = coll__msg_tensor(m);
+            int64_t v = t != NULL && weft_tensor_dtype(t) == WEFT_I64 && weft_tensor_numel(t) == 1
+                            ? *(const int64_t *)weft_tensor_data(t)
+                            : VOTE_NO;
+            if (v == VOTE_LEFT) {
+                verdict = VOTE_LEFT;
+                left = left < 0 ? r : left;
+            } else if (v != VOTE_YES && verdict == VOTE_YES) {
+                verdict = VOTE_NO;
+            }
+            coll__msg_free(m);
+        }
+    }
+    if (st == WEFT_OK && verdict == VOTE_LEFT) {
+        /* Every rank sees the same votes: all fail, and nothing is settled. */
+        return weft__set_error(WEFT_ERR_TRANSPORT,
+                               "%s: a member left the operation while group rank %d checked "
+                               "whether the members can read each other",
+                               coll__kind_name(c->d->kind), left);
+    }
+    *yes_p = verdict == VOTE_YES;
+    return st;
+}
+
+/* The group settled on reading: keeps where each member's board is, for the operations to
+ * come to signal through them. */
+static void keep_boards(cma_t *c)
+{
+    coll_group_t *g = c->g;
+    int n = g->size;
+
+    if (g->cma_pids != NULL) {
+        return;
+    }
+    g->cma_pids = weft_calloc((size_t)n, sizeof(*g->cma_pids));
+    g->cma_boards = weft_calloc((size_t)n, sizeof(*g->cma_boards));
+    if (g->cma_pids == NULL || g->cma_boards == NULL) {
+        weft_free(g->cma_pids); /* the messages then: slower, as correct */
+        weft_free(g->cma_boards);
+        g->cma_pids = NULL;
+        g->cma_boards = NULL;
+        return;
+    }
+    for (int r = 0; r < n; r++) {
+        g->cma_pids[r] = r == g->rank ? getpid() : c->peers[r].pid;
+        g->cma_boards[r] =
+            r == g->rank ? (uint64_t)(uintptr_t)&g->cma_board : c->peers[r].epoch_addr;
+    }
+}
+
+/*
+ * Opens operation @p d's reads: announces @p bytes at @p addr (unchanged from here until
+ * every other rank's FIN, or until cma_close) and @p nextra words @p extra to every member,
+ * takes theirs (@p same_bytes: each must announce @p bytes too; @p need_all: this rank needs
+ * every member's, else only those it reads, or that read it, must be in the operation still).
+ *
+ * The group's first such operation goes by messages and votes on whether the members can
+ * read each other; once they can, an operation goes by the members' boards: a rank shows
+ * its HELLO, DONE and FIN there, and the others poll them, with no message at all. Sets
+ * *declined_p when the members agreed not to read each other: nothing was read. The caller
+ * calls cma_close whatever this returns.
+ */
+static weft_status_t cma_open(cma_t *c, coll_group_t *g, const coll_desc_t *d, int64_t deadline,
+                              const void *addr, uint64_t bytes, bool same_bytes, bool need_all,
+                              const int64_t *extra, size_t nextra, bool *declined_p)
 {
     int n = g->size, me = g->rank;
+    weft_status_t st = WEFT_OK;
+
+    *declined_p = false;
+    memset(c, 0, sizeof(*c));
+    c->g = g;
+    c->d = d;
+    c->deadline = deadline;
+    c->nextra = nextra;
+    c->epoch = epoch_of(g, d->seq);
+    c->fast = g->cma_state == 1 && g->cma_pids != NULL;
+    c->peers = weft_calloc((size_t)n, sizeof(*c->peers));
+    c->rel = weft_calloc(2 * (size_t)n, sizeof(*c->rel));
+    c->hello = weft_calloc(H_N + nextra + 1, sizeof(int64_t)); /* + the vote */
+    c->extra = weft_calloc((size_t)n * nextra + 1, sizeof(int64_t));
+    int64_t *words = weft_calloc(H_N + nextra, sizeof(int64_t));
+    if (c->peers == NULL || c->rel == NULL || c->hello == NULL || c->extra == NULL ||
+        words == NULL) {
+        weft_free(words);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "%s: no memory", coll__kind_name(d->kind));
+    }
+
+    /* Willing: the group lets the members read (WEFT_COLL_CMA when it was created), the reads
+     * work here, and the group has not settled against them. */
+    bool willing = g->cma_allowed && g->cma_state >= 0 && self_readable();
+    int64_t *h = c->hello;
+    h[H_PID] = (int64_t)getpid();
+    h[H_ADDR] = (int64_t)(uintptr_t)addr;
+    h[H_BYTES] = (int64_t)bytes;
+    h[H_EPOCH_ADDR] = (int64_t)(uintptr_t)&g->cma_board;
+    h[H_EPOCH] = (int64_t)c->epoch;
+    h[H_WILLING] = willing ? 1 : 0;
+    h[H_NEED_VOTE] = g->cma_state == 0 ? 1 : 0;
+    h[H_HOST] = host_id();
+    if (nextra > 0) {
+        memcpy(h + H_N, extra, nextra * sizeof(int64_t));
+        memcpy(c->extra + (size_t)me * nextra, extra, nextra * sizeof(int64_t));
+    }
+    /* From here until every FIN (or until we leave), others may read what we announce. */
+    coll_cma_board_t *b = &g->cma_board;
+    b->mode = c->fast ? CMA_MODE_BOARDS : CMA_MODE_MESSAGES;
+    b->addr = (uint64_t)(uintptr_t)addr;
+    b->bytes = bytes;
+    b->hello = (uint64_t)(uintptr_t)h;
+    b->nhello = H_N + nextra;
+    b->hash = g->hash;
+    b->kind = (uint64_t)d->kind;
+    b->seq = d->seq;
+    b->dtype = (uint64_t)d->dtype;
+    b->rop = (uint64_t)d->rop;
+    b->root = (uint64_t)(int64_t)d->root;
+    b->count = d->count;
+    b->check = board_check(b, c->epoch);
+    atomic_store(&b->epoch, c->epoch);
+
+    if (c->fast) {
+        for (int r = 0; r < n; r++) {
+            c->peers[r].pid = g->cma_pids[r];
+        }
+        for (int k = 1; k < n && st == WEFT_OK; k++) {
+            st = hello_by_board(c, (me + k) % n, bytes, same_bytes, need_all, words);
+        }
+        weft_free(words);
+        if (st == WEFT_OK) {
+            atomic_fetch_add(&cma_ops, 1);
+        }
+        return st;
+    }
+    weft_free(words);
+    for (int r = 0; r < n && st == WEFT_OK; r++) {
+        if (r != me) {
+            st = coll__send(g, d, CMA_STEP_HELLO, r, h, H_N + nextra, WEFT_I64, &c->rel[r]);
+        }
+    }
+    bool all_willing = willing, need_vote = g->cma_state == 0;
+    for (int r = 0; r < n && st == WEFT_OK; r++) {
+        if (r != me) {
+            st = hello_by_message(c, r, bytes, same_bytes, &all_willing, &need_vote);
+        }
+    }
+    if (st == WEFT_OK && all_willing && need_vote) {
+        st = vote(c, &all_willing);
+    }
+    if (st != WEFT_OK) {
+        return st;
+    }
+    g->cma_state = all_willing ? 1 : -1;
+    if (!all_willing) {
+        *declined_p = true; /* every rank falls back here, with the same operation */
+        return WEFT_OK;
+    }
+    keep_boards(c);
+    atomic_fetch_add(&cma_ops, 1);
+    return WEFT_OK;
+}
+
+/* Leaves the operation (a rank still reading us from here on sees it and fails) once the
+ * transport let go of what we sent; frees what cma_open took. Returns @p st, or the
+ * transport's failure to let go. */
+static weft_status_t cma_close(cma_t *c, weft_status_t st)
+{
+    atomic_store(&c->g->cma_board.epoch, 0);
+    weft_status_t w =
+        c->rel != NULL ? coll__wait_released(c->rel, 2 * (size_t)c->g->size, c->deadline) : WEFT_OK;
+    weft_free(c->peers);
+    weft_free(c->rel);
+    weft_free(c->hello);
+    weft_free(c->extra);
+    return st != WEFT_OK ? st : w;
+}
+
+/* ------------------------------------------------------------ all_reduce and reduce_scatter */
+
+/*
+ * Reduces @p len elements of every member's region, from element @p lo (in @p wt), in rank
+ * order, into @p dst; this rank's own elements are at @p own, which may be @p dst (reduced in
+ * place: @p acc holds the ranks before us). @p acc and @p tmp: CMA_SEG_BYTES each.
+ */
+static weft_status_t reduce_pulled(cma_t *c, const coll_kern_t *k, size_t lo, size_t len,
+                                   const uint8_t *own, uint8_t *dst, weft_dtype_t wt, uint8_t *acc,
+                                   uint8_t *tmp)
+{
+    int n = c->g->size, me = c->g->rank;
+    weft_reduce_op_t rop = c->d->rop;
     size_t es = weft_dtype_size(wt), seg = CMA_SEG_BYTES / es;
 
     for (size_t s = 0; s < len; s += seg) {
         size_t m = len - s < seg ? len - s : seg;
-        uint8_t *mine = work + (lo + s) * es;
+        const uint8_t *o = own + s * es;
+        uint8_t *out = dst + s * es;
         uint64_t off = (uint64_t)(lo + s) * es;
-#define PULL(q, dst) pull_data(&peers[(q)], (q), off, (dst), m *es)
         if (me > 0) {
             /* The ranks before us, folded in order, then combined with ours. */
-            WEFT_CHECK(PULL(0, acc));
+            uint8_t *into = out == o ? acc : out;
+            WEFT_CHECK(cma_read(c, 0, off, into, m * es));
             for (int q = 1; q < me; q++) {
-                WEFT_CHECK(PULL(q, tmp));
-                coll__reduce_into(k, acc, tmp, m, wt, d->rop);
+                WEFT_CHECK(cma_read(c, q, off, tmp, m * es));
+                coll__reduce_into(k, into, tmp, m, wt, rop);
             }
-            coll__reduce_to(k, mine, acc, mine, m, wt, d->rop);
+            if (out == o) {
+                coll__reduce_to(k, out, acc, o, m, wt, rop);
+            } else {
+                coll__reduce_into(k, out, o, m, wt, rop);
+            }
+        } else if (out != o) {
+            memcpy(out, o, m * es);
         }
         for (int q = me + 1; q < n; q++) {
-            WEFT_CHECK(PULL(q, tmp));
-            coll__reduce_into(k, mine, tmp, m, wt, d->rop);
+            WEFT_CHECK(cma_read(c, q, off, tmp, m * es));
+            coll__reduce_into(k, out, tmp, m, wt, rop);
         }
-#undef PULL
     }
     return WEFT_OK;
 }
@@ -222,24 +701,16 @@ static weft_status_t reduce_chunk(coll_group_t *g, const coll_desc_t *d, const c
 weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
                                    bool *declined_p)
 {
-    const coll_desc_t *d = a->d;
     uint8_t *work = a->work;
     size_t count = a->count;
     weft_dtype_t wt = a->wt;
     int n = g->size, me = g->rank;
     size_t es = weft_dtype_size(wt);
-    uint64_t bytes = (uint64_t)count * es;
-    int64_t hello[H_N], vote[1];
-    weft_status_t st = WEFT_OK;
+    cma_t c;
 
-    *declined_p = false;
-    cma_peer_t *peers = weft_calloc((size_t)n, sizeof(*peers));
-    weft_future_t **rel = weft_calloc(2 * (size_t)n, sizeof(*rel));
     size_t *off = weft_calloc((size_t)n + 1, sizeof(*off));
     uint8_t *bounce = weft_alloc(2 * (size_t)CMA_SEG_BYTES);
-    if (peers == NULL || rel == NULL || off == NULL || bounce == NULL) {
-        weft_free(peers);
-        weft_free(rel);
+    if (off == NULL || bounce == NULL) {
         weft_free(off);
         weft_free(bounce);
         return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
@@ -248,185 +719,266 @@ weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_args_t *a, int64_
     for (int i = 0; i < n; i++) {
         off[i + 1] = off[i] + base + ((size_t)i < rem ? 1 : 0);
     }
-
-    /* From here until every FIN (or until we leave), others may read @p work. */
-    uint64_t epoch = epoch_of(g, d->seq);
-    atomic_store(&g->cma_epoch, epoch);
-    /* Willing: the group lets the members read (WEFT_COLL_CMA when it was created), the reads
-     * work here, and the group has not settled against them. */
-    bool willing = g->cma_allowed && g->cma_state >= 0 && self_readable();
-    hello[H_PID] = (int64_t)getpid();
-    hello[H_ADDR] = (int64_t)(uintptr_t)work;
-    hello[H_BYTES] = (int64_t)bytes;
-    hello[H_EPOCH_ADDR] = (int64_t)(uintptr_t)&g->cma_epoch;
-    hello[H_EPOCH] = (int64_t)epoch;
-    hello[H_WILLING] = willing ? 1 : 0;
-    hello[H_NEED_VOTE] = g->cma_state == 0 ? 1 : 0;
-    hello[H_HOST] = host_id();
-    for (int r = 0; r < n && st == WEFT_OK; r++) {
-        if (r != me) {
-            st = coll__send(g, d, CMA_STEP_HELLO, r, hello, H_N, WEFT_I64, &rel[r]);
-        }
-    }
-    bool all_willing = willing, need_vote = g->cma_state == 0;
-    for (int r = 0; r < n && st == WEFT_OK; r++) {
-        if (r == me) {
-            continue;
-        }
-        coll_msg_t *m;
-        st = coll__recv(g, d, CMA_STEP_HELLO, r, deadline, &m);
-        if (st != WEFT_OK) {
-            break;
-        }
-        weft_tensor_t *t = coll__msg_tensor(m);
-        if (t == NULL || weft_tensor_dtype(t) != WEFT_I64 || weft_tensor_numel(t) != H_N) {
-            st = weft__set_error(WEFT_ERR_PROTOCOL,
-                                 "all_reduce: group rank %d sent a malformed announcement", r);
-        } else {
-            const int64_t *h = weft_tensor_data(t);
-            if (h[H_PID] <= 0 || h[H_PID] > INT32_MAX) {
-                st = weft__set_error(WEFT_ERR_PROTOCOL,
-                                     "all_reduce: group rank %d announced process id %lld", r,
-                                     (long long)h[H_PID]);
-                coll__msg_free(m);
-                break;
-            }
-            peers[r].pid = (pid_t)h[H_PID];
-            peers[r].addr = (uint64_t)h[H_ADDR];
-            peers[r].bytes = (uint64_t)h[H_BYTES];
-            peers[r].epoch_addr = (uint64_t)h[H_EPOCH_ADDR];
-            peers[r].epoch = (uint64_t)h[H_EPOCH];
-            /* Another host (or PID namespace): nobody reads anybody, decided alike. */
-            all_willing = all_willing && h[H_WILLING] == 1 && h[H_HOST] == hello[H_HOST];
-            need_vote = need_vote || h[H_NEED_VOTE] == 1;
-            if (peers[r].bytes != bytes) {
-                st = weft__set_error(WEFT_ERR_PROTOCOL,
-                                     "all_reduce: group rank %d announced %llu bytes where this "
-                                     "rank has %llu",
-                                     r, (unsigned long long)peers[r].bytes,
-                                     (unsigned long long)bytes);
-            }
-        }
-        coll__msg_free(m);
-    }
-    if (st == WEFT_OK && all_willing && need_vote) {
-        /* Can every rank read every other? Each says what it found; all decide alike. */
-        int64_t mine = VOTE_YES;
-        for (int r = 0; r < n && mine == VOTE_YES; r++) {
-            uint64_t e = 0;
-            if (r == me) {
-                continue;
-            }
-            if (pull(&peers[r], r, peers[r].epoch_addr, sizeof(e), 0, &e, sizeof(e)) != WEFT_OK) {
-                mine = VOTE_NO;
-            } else if (e != peers[r].epoch) {
-                mine = VOTE_LEFT;
-            }
-        }
-        vote[0] = mine;
-        int64_t verdict = mine;
-        int left = mine == VOTE_LEFT ? me : -1;
-        for (int r = 0; r < n && st == WEFT_OK; r++) {
-            if (r != me) {
-                st = coll__send(g, d, CMA_STEP_VOTE, r, vote, 1, WEFT_I64, &rel[n + r]);
-            }
-        }
-        for (int r = 0; r < n && st == WEFT_OK; r++) {
-            if (r == me) {
-                continue;
-            }
-            coll_msg_t *m;
-            st = coll__recv(g, d, CMA_STEP_VOTE, r, deadline, &m);
-            if (st == WEFT_OK) {
-                weft_tensor_t *t = coll__msg_tensor(m);
-                int64_t v =
-                    t != NULL && weft_tensor_dtype(t) == WEFT_I64 && weft_tensor_numel(t) == 1
-                        ? *(const int64_t *)weft_tensor_data(t)
-                        : VOTE_NO;
-                if (v == VOTE_LEFT) {
-                    verdict = VOTE_LEFT;
-                    left = left < 0 ? r : left;
-                } else if (v != VOTE_YES && verdict == VOTE_YES) {
-                    verdict = VOTE_NO;
-                }
-                coll__msg_free(m);
-            }
-        }
-        if (st == WEFT_OK && verdict == VOTE_LEFT) {
-            /* Every rank sees the same votes: all fail, and nothing is settled. */
-            st = weft__set_error(WEFT_ERR_TRANSPORT,
-                                 "all_reduce: a member left the operation while group rank %d "
-                                 "checked whether the members can read each other",
-                                 left);
-            goto out;
-        }
-        all_willing = verdict == VOTE_YES;
-    }
-    if (st == WEFT_OK) {
-        g->cma_state = all_willing ? 1 : -1;
-        if (!all_willing) {
-            *declined_p = true; /* every rank falls back here, with the same operation */
-            goto out;
-        }
-    }
-    if (st != WEFT_OK) {
+    weft_status_t st = cma_open(&c, g, a->d, deadline, work, (uint64_t)count * es, true, true, NULL,
+                                0, declined_p);
+    if (st != WEFT_OK || *declined_p) {
         goto out;
     }
-    atomic_fetch_add(&cma_ops, 1);
-
     /* Our chunk, from everyone. */
-    st = reduce_chunk(g, d, &a->op->kern, peers, work, off[me], off[me + 1] - off[me], wt, bounce,
-                      bounce + CMA_SEG_BYTES);
+    st = reduce_pulled(&c, &a->op->kern, off[me], off[me + 1] - off[me], work + off[me] * es,
+                       work + off[me] * es, wt, bounce, bounce + CMA_SEG_BYTES);
     for (int r = 0; r < n && st == WEFT_OK; r++) {
         if (r != me) {
-            st = still_there(&peers[r], r);
+            st = still_there(&c, r);
         }
     }
-    for (int r = 0; r < n && st == WEFT_OK; r++) {
-        if (r != me) {
-            st = coll__send(g, d, CMA_STEP_DONE, r, NULL, 0, WEFT_U8, NULL);
-        }
+    if (st == WEFT_OK) {
+        st = cma_reduced(&c);
     }
     /* The others' chunks, each once its rank has reduced it (nobody reads that region of
      * ours before: each rank reads only its own chunk of our buffer). */
     for (int k = 1; k < n && st == WEFT_OK; k++) {
         int q = (me + k) % n;
-        coll_msg_t *m;
-        st = coll__recv(g, d, CMA_STEP_DONE, q, deadline, &m);
-        if (st != WEFT_OK) {
-            break;
-        }
-        coll__msg_free(m);
-        size_t len = off[q + 1] - off[q];
-        st = pull_data(&peers[q], q, (uint64_t)off[q] * es, work + off[q] * es, len * es);
+        st = cma_await(&c, CMA_STEP_DONE, q);
         if (st == WEFT_OK) {
-            st = still_there(&peers[q], q);
+            st = cma_read(&c, q, (uint64_t)off[q] * es, work + off[q] * es,
+                          (off[q + 1] - off[q]) * es);
+        }
+        if (st == WEFT_OK) {
+            st = cma_done_with(&c, q);
         }
     }
     /* Nobody reads us any more once every rank said FIN. */
-    for (int r = 0; r < n && st == WEFT_OK; r++) {
-        if (r != me) {
-            st = coll__send(g, d, CMA_STEP_FIN, r, NULL, 0, WEFT_U8, NULL);
-        }
+    if (st == WEFT_OK) {
+        cma_finished(&c);
+        st = cma_await_all(&c);
     }
-    for (int r = 0; r < n && st == WEFT_OK; r++) {
-        if (r == me) {
-            continue;
-        }
-        coll_msg_t *m;
-        st = coll__recv(g, d, CMA_STEP_FIN, r, deadline, &m);
-        if (st == WEFT_OK) {
-            coll__msg_free(m);
-        }
-    }
-
 out:
-    /* Leaving: a rank still reading us from here on sees it and fails. */
-    atomic_store(&g->cma_epoch, 0);
-    weft_status_t w = coll__wait_released(rel, 2 * (size_t)n, deadline);
-    weft_free(peers);
-    weft_free(rel);
+    st = cma_close(&c, st);
     weft_free(off);
     weft_free(bounce);
-    return st != WEFT_OK ? st : w;
+    return st;
+}
+
+weft_status_t coll__reduce_scatter_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                       bool *declined_p)
+{
+    weft_tensor_t *in = a->op->t, *out = a->op->out;
+    int n = g->size, me = g->rank;
+    size_t count = (size_t)weft_tensor_numel(out);
+    weft_dtype_t wt;
+    uint8_t *work;
+    float *owned;
+    cma_t c;
+
+    WEFT_CHECK(coll__widen(&a->op->kern, in, count * (size_t)n, &wt, &work, &owned));
+    size_t nb = count * weft_dtype_size(wt);
+    uint8_t *acc = weft_alloc(nb + 2 * (size_t)CMA_SEG_BYTES);
+    if (acc == NULL) {
+        weft_free(owned);
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "reduce_scatter: no memory");
+    }
+    uint8_t *bounce = acc + nb;
+    weft_status_t st = cma_open(&c, g, a->d, deadline, work, (uint64_t)nb * (uint64_t)n, true, true,
+                                NULL, 0, declined_p);
+    if (st == WEFT_OK && !*declined_p) {
+        /* Our part, from everyone, in rank order. */
+        st = reduce_pulled(&c, &a->op->kern, (size_t)me * count, count, work + (size_t)me * nb, acc,
+                           wt, bounce, bounce + CMA_SEG_BYTES);
+        for (int k = 1; k < n && st == WEFT_OK; k++) {
+            st = cma_done_with(&c, (me + k) % n);
+        }
+        /* The output may overlap the input: written once nobody reads it any more. */
+        if (st == WEFT_OK) {
+            cma_finished(&c);
+            st = cma_await_all(&c);
+        }
+        if (st == WEFT_OK) {
+            coll__finish(&a->op->kern, out, acc, count, wt, a->d->rop, n);
+        }
+    }
+    st = cma_close(&c, st);
+    weft_free(acc);
+    weft_free(owned);
+    return st;
+}
+
+/* ------------------------------------------------------------ moving data */
+
+weft_status_t coll__broadcast_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                  bool *declined_p)
+{
+    weft_tensor_t *t = a->op->t;
+    int root = a->d->root;
+    uint64_t nb = (uint64_t)weft_tensor_numel(t) * weft_dtype_size(weft_tensor_dtype(t));
+    uint8_t *data = weft_tensor_data(t);
+    cma_t c;
+
+    /* Only the root is read: the others need only its announcement (and to know that every
+     * member's view is theirs). */
+    weft_status_t st = cma_open(&c, g, a->d, deadline, data, nb, true, false, NULL, 0, declined_p);
+    if (st == WEFT_OK && !*declined_p) {
+        if (g->rank != root) {
+            st = cma_read(&c, root, 0, data, nb);
+            if (st == WEFT_OK) {
+                st = cma_done_with(&c, root);
+            }
+            if (st == WEFT_OK) {
+                cma_finished(&c);
+            }
+        } else {
+            cma_finished(&c);
+            st = cma_await_all(&c);
+        }
+    }
+    return cma_close(&c, st);
+}
+
+/* Whether [a, a + an) and [b, b + bn) overlap. */
+static bool overlap(const uint8_t *a, size_t an, const uint8_t *b, size_t bn)
+{
+    return an > 0 && bn > 0 && a < b + bn && b < a + an;
+}
+
+weft_status_t coll__all_gather_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                   bool *declined_p)
+{
+    weft_tensor_t *in = a->op->t, *out = a->op->out, **outs = a->op->outs;
+    int n = g->size, me = g->rank;
+    size_t nb = (size_t)weft_tensor_numel(in) * weft_dtype_size(weft_tensor_dtype(in));
+    uint8_t *src = weft_tensor_data(in), *copy = NULL;
+    cma_t c;
+
+#define PART(r)                                                                                    \
+    (outs != NULL ? (uint8_t *)weft_tensor_data(outs[r])                                           \
+                  : (uint8_t *)weft_tensor_data(out) + (size_t)(r)*nb)
+    /* Others read our input while we write the other parts of our output: an input that is
+     * not exactly our own part and overlaps a part is read from a copy. */
+    for (int r = 0; r < n && copy == NULL && nb > 0; r++) {
+        if (overlap(src, nb, PART(r), nb) && (r != me || PART(r) != src)) {
+            copy = weft_alloc(nb);
+            if (copy == NULL) {
+                return weft__set_error(WEFT_ERR_NO_MEMORY, "all_gather: no memory");
+            }
+            memcpy(copy, src, nb);
+            src = copy;
+        }
+    }
+    /* Our own part first, while the others come (nobody reads our output; unless it overlaps
+     * the input, which a fallback would still need). */
+    bool own_first = copy == NULL && nb > 0 && PART(me) != src;
+    if (own_first) {
+        memcpy(PART(me), src, nb);
+    }
+    weft_status_t st = cma_open(&c, g, a->d, deadline, src, nb, true, true, NULL, 0, declined_p);
+    if (st == WEFT_OK && !*declined_p) {
+        /* Each rank starts with the next one: the ranks' reads spread over the owners. */
+        for (int k = 1; k < n && st == WEFT_OK; k++) {
+            int q = (me + k) % n;
+            st = cma_read(&c, q, 0, PART(q), nb);
+            if (st == WEFT_OK) {
+                st = cma_done_with(&c, q);
+            }
+        }
+        if (st == WEFT_OK && !own_first && nb > 0 && PART(me) != src) {
+            memmove(PART(me), src, nb);
+        }
+        if (st == WEFT_OK) {
+            cma_finished(&c);
+            st = cma_await_all(&c);
+        }
+    }
+#undef PART
+    st = cma_close(&c, st);
+    weft_free(copy);
+    return st;
+}
+
+weft_status_t coll__all_to_all_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                   bool *declined_p)
+{
+    coll_op_t *op = a->op;
+    int n = g->size, me = g->rank;
+    size_t es = weft_dtype_size(weft_tensor_dtype(op->t));
+    uint8_t *in = weft_tensor_data(op->t), *out = weft_tensor_data(op->out), *copy = NULL;
+    size_t inb = (size_t)weft_tensor_numel(op->t) * es,
+           outb = (size_t)weft_tensor_numel(op->out) * es;
+    size_t row = 2 * (size_t)n;
+    cma_t c;
+
+    int64_t *mine = weft_alloc(row * sizeof(int64_t));
+    if (mine == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "all_to_all: no memory");
+    }
+    if (overlap(in, inb, out, outb)) {
+        /* In place: others read our input while we write our output. */
+        copy = weft_alloc(inb);
+        if (copy == NULL) {
+            weft_free(mine);
+            return weft__set_error(WEFT_ERR_NO_MEMORY, "all_to_all: no memory");
+        }
+        memcpy(copy, in, inb);
+        in = copy;
+    }
+    /* The split lists go with the HELLO; the pieces' sizes differ between ranks, so the
+     * messages carry the view of basic.c's split lists (no count, no root). */
+    memcpy(mine, op->in_splits, (size_t)n * sizeof(int64_t));
+    memcpy(mine + n, op->out_splits, (size_t)n * sizeof(int64_t));
+    coll_desc_t dv = *a->d;
+    dv.count = 0;
+    dv.root = 0;
+    weft_status_t st = cma_open(&c, g, &dv, deadline, in, inb, false, true, mine, row, declined_p);
+    if (st == WEFT_OK && !*declined_p) {
+        st = coll__all_to_all_pairs(g, &dv, c.extra);
+    }
+    if (st == WEFT_OK && !*declined_p) {
+        size_t *ooff = weft_calloc((size_t)n + 1, sizeof(*ooff));
+        if (ooff == NULL) {
+            st = weft__set_error(WEFT_ERR_NO_MEMORY, "all_to_all: no memory");
+        }
+        for (int r = 0; r < n && st == WEFT_OK; r++) {
+            ooff[r + 1] = ooff[r] + (size_t)op->out_splits[r];
+        }
+        for (int k = 0; k < n && st == WEFT_OK; k++) {
+            int q = (me + k) % n;
+            const int64_t *qin = c.extra + (size_t)q * row; /* q's in_splits */
+            uint64_t from = 0;
+            for (int r = 0; r < me; r++) {
+                if (qin[r] < 0) {
+                    st = weft__set_error(WEFT_ERR_PROTOCOL,
+                                         "all_to_all: group rank %d announced a negative split", q);
+                    break;
+                }
+                from += (uint64_t)qin[r];
+            }
+            size_t len = (size_t)op->out_splits[q] * es; /* == qin[me]: checked */
+            if (st != WEFT_OK) {
+                break;
+            }
+            if (q == me) {
+                if (len > 0) {
+                    memcpy(out + ooff[q] * es, in + from * es, len);
+                }
+                continue;
+            }
+            if (from > UINT64_MAX / es) {
+                st = weft__set_error(WEFT_ERR_PROTOCOL,
+                                     "all_to_all: group rank %d announced splits out of range", q);
+            } else if (len > 0) {
+                st = cma_read(&c, q, from * es, out + ooff[q] * es, len);
+            }
+            if (st == WEFT_OK) {
+                st = cma_done_with(&c, q);
+            }
+        }
+        if (st == WEFT_OK) {
+            cma_finished(&c);
+            st = cma_await_all(&c);
+        }
+        weft_free(ooff);
+    }
+    st = cma_close(&c, st);
+    weft_free(mine);
+    weft_free(copy);
+    return st;
 }

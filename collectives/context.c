@@ -679,6 +679,60 @@ void coll__slot_end(coll_group_t *g, coll_slot_t *s)
     atomic_store(&s->state, COLL_SLOT_IDLE);
 }
 
+/* With ctx->mu held: whether operation @p d was aborted (its status), else WEFT_OK. */
+static weft_status_t aborted_locked(coll_group_t *g, const coll_desc_t *d)
+{
+    for (coll_abort_t *x = g->ctx->aborts; x != NULL; x = x->next) {
+        if (x->group == g->id && x->seq == d->seq) {
+            return weft__set_error(x->status, "%s", x->why);
+        }
+    }
+    return WEFT_OK;
+}
+
+/* With ctx->mu held: whether waiting on for operation @p d (for group rank @p src, -1: any) is
+ * pointless: a piece of it shows a differing view (*mismatch_p: the caller tells the others;
+ * the text is in @p why), a member was lost, or its deadline passed. */
+static weft_status_t stuck_locked(coll_group_t *g, const coll_desc_t *d, int src,
+                                  int64_t deadline_ns, char *why, size_t n, bool *mismatch_p)
+{
+    coll_ctx_t *ctx = g->ctx;
+
+    *mismatch_p = false;
+    /* Any piece of this operation, whatever its step or sender, can show a differing
+     * view: checked while waiting, so that a wrong root is caught rather than waited
+     * out (the pieces we wait for may never come). */
+    for (coll_msg_t *o = ctx->msgs; o != NULL; o = o->next) {
+        const Weft__V1__CollHeader *h = o->hdr;
+        if (h->group == g->id && h->seq == d->seq && h->op != WEFT__V1__COLL_OP__COLL_OP_P2P &&
+            !same_op(g, d, h, true, why, n)) {
+            *mismatch_p = true;
+            return weft__set_error(WEFT_ERR_MISMATCH, "%s", why);
+        }
+    }
+    for (int r = 0; r < g->size; r++) {
+        int w = g->world[r];
+        if (ctx->lost[w]) {
+            return weft__set_error(
+                WEFT_ERR_PEER_LOST, "%s: group rank %d (world rank %d) was lost: %s",
+                coll__kind_name(d->kind), r, w, ctx->why[w] != NULL ? ctx->why[w] : "");
+        }
+    }
+    if (weft__now_ns() >= deadline_ns) {
+        if (src < 0) {
+            return weft__set_error(WEFT_ERR_TIMEOUT,
+                                   "%s: waited for the members past the deadline (operation "
+                                   "%llu of group %u)",
+                                   coll__kind_name(d->kind), (unsigned long long)d->seq, g->id);
+        }
+        return weft__set_error(WEFT_ERR_TIMEOUT,
+                               "%s: waited for group rank %d past the deadline (operation %llu "
+                               "of group %u)",
+                               coll__kind_name(d->kind), src, (unsigned long long)d->seq, g->id);
+    }
+    return WEFT_OK;
+}
+
 weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
                          int64_t deadline_ns, coll_msg_t **m_p)
 {
@@ -686,14 +740,13 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
     weft_status_t st = WEFT_OK;
     char why[700];
     int spins = 0;
+    bool mismatch = false;
 
     pthread_mutex_lock(&ctx->mu);
     for (;;) {
-        for (coll_abort_t *x = ctx->aborts; x != NULL; x = x->next) {
-            if (x->group == g->id && x->seq == d->seq) {
-                st = weft__set_error(x->status, "%s", x->why);
-                goto out;
-            }
+        st = aborted_locked(g, d);
+        if (st != WEFT_OK) {
+            goto out;
         }
         coll_msg_t **pp = &ctx->msgs;
         for (; *pp != NULL; pp = &(*pp)->next) {
@@ -716,35 +769,16 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
             *m_p = m;
             return WEFT_OK;
         }
-        /* Any piece of this operation, whatever its step or sender, can show a differing
-         * view: checked while waiting, so that a wrong root is caught rather than waited
-         * out (the pieces we wait for may never come). */
-        for (coll_msg_t *o = ctx->msgs; o != NULL; o = o->next) {
-            const Weft__V1__CollHeader *h = o->hdr;
-            if (h->group == g->id && h->seq == d->seq && h->op != WEFT__V1__COLL_OP__COLL_OP_P2P &&
-                !same_op(g, d, h, true, why, sizeof(why))) {
-                pthread_mutex_unlock(&ctx->mu);
+        st = stuck_locked(g, d, src, deadline_ns, why, sizeof(why), &mismatch);
+        if (st != WEFT_OK) {
+            pthread_mutex_unlock(&ctx->mu);
+            if (mismatch) {
                 coll__abort(g, d->seq, WEFT_ERR_MISMATCH, why);
-                return weft__set_error(WEFT_ERR_MISMATCH, "%s", why);
+                st = weft__set_error(WEFT_ERR_MISMATCH, "%s", why);
             }
-        }
-        for (int r = 0; r < g->size; r++) {
-            int w = g->world[r];
-            if (ctx->lost[w]) {
-                st = weft__set_error(
-                    WEFT_ERR_PEER_LOST, "%s: group rank %d (world rank %d) was lost: %s",
-                    coll__kind_name(d->kind), r, w, ctx->why[w] != NULL ? ctx->why[w] : "");
-                goto out;
-            }
+            return st;
         }
         int64_t now = weft__now_ns();
-        if (now >= deadline_ns) {
-            st = weft__set_error(WEFT_ERR_TIMEOUT,
-                                 "%s: waited for group rank %d past the deadline (operation %llu "
-                                 "of group %u)",
-                                 coll__kind_name(d->kind), src, (unsigned long long)d->seq, g->id);
-            goto out;
-        }
         /* A piece usually follows within tens of microseconds: poll briefly before
          * sleeping (a wake-up across cores costs about as much). */
         if (spins < 100) {
@@ -765,6 +799,46 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
 out:
     pthread_mutex_unlock(&ctx->mu);
     return st;
+}
+
+weft_status_t coll__check(coll_group_t *g, const coll_desc_t *d, int64_t deadline_ns)
+{
+    char why[700];
+    bool mismatch = false;
+
+    pthread_mutex_lock(&g->ctx->mu);
+    weft_status_t st = aborted_locked(g, d);
+    if (st == WEFT_OK) {
+        st = stuck_locked(g, d, -1, deadline_ns, why, sizeof(why), &mismatch);
+    }
+    pthread_mutex_unlock(&g->ctx->mu);
+    if (st != WEFT_OK && mismatch) {
+        coll__abort(g, d->seq, WEFT_ERR_MISMATCH, why);
+        st = weft__set_error(WEFT_ERR_MISMATCH, "%s", why);
+    }
+    return st;
+}
+
+weft_status_t coll__check_view(coll_group_t *g, const coll_desc_t *d, const coll_desc_t *theirs,
+                               uint64_t hash, int src)
+{
+    Weft__V1__CollHeader h = WEFT__V1__COLL_HEADER__INIT;
+    char why[700];
+
+    h.group = g->id;
+    h.group_hash = hash;
+    h.seq = theirs->seq;
+    h.src = (uint32_t)src;
+    h.op = (Weft__V1__CollOp)theirs->kind;
+    h.dtype = (int32_t)theirs->dtype;
+    h.reduce_op = (int32_t)theirs->rop;
+    h.root = theirs->root;
+    h.count = theirs->count;
+    if (same_op(g, d, &h, false, why, sizeof(why))) {
+        return WEFT_OK;
+    }
+    coll__abort(g, d->seq, WEFT_ERR_MISMATCH, why);
+    return weft__set_error(WEFT_ERR_MISMATCH, "%s", why);
 }
 
 /* Waits until the transport has let go of the sent pieces @p rel (and releases them). An

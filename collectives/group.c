@@ -294,6 +294,8 @@ void weft_pg_free(weft_pg_t *pg)
     pthread_mutex_destroy(&g->mu);
     pthread_cond_destroy(&g->cv);
     weft_free(g->done_extra);
+    weft_free(g->cma_pids);
+    weft_free(g->cma_boards);
     weft_free(g->world);
     weft_free(g);
     weft_free(pg);
@@ -502,7 +504,11 @@ static weft_status_t submit_op(weft_pg_t *pg, coll_op_t *op, weft_future_t **wor
         coll__run(g, op);
         pthread_mutex_lock(&g->mu);
         g->busy = false;
-        pthread_cond_broadcast(&g->cv);
+        if (g->qh != NULL || g->stop) {
+            /* The worker waits for that (else it would wake up for nothing: a context
+             * switch per operation, on a core the ranks may need). */
+            pthread_cond_broadcast(&g->cv);
+        }
         pthread_mutex_unlock(&g->mu);
         st = weft_future_status(f);
         if (st != WEFT_OK) {

@@ -6,7 +6,8 @@
  *   group.c       process groups, the public calls, the group's worker, submitting operations
  *   ops.c         the operation runner (coll__run) and the operations' lifecycle
  *   all_reduce.c  all_reduce algorithms over the connections: direct and ring
- *   cma.c         all_reduce by cross-memory reads between ranks of one host
+ *   cma.c         all_reduce, broadcast, all_gather, reduce_scatter and all_to_all by
+ *                 cross-memory reads between ranks of one host
  *   basic.c       the algorithm of every other collective
  *   reduce.c      every reduction, through the reduce ops of the tensors' device; working
  *                 buffers in the accumulation dtype, and the end of reductions
@@ -146,6 +147,24 @@ typedef struct coll_op {
     coll_kern_t kern;    /* reducing operations: the kernels of their tensors' device */
 } coll_op_t;
 
+/*
+ * What a rank shows the members that read its memory (cma.c): they read it, never write it.
+ * The epoch word comes first: the board's address is the word's. Its other words are set
+ * before the epoch word and stay while it holds the operation's value; check, a hash of them
+ * and of the epoch, tells a reader that it read them whole.
+ */
+typedef struct coll_cma_board {
+    _Atomic uint64_t epoch; /* while an operation's reads run: its epoch; 0 between */
+    _Atomic uint64_t done;  /* seq + 1 of the last operation where this rank reduced its chunk */
+    _Atomic uint64_t fin;   /* ... where it finished reading the others */
+    uint64_t mode;          /* how the operation of the epoch signals: CMA_MODE_* (cma.c) */
+    uint64_t addr, bytes;   /* the region the others read */
+    uint64_t hello, nhello; /* its HELLO words, in this process */
+    uint64_t hash;          /* the view of the operation: the group's member list, */
+    uint64_t kind, seq, dtype, rop, root, count; /* ... and the coll_desc_t */
+    uint64_t check;
+} coll_cma_board_t;
+
 /* Shared state of a group; handles point at it. */
 typedef struct coll_group {
     coll_ctx_t *ctx;
@@ -183,9 +202,12 @@ typedef struct coll_group {
     size_t ndone_extra, done_cap;
     struct coll_group *gnext; /* ctx->groups */
     /* cma.c: whether the members read each other's memory (0 not settled yet, 1 yes,
-     * -1 no: the ring), and the word others check while they read ours. */
+     * -1 no: the other algorithms); what the members read of ours while an operation runs;
+     * once settled (1), each member's process and the address of its board, by group rank. */
     int cma_state;
-    _Atomic uint64_t cma_epoch;
+    coll_cma_board_t cma_board;
+    int *cma_pids;
+    uint64_t *cma_boards;
 } coll_group_t;
 
 /* The sender's view of an operation, carried by every message of it. */
@@ -256,6 +278,15 @@ weft_status_t coll__send(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
 weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
                          int64_t deadline_ns, coll_msg_t **m_p);
 void coll__msg_free(coll_msg_t *m);
+/* Whether operation @p d can go on waiting here without a piece: WEFT_OK, or what it fails
+ * with (an abort, a piece showing a differing view, a lost member, its deadline), as
+ * coll__recv would. For waits that poll something else than the mailbox. */
+weft_status_t coll__check(coll_group_t *g, const coll_desc_t *d, int64_t deadline_ns);
+/* Checks group rank @p src's view @p theirs (and its member list's @p hash) of operation @p d
+ * as coll__recv checks a piece's; a difference aborts the operation everywhere
+ * (WEFT_ERR_MISMATCH). */
+weft_status_t coll__check_view(coll_group_t *g, const coll_desc_t *d, const coll_desc_t *theirs,
+                               uint64_t hash, int src);
 /* The data tensor of a received message (NULL if none). */
 weft_tensor_t *coll__msg_tensor(const coll_msg_t *m);
 /* Copies a received piece into @p dst after checking its size and dtype. */
@@ -337,16 +368,28 @@ weft_status_t coll__reduce_scatter(coll_group_t *g, const coll_args_t *a, int64_
                                    bool *declined_p);
 weft_status_t coll__all_to_all(coll_group_t *g, const coll_args_t *a, int64_t deadline,
                                bool *declined_p);
+/* Checks every pair of all_to_all's split lists @p all (n rows of 2n: each member's
+ * in_splits, then its out_splits): what s sends r is what r expects from s. */
+weft_status_t coll__all_to_all_pairs(const coll_group_t *g, const coll_desc_t *dv,
+                                     const int64_t *all);
 
 /* ------------------------------------------------------------ cma.c */
 
-/* all_reduce by reading the other members' buffers (one host): the raw reduction of
- * a->work, the same on every rank. *declined_p: the members agreed not to (a member cannot
- * read another, or does not let them: WEFT_COLL_CMA=0 when its group was created); nothing
- * happened. */
+/* Collectives by reading the other members' memory (one host). *declined_p: the members
+ * agreed not to (a member cannot read another, or does not let them: WEFT_COLL_CMA=0 when
+ * its group was created); nothing happened. all_reduce: the raw reduction of a->work, the
+ * same on every rank. */
 weft_status_t coll__all_reduce_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
                                    bool *declined_p);
-/* The all_reduce operations of this process that ran by cross-memory reads (tests). */
+weft_status_t coll__broadcast_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                  bool *declined_p);
+weft_status_t coll__all_gather_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                   bool *declined_p);
+weft_status_t coll__reduce_scatter_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                       bool *declined_p);
+weft_status_t coll__all_to_all_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                   bool *declined_p);
+/* The operations of this process, of every kind, that ran by cross-memory reads (tests). */
 long coll__cma_ops(void);
 
 /* ------------------------------------------------------------ all_reduce.c */

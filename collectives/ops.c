@@ -29,6 +29,19 @@ static size_t cma_min_bytes(const coll_group_t *g)
     return g->size == 2 ? CMA2_MIN_BYTES : CMA_MIN_BYTES;
 }
 
+/* The other operations read each other's memory from these sizes (bytes per member: the
+ * tensor of broadcast, the input of all_gather and all_to_all, the output of reduce_scatter). */
+#define CMA_MOVE_MIN_BYTES (64u << 10)
+
+static size_t cma_move_min_bytes(const coll_group_t *g)
+{
+    (void)g;
+    return CMA_MOVE_MIN_BYTES;
+}
+
+#define CMA_DECLINES                                                                               \
+    "unless a member cannot read the others' memory or does not let them (WEFT_COLL_CMA=0)"
+
 /* ------------------------------------------------------------ the algorithm table */
 
 /* Every algorithm of every operation. An operation chosen by size runs the entry of its kind
@@ -36,17 +49,19 @@ static size_t cma_min_bytes(const coll_group_t *g)
 static const coll_algo_t algos[] = {
     {"direct", OP_ALL_REDUCE, 1, NULL, NULL, coll__all_reduce_direct},
     {"ring", OP_ALL_REDUCE, 2, ring_min_bytes, NULL, coll__all_reduce_ring},
-    {"cma", OP_ALL_REDUCE, 3, cma_min_bytes,
-     "unless a member cannot read the others' memory or does not let them (WEFT_COLL_CMA=0)",
-     coll__all_reduce_cma},
+    {"cma", OP_ALL_REDUCE, 3, cma_min_bytes, CMA_DECLINES, coll__all_reduce_cma},
     {"direct", OP_BARRIER, 1, NULL, NULL, coll__barrier},
     {"tree", OP_BROADCAST, 1, NULL, NULL, coll__broadcast},
+    {"cma", OP_BROADCAST, 2, cma_move_min_bytes, CMA_DECLINES, coll__broadcast_cma},
     {"direct", OP_REDUCE, 1, NULL, NULL, coll__reduce},
     {"direct", OP_GATHER, 1, NULL, NULL, coll__gather},
     {"direct", OP_SCATTER, 1, NULL, NULL, coll__scatter},
     {"direct", OP_ALL_GATHER, 1, NULL, NULL, coll__all_gather},
+    {"cma", OP_ALL_GATHER, 2, cma_move_min_bytes, CMA_DECLINES, coll__all_gather_cma},
     {"direct", OP_REDUCE_SCATTER, 1, NULL, NULL, coll__reduce_scatter},
+    {"cma", OP_REDUCE_SCATTER, 2, cma_move_min_bytes, CMA_DECLINES, coll__reduce_scatter_cma},
     {"direct", OP_ALL_TO_ALL, 1, NULL, NULL, coll__all_to_all},
+    {"cma", OP_ALL_TO_ALL, 2, cma_move_min_bytes, CMA_DECLINES, coll__all_to_all_cma},
 };
 #define NALGOS (sizeof(algos) / sizeof(algos[0]))
 

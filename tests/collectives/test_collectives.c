@@ -630,6 +630,223 @@ Test(collectives, cma_mismatch_fails_everywhere, .timeout = 120)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* ------------------------------------------------ every collective by cross-memory reads */
+
+/* The operations that read each other's memory besides all_reduce. */
+static const coll_kind_t CMA_KINDS[] = {OP_BROADCAST, OP_ALL_GATHER, OP_REDUCE_SCATTER,
+                                        OP_ALL_TO_ALL};
+static const weft_coll_op_t CMA_OPS[] = {WEFT_COLL_BROADCAST, WEFT_COLL_ALL_GATHER,
+                                         WEFT_COLL_REDUCE_SCATTER, WEFT_COLL_ALL_TO_ALL};
+
+static void cma_runs(long *out)
+{
+    for (int k = 0; k < 4; k++) {
+        out[k] = coll__algo_runs(CMA_KINDS[k], "cma");
+    }
+}
+
+/* Broadcast from every root, then check_others (all_gather flat, into a list and in place;
+ * reduce_scatter; all_to_all even, uneven and in place) on @p pg of @p world members with
+ * cma forced: exact results, and every such call read the others' memory. */
+static int check_cma_moves(weft_pg_t *pg, int world)
+{
+    for (int k = 0; k < 4; k++) {
+        RANK_CHECK(weft_pg_set_algorithm(pg, CMA_OPS[k], "cma") == WEFT_OK, "set cma: %s",
+                   weft_last_error());
+    }
+    long before[4], after[4], want[4] = {0, 0, 0, 0};
+    cma_runs(before);
+    const size_t counts[] = {0, 5, 3001, (1u << 18) + 3}; /* the last: above 1 MiB of f32 */
+    for (size_t c = 0; c < 4; c++) {
+        for (int root = 0; root < world; root++) {
+            if (check_broadcast(pg, counts[c], c == 3 ? WEFT_F32 : DTYPES[root % NDTYPES], root) !=
+                0) {
+                return 1;
+            }
+            want[0]++;
+        }
+    }
+    const weft_dtype_t moved[] = {WEFT_F32, WEFT_BF16, WEFT_I64, WEFT_U8};
+    for (int d = 0; d < 4; d++) {
+        for (size_t c = 0; c < 4; c++) {
+            size_t count = d == 0 ? counts[c] : counts[c] % 70001; /* the large one in f32 */
+            if (check_others(pg, world, moved[d], count) != 0) {
+                return 1;
+            }
+            want[1] += 2 + (count > 0);
+            want[2] += 1;
+            want[3] += 2 + (count > 0);
+        }
+    }
+    cma_runs(after);
+    for (int k = 0; k < 4; k++) {
+        RANK_CHECK(after[k] - before[k] == want[k], "%s: %ld of %ld calls read the others' memory",
+                   coll__kind_name(CMA_KINDS[k]), after[k] - before[k], want[k]);
+    }
+    return 0;
+}
+
+/* Forced for every size: broadcast, all_gather, reduce_scatter and all_to_all give exact
+ * results, on the world and on a sub-group of the last world - 1 ranks (group ranks differ
+ * from world ranks). */
+static int body_cma_moves(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg, *sub;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    if (check_cma_moves(pg, world) != 0) {
+        return 1;
+    }
+    int members[8];
+    for (int r = 1; r < world; r++) {
+        members[r - 1] = r;
+    }
+    RANK_CHECK(weft_pg_new(a, members, world - 1, &sub) == WEFT_OK, "new_group");
+    if (rank > 0 && world > 2 && check_cma_moves(sub, world - 1) != 0) {
+        return 1;
+    }
+    weft_pg_free(sub);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, cma_every_collective, .timeout = 240)
+{
+    for (int world = 2; world <= 4; world++) {
+        ranks_opts_t o;
+        int codes[4];
+        ranks_opts_init(&o, world, body_cma_moves);
+        o.deadline_ms = 75000;
+        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
+    }
+}
+
+/* By size: each of the four reads the others' memory from 64 KiB per member (the tensor of
+ * broadcast, the input of all_gather and all_to_all, the output part of reduce_scatter), and
+ * not below (f32: 16384 elements). */
+static int body_cma_moves_by_size(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    const size_t min = (64u << 10) / 4; /* f32 */
+    long before[4], after[4];
+    cma_runs(before);
+    RANK_CHECK(check_broadcast(pg, min - 1, WEFT_F32, world - 1) == 0, "broadcast below");
+    RANK_CHECK(check_others(pg, world, WEFT_F32, min - 1) == 0, "others below");
+    cma_runs(after);
+    /* all_to_all counts its whole input: the even and in-place calls move (min - 1) * world
+     * elements, above. */
+    long below[4] = {0, 0, 0, 2};
+    for (int k = 0; k < 4; k++) {
+        RANK_CHECK(after[k] - before[k] == below[k],
+                   "%s: %ld calls below 64 KiB read the "
+                   "others' memory",
+                   coll__kind_name(CMA_KINDS[k]), after[k] - before[k]);
+    }
+    RANK_CHECK(check_broadcast(pg, min, WEFT_F32, world - 1) == 0, "broadcast at");
+    RANK_CHECK(check_others(pg, world, WEFT_F32, min) == 0, "others at");
+    long want[4] = {1, 3, 1, 2}; /* uneven all_to_all moves a few elements */
+    cma_runs(before);
+    for (int k = 0; k < 4; k++) {
+        RANK_CHECK(before[k] - after[k] == want[k],
+                   "%s: %ld of %ld calls at 64 KiB read the "
+                   "others' memory",
+                   coll__kind_name(CMA_KINDS[k]), before[k] - after[k], want[k]);
+    }
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, cma_every_collective_by_size, .timeout = 120)
+{
+    for (int world = 2; world <= 4; world += 2) {
+        ranks_opts_t o;
+        int codes[4];
+        ranks_opts_init(&o, world, body_cma_moves_by_size);
+        o.deadline_ms = 55000;
+        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
+    }
+}
+
+/* One rank does not let the others read its memory (WEFT_COLL_CMA=0): every rank runs the
+ * other algorithms instead, with exact results, at sizes that would read. */
+static int body_cma_moves_declined(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    long ops = coll__cma_ops(), tree = coll__algo_runs(OP_BROADCAST, "tree"),
+         direct = coll__algo_runs(OP_ALL_GATHER, "direct");
+    for (int i = 0; i < 2; i++) {
+        RANK_CHECK(check_broadcast(pg, (1u << 20) + 7, WEFT_F32, i) == 0, "broadcast %d", i);
+        RANK_CHECK(check_others(pg, world, WEFT_F32, 70001) == 0, "others %d", i);
+    }
+    RANK_CHECK(coll__cma_ops() == ops, "read the others' memory though rank 1 declined");
+    RANK_CHECK(coll__algo_runs(OP_BROADCAST, "tree") == tree + 2 &&
+                   coll__algo_runs(OP_ALL_GATHER, "direct") == direct + 6,
+               "tree %ld, direct %ld", coll__algo_runs(OP_BROADCAST, "tree") - tree,
+               coll__algo_runs(OP_ALL_GATHER, "direct") - direct);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, cma_every_collective_declined_by_one_rank, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_cma_moves_declined);
+    o.setup = cma_declined_setup;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* Once the members read each other, they signal through their boards: views that differ
+ * (counts of all_gather, roots of broadcast) still fail on every rank, and the group goes
+ * on. */
+static int body_cma_moves_mismatch(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    const size_t n = (256u << 10) / 4;
+    RANK_CHECK(check_broadcast(pg, n, WEFT_F32, 0) == 0, "before"); /* settles: messages */
+    RANK_CHECK(check_broadcast(pg, n, WEFT_F32, 1) == 0, "boards");
+    int64_t cn = (int64_t)n + rank, total = cn * world;
+    weft_tensor_t *in, *out;
+    weft_tensor_create(WEFT_F32, 1, &cn, &in);
+    weft_tensor_create(WEFT_F32, 1, &total, &out);
+    weft_status_t st = weft_coll_all_gather(pg, in, out, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "count mismatch gave %s: %s", weft_strerror(st),
+               weft_last_error());
+    RANK_CHECK(strstr(weft_last_error(), "count") != NULL, "text: %s", weft_last_error());
+    weft_tensor_release(in);
+    weft_tensor_release(out);
+    int64_t bn = (int64_t)n;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &bn, &t);
+    st = weft_coll_broadcast(pg, t, rank == 0 ? 0 : 1, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "root mismatch gave %s: %s", weft_strerror(st),
+               weft_last_error());
+    weft_tensor_release(t);
+    long ops = coll__cma_ops();
+    RANK_CHECK(check_broadcast(pg, n, WEFT_F32, world - 1) == 0, "after");
+    RANK_CHECK(check_others(pg, world, WEFT_F32, n) == 0, "others after");
+    RANK_CHECK(coll__cma_ops() == ops + 7, "%ld of 7 calls after read the others' memory",
+               coll__cma_ops() - ops);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, cma_every_collective_mismatch_fails_everywhere, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_cma_moves_mismatch);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 /* ------------------------------------------------ the algorithm table */
 
 /* Runs of all_reduce by each algorithm in this process. */
@@ -705,11 +922,12 @@ static int body_forced(weft_agent_t *a, int rank, int world, void *arg)
                runs("ring") - r, runs("direct") - d);
     weft_tensor_release(t1);
     weft_tensor_release(t2);
-    /* The other operations have one algorithm each, which can be named too. */
+    /* The other operations' algorithms can be named too: the tree even at a size that would
+     * read the others' memory. */
     RANK_CHECK(weft_pg_set_algorithm(pgs[2], WEFT_COLL_BROADCAST, "tree") == WEFT_OK, "tree");
     RANK_CHECK(weft_pg_set_algorithm(pgs[2], WEFT_COLL_BARRIER, "direct") == WEFT_OK, "barrier");
     long tree = coll__algo_runs(OP_BROADCAST, "tree");
-    RANK_CHECK(check_broadcast(pgs[2], 100, WEFT_I32, 1) == 0, "broadcast");
+    RANK_CHECK(check_broadcast(pgs[2], (1u << 20) / 4, WEFT_I32, 1) == 0, "broadcast");
     RANK_CHECK(coll__algo_runs(OP_BROADCAST, "tree") == tree + 1, "the tree did not run");
     for (int i = 0; i < 3; i++) {
         weft_pg_free(pgs[i]);
@@ -836,9 +1054,18 @@ static int body_describe(weft_agent_t *a, int rank, int world, void *arg)
                              "the others' memory or does not let them (WEFT_COLL_CMA=0)), else "
                              "ring above 64 KiB, else direct"),
                "world:\n%s", buf);
-    const char *others[] = {"barrier: direct",        "broadcast: tree",   "reduce: direct",
-                            "gather: direct",         "scatter: direct",   "all_gather: direct",
-                            "reduce_scatter: direct", "all_to_all: direct"};
+#define CMA_OR(what, other)                                                                        \
+    what ": by size: cma from 64 KiB (unless a member cannot read the others' memory or does "     \
+         "not let them (WEFT_COLL_CMA=0)), else " other
+    const char *others[] = {"barrier: direct",
+                            CMA_OR("broadcast", "tree"),
+                            "reduce: direct",
+                            "gather: direct",
+                            "scatter: direct",
+                            CMA_OR("all_gather", "direct"),
+                            CMA_OR("reduce_scatter", "direct"),
+                            CMA_OR("all_to_all", "direct")};
+#undef CMA_OR
     for (int i = 0; i < 8; i++) {
         RANK_CHECK(has_line(buf, others[i]), "no line '%s' in:\n%s", others[i], buf);
     }
@@ -1530,6 +1757,72 @@ Test(collectives, dead_rank_fails_pending_operations, .timeout = 120)
         cr_assert_eq(codes[1], 0, "ring %d", ring);
         cr_assert_eq(codes[2], 128 + SIGKILL, "ring %d", ring);
         cr_assert_eq(codes[3], 0, "ring %d", ring);
+    }
+}
+
+/* A member killed while the others are inside a broadcast (arg 0) or an all_gather (arg 1)
+ * that reads each other's memory, signalled through the boards (the group settled on its
+ * first such operation): each of them fails with WEFT_ERR_PEER_LOST, within seconds. */
+static int body_dead_cma(weft_agent_t *a, int rank, int world, void *arg)
+{
+    bool gather = *(const int *)arg == 1;
+    weft_pg_t *pg;
+    weft_pg_world(a, &pg);
+    weft_pg_set_timeout(pg, 30000);
+    const size_t n = (1u << 20) / 4;
+    for (int i = 0; i < 2; i++) {
+        if ((gather ? check_others(pg, world, WEFT_F32, n) : check_broadcast(pg, n, WEFT_F32, i)) !=
+            0) {
+            return 1;
+        }
+    }
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier");
+    if (rank == 2) {
+        RANK_WAIT(atomic_load(&notes) == world - 1, 20000, "%d of %d notes", atomic_load(&notes),
+                  world - 1);
+        raise(SIGKILL);
+    }
+    int64_t cn = (int64_t)n, total = cn * world;
+    weft_tensor_t *in, *out;
+    weft_tensor_create(WEFT_F32, 1, &cn, &in);
+    weft_tensor_create(WEFT_F32, 1, &total, &out);
+    coll_kind_t kind = gather ? OP_ALL_GATHER : OP_BROADCAST;
+    long runs_before = coll__algo_runs(kind, "cma");
+    int64_t t0 = now_ms();
+    weft_future_t *f;
+    weft_status_t st =
+        gather ? weft_coll_all_gather(pg, in, out, &f) : weft_coll_broadcast(pg, in, 0, &f);
+    RANK_CHECK(st == WEFT_OK, "issue: %s", weft_last_error());
+    weft_value_t *note;
+    weft_value_create(&note);
+    st = weft_agent_send(a, 2, NOTE_CHANNEL, note, NULL);
+    weft_value_free(note);
+    RANK_CHECK(st == WEFT_OK, "note to rank 2: %s", weft_last_error());
+    st = weft_future_wait(f, 60000);
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "%s with a dead rank gave %s: %s",
+               gather ? "all_gather" : "broadcast", weft_strerror(st), weft_future_error(f));
+    RANK_CHECK(now_ms() - t0 < 10000, "failed after %lld ms", (long long)(now_ms() - t0));
+    RANK_CHECK(coll__algo_runs(kind, "cma") == runs_before + 1, "it did not run cma");
+    weft_future_release(f);
+    weft_tensor_release(in);
+    weft_tensor_release(out);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, dead_rank_fails_cma_collectives, .timeout = 120)
+{
+    for (int op = 0; op < 2; op++) {
+        ranks_opts_t o;
+        int codes[4];
+        ranks_opts_init(&o, 4, body_dead_cma);
+        o.setup = dead_setup;
+        o.arg = &op;
+        ranks_run(&o, codes);
+        cr_assert_eq(codes[0], 0, "op %d", op);
+        cr_assert_eq(codes[1], 0, "op %d", op);
+        cr_assert_eq(codes[2], 128 + SIGKILL, "op %d", op);
+        cr_assert_eq(codes[3], 0, "op %d", op);
     }
 }
 
