@@ -784,7 +784,10 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
         if (spins < 100) {
             spins++;
             pthread_mutex_unlock(&ctx->mu);
-            sched_yield();
+            /* Pieces from ranks of this host: taken from their rings on this thread. */
+            if (weft_agent_poll_channel(ctx->agent, WEFT_CHANNEL_COLLECTIVES) == 0) {
+                sched_yield();
+            }
             pthread_mutex_lock(&ctx->mu);
             continue;
         }

@@ -673,21 +673,17 @@ bool weft_rpc_withdraw_into(weft_agent_t *a, const weft_future_t *f)
  * stream to us (it has no direct connection to us), or our stream to it (the request fell back to
  * it when the direct connection could not be opened). Every one of those is the rank's: proven
  * by its key, or opened by us to its address. */
-static bool answer_way_ok(weft_agent_t *a, const weft__pending_t *p, const weft__origin_t *o)
+static bool answer_way_ok(const weft__pending_t *p, const weft__origin_t *o)
 {
     if (p->peer != o->peer) {
         return false;
     }
-    if (p->path.tp == WEFT__TP_SHM) {
-        /* A request through a ring: its answer comes back through the ring the peer writes to
-         * this rank, or, when it has none, on its stream (a ring's handshake proves the rank). */
-        return o->tp == WEFT__TP_SHM || (o->tp == WEFT__TP_STREAM && !o->client &&
-                                         !weft__shm_reads_from(a, o->peer));
-    }
-    if (o->tp == WEFT__TP_DIRECT || p->path.tp == WEFT__TP_COUNT || p->path.tp == WEFT__TP_DIRECT) {
-        /* Direct connections carry large answers to every request; and until the route has
-         * recorded the way (the microseconds while it is handed over) any connection the peer
-         * proved is accepted. */
+    if (o->tp == WEFT__TP_DIRECT || p->path.tp != WEFT__TP_STREAM) {
+        /* Direct connections carry large answers to every request. A request handed to a ring
+         * or a direct connection may be answered on any connection of that rank (its ring to
+         * us, its direct connection, its stream: it may have none of the others; and a frame
+         * that waited for a ring that did not open took our stream). Until the route has
+         * recorded the way (the microseconds while it is handed over) any is accepted too. */
         return true;
     }
     return o->client && o->stream == p->path.stream;
@@ -698,7 +694,7 @@ void weft__call_response(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Env
 {
     pthread_mutex_lock(&a->pend_mu);
     weft__pending_t *p = pending_find(a, env->request_id);
-    if (p != NULL && !answer_way_ok(a, p, o)) {
+    if (p != NULL && !answer_way_ok(p, o)) {
         pthread_mutex_unlock(&a->pend_mu);
         WEFT_WARN("an answer to call %llu came from rank %d over a way its request did not take; "
                   "ignored",

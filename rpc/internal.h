@@ -579,8 +579,6 @@ void weft__shm_destroy(weft_agent_t *a);
 /* Starts opening the rings to every rank of this host (after the join): frames sent meanwhile
  * wait, in order, for their ring. */
 void weft__shm_open_all(weft_agent_t *a);
-/* Whether @p peer has opened a ring to this rank (one that is not over). */
-bool weft__shm_reads_from(weft_agent_t *a, int peer);
 /* @p peer is lost (@p st, @p why): when it has a ring to this rank, the ring's reader reads what
  * was written to it until now, then declares the loss itself (true); false: declare it now. */
 bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const char *why);

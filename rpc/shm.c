@@ -60,6 +60,7 @@
 #define SLEEP_MS    50                   /* a sleeping side looks at the peer's socket this often */
 #define PUBLISH_MIN ((uint64_t)64 << 10) /* a long frame is made visible in pieces this large */
 #define NAME_PREFIX "weft-shm-"
+#define MAX_HANDSHAKES 64 /* connections of a listener still proving their rank */
 #define HOT_BYTES   ((uint64_t)256 << 10) /* an unaligned landing goes through this much at a time */
 
 _Static_assert(ATOMIC_LLONG_LOCK_FREE == 2 && ATOMIC_INT_LOCK_FREE == 2,
@@ -80,6 +81,8 @@ _Static_assert(sizeof(ring_hdr_t) <= RING_OFF, "the ring's header fits before it
 typedef struct thr {
     struct thr *next;
     pthread_t t;
+    struct shm_in *c;
+    _Atomic bool exited; /* its last act: joined and freed by the next reap */
 } thr_t;
 
 /* A ring this rank reads: one per peer that opened one to it. */
@@ -96,6 +99,10 @@ typedef struct shm_in {
     uint8_t *ebuf;   /* the reading role's envelope buffer */
     uint8_t *hot;    /* the reading role's landing buffer (unaligned pieces), made when needed */
     size_t ebuf_cap;
+    /* 1 while a thread reads frames from the ring: its dedicated reader, or a module's waiting
+     * thread taking the frames for its own channel (weft_agent_poll_channel). Whoever holds it
+     * owns tail, ebuf and hot. */
+    _Atomic int busy;
     thr_t *threads;    /* every thread that held the role (under d->mu); joined when reaped */
     _Atomic int live;  /* of those, the ones still running */
     _Atomic bool done; /* the ring is over (no role holder left) */
@@ -214,16 +221,17 @@ static bool send_all(int fd, const void *buf, size_t n)
 
 /* Reads exactly @p n bytes by @p deadline_ns; with @p fd_p, a descriptor that came with them
  * (SCM_RIGHTS) goes there (the first one; later ones are closed). */
-static bool recv_until(int fd, void *buf, size_t n, int64_t deadline_ns, int *fd_p)
+static bool recv_until(int fd, void *buf, size_t n, int64_t deadline_ns, int *fd_p,
+                       _Atomic bool *stop)
 {
     uint8_t *p = buf;
     while (n > 0) {
         int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;
-        if (left_ms <= 0) {
+        if (left_ms <= 0 || atomic_load(stop)) {
             return false;
         }
         struct pollfd pfd = {fd, POLLIN, 0};
-        int r = poll(&pfd, 1, (int)(left_ms < 1000 ? left_ms : 1000));
+        int r = poll(&pfd, 1, (int)(left_ms < 100 ? left_ms : 100));
         if (r < 0 && errno != EINTR) {
             return false;
         }
@@ -329,7 +337,24 @@ static ring_hdr_t *map_ring(int fd, size_t len)
 
 /* ------------------------------------------------------------ the reading role */
 
+/* Takes the ring for reading (busy); its tail is then this thread's. */
+static bool in_take(shm_in_t *c)
+{
+    int z = 0;
+    if (!atomic_compare_exchange_strong(&c->busy, &z, 1)) {
+        return false;
+    }
+    c->tail = atomic_load_explicit(&c->ring->tail, memory_order_acquire);
+    return true;
+}
+
+static void in_release(shm_in_t *c)
+{
+    atomic_store(&c->busy, 0);
+}
+
 static _Thread_local shm_in_t *tl_role; /* the ring whose reading role this thread holds */
+static _Thread_local const void *tl_opener; /* the ring this thread opens (an shm_out_t) */
 
 static void *role_main(void *arg);
 
@@ -342,13 +367,24 @@ static void role_hand_over(void)
         return;
     }
     weft__shm_t *d = c->agent->shm;
-    thr_t *t = weft_alloc(sizeof(*t));
+    thr_t *t = weft_calloc(1, sizeof(*t));
     if (t == NULL) {
         return; /* it keeps the role: correct unless the work waits on this very ring */
     }
+    t->c = c;
     pthread_mutex_lock(&d->mu);
+    for (thr_t **tp = &c->threads; *tp != NULL;) {
+        thr_t *e = *tp;
+        if (atomic_load(&e->exited)) { /* an earlier hand-over's thread, gone */
+            *tp = e->next;
+            pthread_join(e->t, NULL);
+            weft_free(e);
+        } else {
+            tp = &e->next;
+        }
+    }
     atomic_fetch_add(&c->live, 1);
-    if (pthread_create(&t->t, NULL, role_main, c) != 0) {
+    if (pthread_create(&t->t, NULL, role_main, t) != 0) {
         atomic_fetch_sub(&c->live, 1);
         pthread_mutex_unlock(&d->mu);
         weft_free(t);
@@ -357,6 +393,7 @@ static void role_hand_over(void)
     t->next = c->threads;
     c->threads = t;
     tl_role = NULL;
+    in_release(c); /* the frame being delivered was read whole: the new thread reads on */
     pthread_mutex_unlock(&d->mu);
 }
 
@@ -378,9 +415,10 @@ static bool in_stopped(shm_in_t *c)
 static uint64_t in_avail(shm_in_t *c)
 {
     uint64_t h = atomic_load_explicit(&c->ring->head, memory_order_acquire);
-    uint64_t n = h - c->tail;
+    uint64_t n = h - atomic_load_explicit(&c->ring->tail, memory_order_acquire);
     return n > c->cap ? UINT64_MAX : n;
 }
+
 
 /* Waits until there are bytes to read: false when the ring is over (the peer closed it or died
  * with nothing left to read, a lost peer, the agent closing, a corrupt position). */
@@ -411,6 +449,7 @@ static bool in_wait(shm_in_t *c)
             return false; /* lost: nothing more is coming that counts */
         }
         atomic_store(&r->reader_sleeping, 1);
+        atomic_thread_fence(memory_order_seq_cst);
         if ((n = in_avail(c)) != 0) {
             atomic_store(&r->reader_sleeping, 0);
             return n != UINT64_MAX;
@@ -560,11 +599,17 @@ static bool read_landing(shm_in_t *c, Weft__V1__Envelope *env, const weft__modul
     }
     weft_landing_t l = {0};
     bool deliver = true;
-    if (mod->desc.lander(mod->state, peer, pl, env->payload_bytes, (weft_dtype_t)tm->dtype, numel,
-                         &l)) {
+    /* Mid-frame: the module's callbacks must not hand the ring over (they must not block). */
+    shm_in_t *role = tl_role;
+    tl_role = NULL;
+    bool landing = mod->desc.lander(mod->state, peer, pl, env->payload_bytes,
+                                    (weft_dtype_t)tm->dtype, numel, &l);
+    if (landing) {
         ok = l.sink != NULL ? in_sink(c, &l, nb) : in_read(c, l.dst, nb);
         l.done(l.arg, ok);
-    } else {
+    }
+    tl_role = role;
+    if (!landing) {
         weft_tensor_t *t = NULL;
         if (weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t) !=
                 WEFT_OK ||
@@ -824,13 +869,24 @@ static int handshake_in(shm_in_t *c)
     int memfd = -1;
     weft__tls_id_t tls = {0};
 
+    struct ucred cred;
+    socklen_t clen = sizeof(cred);
+    if (getsockopt(c->sock, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 || cred.uid != getuid()) {
+        /* The abstract namespace has no permissions: a process of another user is refused
+         * before anything else. */
+        snprintf(why, sizeof(why), "a shared-memory connection from another user (uid %d)",
+                 (int)cred.uid);
+        WEFT_WARN("refused %s", why);
+        (void)answer(c->sock, WEFT_ERR_AUTH, why);
+        return -1;
+    }
     put_u32(ch, SHM_MAGIC);
     put_u32(ch + 4, SHM_VERSION);
     if (weft__random_bytes(ch + 8, WEFT__CHALLENGE_BYTES) != WEFT_OK ||
         !send_all(c->sock, ch, sizeof(ch))) {
         return -1;
     }
-    if (!recv_until(c->sock, hdr, sizeof(hdr), deadline, &memfd)) {
+    if (!recv_until(c->sock, hdr, sizeof(hdr), deadline, &memfd, &d->stop)) {
         WEFT_WARN("a shared-memory connection closed or timed out before its handshake");
         goto err_close_fd;
     }
@@ -845,7 +901,7 @@ static int handshake_in(shm_in_t *c)
         goto err_close_fd;
     }
     uint8_t *buf = weft_alloc(hlen == 0 ? 1 : hlen);
-    if (buf == NULL || !recv_until(c->sock, buf, hlen, deadline, &memfd)) {
+    if (buf == NULL || !recv_until(c->sock, buf, hlen, deadline, &memfd, &d->stop)) {
         weft_free(buf);
         goto err_close_fd;
     }
@@ -885,7 +941,15 @@ static int handshake_in(shm_in_t *c)
         (void)answer(c->sock, st, why);
         return -1;
     }
-    return answer(c->sock, WEFT_OK, "") ? rank : -1;
+    /* The writer confirms it took the answer (it may have given up meanwhile: then the ring is
+     * not used, and its end is no loss). */
+    uint8_t ack = 0;
+    if (!answer(c->sock, WEFT_OK, "") ||
+        !recv_until(c->sock, &ack, 1, deadline, NULL, &d->stop) || ack != 1) {
+        atomic_store(&c->peer, -1);
+        return -1;
+    }
+    return rank;
 
 err_close_fd:
     if (memfd >= 0) {
@@ -898,7 +962,8 @@ err_close_fd:
  * reading role. */
 static void *role_main(void *arg)
 {
-    shm_in_t *c = arg;
+    thr_t *self = arg;
+    shm_in_t *c = self->c;
     weft_agent_t *a = c->agent;
 
     weft__nopipe_thread();
@@ -906,9 +971,25 @@ static void *role_main(void *arg)
     bool ok = atomic_load(&c->peer) >= 0 || handshake_in(c) >= 0;
     tl_role = c;
     weft__set_block_hook(role_block_hook, NULL);
-    while (ok && tl_role == c && !in_stopped(c) &&
-           !(atomic_load(&c->lose) && c->tail >= c->lose_at)) {
-        ok = read_frame(c);
+    while (ok && tl_role == c && !in_stopped(c)) {
+        if (atomic_load(&c->lose) &&
+            atomic_load_explicit(&c->ring->tail, memory_order_acquire) >= c->lose_at) {
+            break;
+        }
+        /* Waits for a frame without holding the ring: a module's thread waiting for its own
+         * messages may take them meanwhile (weft_agent_poll_channel). */
+        if (!in_wait(c)) {
+            break;
+        }
+        if (!in_take(c)) {
+            sched_yield(); /* that thread is taking a frame: briefly */
+            continue;
+        }
+        uint64_t n = in_avail(c);
+        ok = n == 0 || (n != UINT64_MAX && read_frame(c));
+        if (tl_role == c) {
+            in_release(c); /* unless it was handed over meanwhile (then released there) */
+        }
     }
     if (tl_role == c) {
         /* The ring is over with this thread: the peer closed it or died, was lost, or the agent
@@ -931,7 +1012,8 @@ static void *role_main(void *arg)
         }
     }
     weft__set_block_hook(NULL, NULL);
-    atomic_fetch_sub(&c->live, 1); /* the last thing it does with @p c */
+    atomic_fetch_sub(&c->live, 1);
+    atomic_store(&self->exited, true); /* the last thing it does with @p c */
     return NULL;
 }
 
@@ -953,13 +1035,24 @@ static void in_free(shm_in_t *c)
     weft_free(c);
 }
 
-/* Unlinks and frees the rings that are over. Called with d->mu held; returns what it unlinked. */
+/* Unlinks and frees the rings that are over, and joins the threads of the others that have
+ * ended (one ends at each hand-over). Called with d->mu held; returns the rings it unlinked. */
 static shm_in_t *reap_locked(weft__shm_t *d)
 {
     shm_in_t *gone = NULL;
     shm_in_t **pp = &d->ins;
     while (*pp != NULL) {
         shm_in_t *c = *pp;
+        for (thr_t **tp = &c->threads; *tp != NULL;) {
+            thr_t *t = *tp;
+            if (atomic_load(&t->exited)) {
+                *tp = t->next;
+                pthread_join(t->t, NULL); /* it has returned, or is returning */
+                weft_free(t);
+            } else {
+                tp = &t->next;
+            }
+        }
         if (atomic_load(&c->done) && atomic_load(&c->live) == 0) {
             *pp = c->next;
             c->next = gone;
@@ -978,6 +1071,18 @@ static void free_list(shm_in_t *c)
         in_free(c);
         c = next;
     }
+}
+
+/* Connections still in their handshake. */
+static int count_handshakes(weft__shm_t *d)
+{
+    int n = 0;
+    pthread_mutex_lock(&d->mu);
+    for (shm_in_t *c = d->ins; c != NULL; c = c->next) {
+        n += atomic_load(&c->peer) < 0 && !atomic_load(&c->done);
+    }
+    pthread_mutex_unlock(&d->mu);
+    return n;
 }
 
 static void *acceptor_main(void *arg)
@@ -999,8 +1104,12 @@ static void *acceptor_main(void *arg)
         if (fd < 0) {
             continue;
         }
+        if (count_handshakes(d) >= MAX_HANDSHAKES) {
+            close(fd); /* so many unproven connections: one more waits for none of them */
+            continue;
+        }
         shm_in_t *c = weft_calloc(1, sizeof(*c));
-        thr_t *t = weft_alloc(sizeof(*t));
+        thr_t *t = weft_calloc(1, sizeof(*t));
         if (c == NULL || t == NULL) {
             weft_free(c);
             weft_free(t);
@@ -1011,8 +1120,9 @@ static void *acceptor_main(void *arg)
         c->sock = fd;
         atomic_init(&c->peer, -1);
         atomic_init(&c->live, 1);
+        t->c = c;
         pthread_mutex_lock(&d->mu);
-        if (pthread_create(&t->t, NULL, role_main, c) != 0) {
+        if (pthread_create(&t->t, NULL, role_main, t) != 0) {
             pthread_mutex_unlock(&d->mu);
             weft_free(t);
             weft_free(c);
@@ -1089,6 +1199,7 @@ static bool out_wait_room(shm_out_t *o)
             return false;
         }
         atomic_store(&r->writer_waiting, 1);
+        atomic_thread_fence(memory_order_seq_cst);
         if ((n = out_room(o)) != 0) {
             atomic_store(&r->writer_waiting, 0);
             return n != UINT64_MAX;
@@ -1245,7 +1356,17 @@ static bool open_out(shm_out_t *o)
         why = "its listener cannot be reached";
         goto err;
     }
-    if (!recv_until(fd, ch, sizeof(ch), deadline, NULL)) {
+    /* The name is the peer's (its process and user) before anything is sent to it. */
+    struct ucred cred;
+    socklen_t clen = sizeof(cred);
+    int name_pid = 0;
+    if (sscanf(addr + sizeof(NAME_PREFIX) - 1 + 17, "%d-", &name_pid) != 1 ||
+        getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 || cred.uid != getuid() ||
+        cred.pid != name_pid) {
+        why = "the listener of that name is not the peer's process";
+        goto err;
+    }
+    if (!recv_until(fd, ch, sizeof(ch), deadline, NULL, &d->stop)) {
         goto err;
     }
     if (get_u32(ch) != SHM_MAGIC || get_u32(ch + 4) != SHM_VERSION) {
@@ -1298,7 +1419,7 @@ static bool open_out(shm_out_t *o)
     } while (k < 0 && errno == EINTR);
     uint8_t ans[8];
     if (k != 12 || !send_all(fd, hello + 12, hlen) ||
-        !recv_until(fd, ans, sizeof(ans), deadline, NULL)) {
+        !recv_until(fd, ans, sizeof(ans), deadline, NULL, &d->stop)) {
         goto err;
     }
     close(memfd);
@@ -1308,7 +1429,7 @@ static bool open_out(shm_out_t *o)
     if (status != 0) {
         char text[512] = "";
         size_t tk = tlen < sizeof(text) - 1 ? tlen : sizeof(text) - 1;
-        if (recv_until(fd, text, tk, deadline, NULL)) {
+        if (recv_until(fd, text, tk, deadline, NULL, &d->stop)) {
             text[tk] = '\0';
         }
         WEFT_WARN("shared-memory ring to rank %d refused (%s): %s; its frames take the network "
@@ -1322,6 +1443,11 @@ static bool open_out(shm_out_t *o)
         return false;
     }
     weft_free(hello);
+    uint8_t ack = 1;
+    if (!send_all(fd, &ack, 1)) {
+        why = "the peer went away after accepting";
+        goto err;
+    }
     o->sock = fd;
     return true;
 
@@ -1345,6 +1471,7 @@ static void *opener_main(void *arg)
     weft_agent_t *a = o->agent;
 
     weft__nopipe_thread();
+    tl_opener = o; /* a frame sent from a callback of its flush queues behind the rest */
     bool ok = open_out(o);
     atomic_store(&o->opened, ok);
     if (!ok && o->ring != NULL) {
@@ -1413,7 +1540,7 @@ static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, wef
     (void)flags;
     (void)path_p;
     pthread_mutex_lock(&o->mu);
-    if (o->state == OUT_OPENING && atomic_load(&o->opened)) {
+    if (o->state == OUT_OPENING && atomic_load(&o->opened) && tl_opener != o) {
         /* The ring is open and the frames that waited for it are being written: this one goes
          * after them, from this thread (the queue stays bounded). */
         role_hand_over();
@@ -1693,23 +1820,98 @@ void weft__shm_destroy(weft_agent_t *a)
     close(d->listen_fd);
     close(d->wake_fd);
     pthread_mutex_destroy(&d->mu);
-    weft_free(d);
     a->shm = NULL;
+    weft_free(d);
 }
 
-bool weft__shm_reads_from(weft_agent_t *a, int peer)
+/* Copies @p n bytes at @p at bytes past the tail out of the ring, without consuming them. */
+static void in_peek(shm_in_t *c, uint64_t at, void *buf, uint64_t n)
 {
-    weft__shm_t *d = a->shm;
-    bool found = false;
-    if (d == NULL) {
+    uint64_t off = (c->tail + at) & (c->cap - 1);
+    uint64_t first = c->cap - off < n ? c->cap - off : n;
+    memcpy(buf, c->data + off, first);
+    memcpy((uint8_t *)buf + first, c->data, n - first);
+}
+
+/* Whether the ring's next frame is a one-way message on @p channel that is there whole (the
+ * caller holds the ring). */
+static bool next_is_whole_on(shm_in_t *c, uint32_t channel)
+{
+    uint64_t avail = in_avail(c);
+    uint8_t lenb[4];
+    if (avail == UINT64_MAX || avail < 4) {
         return false;
     }
+    in_peek(c, 0, lenb, 4);
+    uint32_t elen = get_u32(lenb);
+    if (elen > WEFT__MAX_ENVELOPE || avail < 4 + (uint64_t)elen) {
+        return false;
+    }
+    if (elen > c->ebuf_cap) {
+        size_t cap = elen < 4096 ? 4096 : elen;
+        uint8_t *b = weft_alloc(cap);
+        if (b == NULL) {
+            return false;
+        }
+        weft_free(c->ebuf);
+        c->ebuf = b;
+        c->ebuf_cap = cap;
+    }
+    in_peek(c, 4, c->ebuf, elen);
+    Weft__V1__Envelope *env = weft__v1__envelope__unpack(&weft__pb_allocator, elen, c->ebuf);
+    if (env == NULL) {
+        return false;
+    }
+    uint64_t body = 0;
+    bool framed = true;
+    bool ok = env->kind == WEFT__V1__KIND__KIND_ONEWAY && env->channel == channel &&
+              weft__frame_check(env, elen, c->agent->max_message_bytes, &body, &framed) ==
+                  WEFT_OK &&
+              avail - 4 - elen >= body;
+    weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+    return ok;
+}
+
+#define POLL_RINGS 64
+
+size_t weft_agent_poll_channel(weft_agent_t *a, uint32_t channel)
+{
+    weft__shm_t *d = a != NULL ? a->shm : NULL;
+    shm_in_t *cand[POLL_RINGS];
+    int nc = 0;
+    size_t n = 0;
+
+    if (d == NULL || channel < 1 || channel > WEFT_CHANNEL_MAX) {
+        return 0;
+    }
+    /* The rings with something in them, held (live) so that none is freed meanwhile. */
     pthread_mutex_lock(&d->mu);
-    for (shm_in_t *c = d->ins; c != NULL && !found; c = c->next) {
-        found = atomic_load(&c->peer) == peer && !atomic_load(&c->done);
+    for (shm_in_t *c = d->ins; c != NULL && nc < POLL_RINGS; c = c->next) {
+        if (!atomic_load(&c->done) && atomic_load(&c->peer) >= 0 && c->ring != NULL &&
+            atomic_load(&c->busy) == 0 && in_avail(c) != 0) {
+            atomic_fetch_add(&c->live, 1);
+            cand[nc++] = c;
+        }
     }
     pthread_mutex_unlock(&d->mu);
-    return found;
+    for (int i = 0; i < nc; i++) {
+        shm_in_t *c = cand[i];
+        if (in_stopped(c) || atomic_load(&c->lose) || !in_take(c)) {
+            continue;
+        }
+        /* Only whole frames for this channel, in the ring's order: it never waits, and never
+         * runs anything but the channel's module (which must not block). */
+        while (next_is_whole_on(c, channel) && read_frame(c)) {
+            n++;
+        }
+        in_release(c);
+    }
+    pthread_mutex_lock(&d->mu);
+    for (int i = 0; i < nc; i++) {
+        atomic_fetch_sub(&cand[i]->live, 1);
+    }
+    pthread_mutex_unlock(&d->mu);
+    return n;
 }
 
 bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const char *why)
@@ -1723,6 +1925,11 @@ bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const cha
     for (shm_in_t *c = d->ins; c != NULL && !deferred; c = c->next) {
         if (atomic_load(&c->peer) != peer || atomic_load(&c->done) || c->ring == NULL) {
             continue;
+        }
+        if (in_avail(c) == 0 || atomic_load(&c->busy) != 0) {
+            /* Nothing to read first; or a thread is inside a delivery that may not come back
+             * soon (a handler that computes or blocks): the loss is declared now. */
+            break;
         }
         if (!atomic_load(&c->lose)) {
             c->lose_at = atomic_load_explicit(&c->ring->head, memory_order_acquire);

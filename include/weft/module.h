@@ -241,6 +241,16 @@ WEFT_API weft_status_t weft_agent_send_flags(weft_agent_t *a, int to_rank, uint3
                                              const weft_value_t *msg, uint32_t flags,
                                              weft_future_t **sent_p);
 
+/**
+ * Delivers on this thread the one-way messages for @p channel's module that have arrived whole
+ * on this rank's shared-memory rings and come next in them (a ring's order is kept: it stops at
+ * a frame for anything else, or one not all there yet). A module whose thread polls for its own
+ * messages calls it while it spins: the messages then reach it without a thread hand-off. Never
+ * blocks; runs nothing but @p channel's module (its on_message or lander, which must not block).
+ * Returns how many it delivered (0: none, or no rings). Thread-safe.
+ */
+WEFT_API size_t weft_agent_poll_channel(weft_agent_t *a, uint32_t channel);
+
 /* ------------------------------------------------------------------ the timer */
 
 /** A timed task; @p arg and @p data are what was given to weft_agent_timer_add. */
