@@ -21,7 +21,10 @@ reduce_scatter, all_to_all), 1 (broadcast). Each raw line goes to stderr (and
 to --raw FILE).
 
 Systems and their programs (same sizes, warm-up and iteration rules for all):
-  weft        BUILDDIR/bench/bench_collectives WORLD  (bench/collectives.c)
+  weft        BUILDDIR/bench/bench_collectives WORLD  (bench/collectives.c; ranks of one host:
+              shared-memory rings and cross-memory reads)
+  weft_noshm  the same with WEFT_SHM=0 WEFT_COLL_CMA=0 (the network transports only: what
+              ranks on different hosts use)
   torch_gloo  bench/torch_gloo.py WORLD under a python that has torch
   mpi         mpirun -np WORLD BUILDDIR/bench/mpi_collectives (bench/mpi_collectives.c,
               compiled here with mpicc), Open MPI's default transports
@@ -41,7 +44,7 @@ import time
 from benchlib import emit_results, fmt, record_raw, run_one, say_done, torch_python_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SYSTEMS = ["weft", "torch_gloo", "mpi", "mpi_tcp"]
+SYSTEMS = ["weft", "weft_noshm", "torch_gloo", "mpi", "mpi_tcp"]
 OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"]
 METRICS = ["algbw", "busbw"]
 
@@ -92,7 +95,10 @@ def build_mpi(builddir):
 
 def commands(a, torch_python, mpi_exe):
     """system -> function(world) -> argv, without the common options."""
-    cmds = {"weft": lambda w: [os.path.join(a.builddir, "bench", "bench_collectives"), str(w)]}
+    exe = os.path.join(a.builddir, "bench", "bench_collectives")
+    cmds = {"weft": lambda w: [exe, str(w)],
+            "weft_noshm": lambda w: ["/usr/bin/env", "WEFT_SHM=0", "WEFT_COLL_CMA=0", exe, str(w),
+                                     "--system", "weft_noshm"]}
     if torch_python:
         cmds["torch_gloo"] = lambda w: [torch_python, os.path.join(HERE, "torch_gloo.py"), str(w)]
     if mpi_exe:

@@ -80,7 +80,8 @@
     X(COLL_ALGO, "WEFT_COLL_ALGO", CHOICE, "auto", 0, 0, "auto|direct|ring|cma", "", "collectives", \
       "all_reduce algorithm of new groups (set it alike on every rank)")                          \
     X(COLL_CMA, "WEFT_COLL_CMA", BOOL, "1", 0, 0, "", "", "collectives",                           \
-      "allow all_reduce by cross-memory reads between ranks of one host (0 on any rank: never)")  \
+      "allow collectives (all_reduce, broadcast, all_gather, reduce_scatter, all_to_all) by "        \
+      "cross-memory reads between ranks of one host (0 on any rank: never)")  \
     /* ps */                                                                                       \
     X(PS_SERVERS, "WEFT_PS_SERVERS", STR, "1", 0, 0, "", "", "ps",                                 \
       "parameter server ranks: a count N (ranks 0..N-1) or a list \"0,3\"")                       \

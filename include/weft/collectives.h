@@ -80,10 +80,12 @@ typedef enum {
  * Forces the algorithm of @p op in the group, for the operations issued after it returns.
  * A group chooses by size unless told otherwise: all_reduce runs "direct" up to 64 KiB and
  * "ring" above (with two members: "ring" from 1 MiB), and "cma" (cross-memory reads between
- * ranks of one host) from 256 KiB (two members: from 2 MiB); the other operations have one
- * algorithm each ("tree" for broadcast, "direct" for the others). WEFT_COLL_ALGO
- * (auto|direct|ring|cma), read when the group is created, forces all_reduce's for that group.
- * weft_pg_describe prints the choice.
+ * ranks of one host) from 256 KiB (two members: from 2 MiB); broadcast, all_gather,
+ * reduce_scatter and all_to_all run "cma" from 64 KiB per member (the tensor of broadcast, the
+ * input of all_gather and all_to_all, the output part of reduce_scatter), else "tree"
+ * (broadcast) or "direct"; barrier, reduce, gather and scatter have one algorithm each
+ * ("direct"). WEFT_COLL_ALGO (auto|direct|ring|cma), read when the group is created, forces
+ * all_reduce's for that group. weft_pg_describe prints the choice.
  *
  * Every member must force the same algorithm at the same point of the group's sequence of
  * operations: the algorithms do not interoperate, and their pieces do not say which one sent
