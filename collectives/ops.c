@@ -95,8 +95,12 @@ static int choose(const coll_group_t *g, coll_kind_t kind, size_t bytes, int exc
 {
     int best = -1;
     for (size_t i = 0; i < NALGOS; i++) {
-        if (algos[i].kind == kind && (int)i != except && bytes >= min_bytes(g, (int)i) &&
-            (best < 0 || algos[i].score > algos[best].score)) {
+        /* A group whose members settled against reading each other's memory (another host,
+         * WEFT_COLL_CMA=0 on one of them: every member settled alike, from the same HELLOs) no
+         * longer asks: it would cost a round of messages per operation. */
+        bool settled_off = algos[i].declines != NULL && g->cma_state < 0;
+        if (algos[i].kind == kind && (int)i != except && !settled_off &&
+            bytes >= min_bytes(g, (int)i) && (best < 0 || algos[i].score > algos[best].score)) {
             best = (int)i;
         }
     }
