@@ -414,8 +414,12 @@ static bool in_stopped(shm_in_t *c)
 /* Bytes written and not read yet; UINT64_MAX when the writer's position is impossible. */
 static uint64_t in_avail(shm_in_t *c)
 {
+    /* The tail first: another reader of this process may move it on meanwhile (never past
+     * the head), and the head only grows; read the other way round, a tail moved past an old
+     * head would look like a corrupt ring. */
+    uint64_t t = atomic_load_explicit(&c->ring->tail, memory_order_acquire);
     uint64_t h = atomic_load_explicit(&c->ring->head, memory_order_acquire);
-    uint64_t n = h - atomic_load_explicit(&c->ring->tail, memory_order_acquire);
+    uint64_t n = h - t;
     return n > c->cap ? UINT64_MAX : n;
 }
 
