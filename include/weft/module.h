@@ -121,7 +121,10 @@ typedef struct {
     void (*destroy)(void *state);
     /**
      * A one-way message on the channel from @p src_rank; takes ownership of @p msg. Runs on a
-     * transport thread, in the order the peer sent (unordered sends excepted). Messages that
+     * transport thread, in the order the peer sent (unordered sends excepted). From a rank of
+     * this host (a shared-memory ring) a callback that blocks in a weft wait hands the ring to
+     * another thread first, so the next message may start before it returns: a module that
+     * needs its messages strictly one after another does not wait in this callback. Messages that
      * arrive before the module exists on this rank are kept (up to 65536) and delivered, in
      * order, right after create. NULL: messages on the channel are dropped.
      */
