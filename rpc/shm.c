@@ -40,6 +40,7 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <sched.h>
+#include <stdarg.h>
 #include <stdalign.h>
 #include <stdlib.h>
 #include <sys/eventfd.h>
@@ -114,6 +115,7 @@ typedef struct shm_in {
     weft_status_t lose_st;
     char lose_why[256];
     _Atomic uint64_t frames, bytes;
+    char broken[200]; /* why the ring cannot be read on, when its writer broke it ("": not) */
 } shm_in_t;
 
 enum { OUT_IDLE = 0, OUT_OPENING, OUT_READY, OUT_FAILED };
@@ -337,6 +339,30 @@ static ring_hdr_t *map_ring(int fd, size_t len)
 
 /* ------------------------------------------------------------ the reading role */
 
+/* The ring's writer broke it (@p fmt: how): it is read no further. */
+static bool in_broke(shm_in_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static bool in_broke(shm_in_t *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->broken, sizeof(c->broken), fmt, ap);
+    va_end(ap);
+    WEFT_WARN("shared-memory ring from rank %d: %s; closing", atomic_load(&c->peer), c->broken);
+    return false;
+}
+
+/* Whether @p n (from in_avail) says the writer's position is impossible: then the ring broke. */
+static bool in_corrupt(shm_in_t *c, uint64_t n)
+{
+    if (n != UINT64_MAX) {
+        return false;
+    }
+    (void)in_broke(c, "its writer's position is impossible (head %llu, tail %llu, ring of %llu bytes)",
+                   (unsigned long long)atomic_load(&c->ring->head),
+                   (unsigned long long)atomic_load(&c->ring->tail), (unsigned long long)c->cap);
+    return true;
+}
+
 /* Takes the ring for reading (busy); its tail is then this thread's. */
 static bool in_take(shm_in_t *c)
 {
@@ -431,7 +457,7 @@ static bool in_wait(shm_in_t *c)
     ring_hdr_t *r = c->ring;
     uint64_t n = in_avail(c);
     if (n != 0) {
-        return n != UINT64_MAX;
+        return !in_corrupt(c, n);
     }
     int64_t spin = c->agent->shm->spin_ns;
     if (spin > 0) {
@@ -439,7 +465,7 @@ static bool in_wait(shm_in_t *c)
         do {
             for (int i = 0; i < 64; i++) {
                 if ((n = in_avail(c)) != 0) {
-                    return n != UINT64_MAX;
+                    return !in_corrupt(c, n);
                 }
                 cpu_relax();
             }
@@ -456,17 +482,17 @@ static bool in_wait(shm_in_t *c)
         atomic_thread_fence(memory_order_seq_cst);
         if ((n = in_avail(c)) != 0) {
             atomic_store(&r->reader_sleeping, 0);
-            return n != UINT64_MAX;
+            return !in_corrupt(c, n);
         }
         futex_wait(&r->reader_sleeping, 1, SLEEP_MS);
         atomic_store(&r->reader_sleeping, 0);
         if ((n = in_avail(c)) != 0) {
-            return n != UINT64_MAX;
+            return !in_corrupt(c, n);
         }
         if (sock_gone(c->sock)) {
             /* What was written before the peer went is still read. */
             n = in_avail(c);
-            return n != 0 && n != UINT64_MAX;
+            return n != 0 && !in_corrupt(c, n);
         }
     }
 }
@@ -741,9 +767,7 @@ static bool read_frame(shm_in_t *c)
     }
     uint32_t elen = get_u32(lenb);
     if (elen > WEFT__MAX_ENVELOPE) {
-        WEFT_WARN("shared-memory ring from rank %d: an envelope of %u bytes (max %u); closing",
-                  peer, elen, WEFT__MAX_ENVELOPE);
-        return false;
+        return in_broke(c, "an envelope of %u bytes (max %u)", elen, WEFT__MAX_ENVELOPE);
     }
     if (elen > c->ebuf_cap) {
         size_t cap = elen < 4096 ? 4096 : elen;
@@ -761,9 +785,7 @@ static bool read_frame(shm_in_t *c)
     }
     Weft__V1__Envelope *env = weft__v1__envelope__unpack(&weft__pb_allocator, elen, c->ebuf);
     if (env == NULL) {
-        WEFT_WARN("shared-memory ring from rank %d: an envelope that does not decode; closing",
-                  peer);
-        return false;
+        return in_broke(c, "an envelope of %u bytes that does not decode", elen);
     }
     uint64_t body = 0;
     bool framed = true;
@@ -777,10 +799,7 @@ static bool read_frame(shm_in_t *c)
         bool keep = framed && !over && in_read(c, NULL, body);
         weft__set_error(st, "%s", why);
         weft__deliver(a, &o, env, NULL, st);
-        if (!keep) {
-            WEFT_WARN("shared-memory ring from rank %d: %s; closing", peer, why);
-        }
-        return keep;
+        return keep || in_broke(c, "%s", why);
     }
     if (env->kind == WEFT__V1__KIND__KIND_ONEWAY && env->n_tensors == 1 && env->n_refs == 0 &&
         env->payload_bytes > 0 && env->payload_bytes <= 65536 && env->channel >= 1 &&
@@ -990,7 +1009,7 @@ static void *role_main(void *arg)
             continue;
         }
         uint64_t n = in_avail(c);
-        ok = n == 0 || (n != UINT64_MAX && read_frame(c));
+        ok = n == 0 || (!in_corrupt(c, n) && read_frame(c));
         if (tl_role == c) {
             in_release(c); /* unless it was handed over meanwhile (then released there) */
         }
@@ -1009,9 +1028,16 @@ static void *role_main(void *arg)
             weft__agent_peer_lost(a, peer, c->lose_st, c->lose_why);
         } else if (peer >= 0 && !in_stopped(c) && !weft__agent_closing(a) &&
                    atomic_load(&a->state) < WEFT__AGENT_SHUTTING_DOWN) {
-            char why[300];
-            snprintf(why, sizeof(why), "%s (rank %d) closed its shared-memory ring (it exited?)",
-                     a->peers[peer].name != NULL ? a->peers[peer].name : "?", peer);
+            char why[400];
+            const char *who = a->peers[peer].name != NULL ? a->peers[peer].name : "?";
+            if (c->broken[0] != '\0') {
+                /* Its frames can no longer be found: nothing it sends arrives any more. */
+                snprintf(why, sizeof(why), "%s (rank %d) broke its shared-memory ring: %s", who,
+                         peer, c->broken);
+            } else {
+                snprintf(why, sizeof(why), "%s (rank %d) closed its shared-memory ring (it exited?)",
+                         who, peer);
+            }
             weft__agent_peer_lost(a, peer, WEFT_ERR_PEER_LOST, why);
         }
     }

@@ -8,7 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -825,6 +827,8 @@ int rawpeer_shm_open(const char *name, uint8_t challenge[32])
     return fd;
 }
 
+static uint8_t *last_ring_mem; /* the mapping of the last good ring made (rawpeer_shm_ring) */
+
 /* A ring's memory as rawpeer_shm_hello hands it over; -1 for none. */
 static int shm_ring_fd(rawpeer_ring_t ring)
 {
@@ -842,7 +846,10 @@ static int shm_ring_fd(rawpeer_ring_t ring)
         put_u32(p + 4, 1);
         uint64_t cap = 64u << 10;
         memcpy(p + 8, &cap, sizeof(cap));
-        munmap(p, len);
+        if (last_ring_mem != NULL) {
+            munmap(last_ring_mem, len);
+        }
+        last_ring_mem = p; /* kept: rawpeer_shm_ring writes through it */
     }
     if (ring != RAWPEER_RING_UNSEALED) {
         (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
@@ -919,4 +926,60 @@ int rawpeer_shm_hello(int fd, uint32_t magic, uint32_t version, const uint8_t ch
     }
     snprintf(why, why_len, "%s", text);
     return (int)(int32_t)get_u32(ans);
+}
+
+int rawpeer_shm_ring(const char *name, int server_rank, int rank, int world, const char *token,
+                     weft_agent_t *as, rawpeer_shm_t *r, char *why, size_t why_len)
+{
+    uint8_t ch[32];
+    memset(r, 0, sizeof(*r));
+    r->fd = rawpeer_shm_open(name, ch);
+    if (r->fd < 0) {
+        snprintf(why, why_len, "cannot reach %s", name);
+        return 1000;
+    }
+    last_ring_mem = NULL;
+    int st = rawpeer_shm_hello(r->fd, SHM_MAGIC, 1, ch, server_rank, rank, world, token, as,
+                               RAWPEER_RING_GOOD, why, why_len);
+    r->mem = last_ring_mem;
+    last_ring_mem = NULL;
+    if (st == 0) {
+        uint8_t ack = 1;
+        st = rawpeer_write(r->fd, &ack, 1) == 0 ? 0 : 1000;
+    }
+    return st;
+}
+
+void rawpeer_shm_write(rawpeer_shm_t *r, const void *bytes, size_t n)
+{
+    const uint64_t cap = 64u << 10;
+    uint8_t *data = r->mem + 4096;
+    for (size_t i = 0; i < n; i++) {
+        data[(r->head + i) & (cap - 1)] = ((const uint8_t *)bytes)[i];
+    }
+    rawpeer_shm_set_head(r, r->head + n);
+}
+
+void rawpeer_shm_set_head(rawpeer_shm_t *r, uint64_t head)
+{
+    r->head = head;
+    __atomic_store_n((uint64_t *)(r->mem + 64), head, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    uint32_t *sleeping = (uint32_t *)(r->mem + 128);
+    if (__atomic_load_n(sleeping, __ATOMIC_RELAXED) != 0) {
+        __atomic_store_n(sleeping, 0, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, sleeping, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
+    }
+}
+
+void rawpeer_shm_close(rawpeer_shm_t *r)
+{
+    if (r->mem != NULL) {
+        munmap(r->mem, 4096 + (64u << 10));
+    }
+    if (r->fd >= 0) {
+        close(r->fd);
+    }
+    memset(r, 0, sizeof(*r));
+    r->fd = -1;
 }

@@ -135,6 +135,22 @@ typedef enum {
 int rawpeer_shm_hello(int fd, uint32_t magic, uint32_t version, const uint8_t challenge[32],
                       int server_rank, int rank, int world, const char *token, weft_agent_t *as,
                       rawpeer_ring_t ring, char *why, size_t why_len);
+/* A ring a raw writer opened (rawpeer_shm_ring): its memory (64 KiB of bytes after the 4096-byte
+ * header) and the socket that keeps it. */
+typedef struct {
+    uint8_t *mem;
+    int fd;
+    uint64_t head;
+} rawpeer_shm_t;
+/* Opens a good ring to the listener @p name as rank @p rank (proof signed by @p as), confirming
+ * the answer as a rank does; 0 on success, else the refusal's status (text in @p why). */
+int rawpeer_shm_ring(const char *name, int server_rank, int rank, int world, const char *token,
+                     weft_agent_t *as, rawpeer_shm_t *r, char *why, size_t why_len);
+/* Writes @p n bytes at the ring's head and publishes them (the reader is woken). */
+void rawpeer_shm_write(rawpeer_shm_t *r, const void *bytes, size_t n);
+/* Publishes @p head as the writer's position, whatever it is. */
+void rawpeer_shm_set_head(rawpeer_shm_t *r, uint64_t head);
+void rawpeer_shm_close(rawpeer_shm_t *r);
 /* Whether the peer closed the connection within @p ms (reads and drops what comes). */
 bool rawpeer_closed_within(int fd, int ms);
 

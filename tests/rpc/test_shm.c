@@ -557,3 +557,93 @@ Test(rpc_shm, handshakes_that_do_not_prove_a_rank_or_bring_a_bad_ring_are_refuse
     inbox.expect = 1;
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
+
+/* ------------------------------------------------------------ a ring its writer breaks */
+
+/* Rank 1 runs with WEFT_SHM=0 and opens a ring to rank 0 by hand (proving its rank), writes one
+ * good message, then breaks the ring as @p how says: rank 0 delivers the good one, closes the
+ * ring and declares rank 1 lost with the reason, and nothing hangs. */
+typedef enum { BREAK_ENVELOPE_LENGTH, BREAK_ENVELOPE_BYTES, BREAK_HEAD } break_t;
+
+static break_t breaking;
+
+static int broken_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    if (rank == 0) {
+        inbox.expect = 0;
+        RANK_CHECK(weft_future_wait(inbox.lost, 30000) == WEFT_ERR_PEER_LOST, "rank 1 never lost");
+        const char *why = weft_future_error(inbox.lost);
+        const char *want[] = {"an envelope of 2147483647 bytes", "does not decode",
+                              "writer's position is impossible"};
+        RANK_CHECK(strstr(why, "broke its shared-memory ring") != NULL &&
+                       strstr(why, want[breaking]) != NULL,
+                   "loss: %s", why);
+        RANK_CHECK(inbox.next[1] == 1 && inbox.bad == 0, "%d good messages, %d bad", inbox.next[1],
+                   inbox.bad);
+        return 0;
+    }
+    rawpeer_shm_t r;
+    char why[512];
+    int st = rawpeer_shm_ring(weft_agent_worker_shm_address(a, 0), 0, 1, world, "", a, &r, why,
+                              sizeof(why));
+    RANK_CHECK(st == 0, "ring refused: %d (%s)", st, why);
+    uint8_t buf[256];
+    int seq = 0;
+    Weft__V1__Envelope e = WEFT__V1__ENVELOPE__INIT;
+    e.kind = WEFT__V1__KIND__KIND_ONEWAY;
+    e.channel = CHANNEL;
+    e.src_rank = 1;
+    e.payload_bytes = sizeof(seq);
+    size_t n = rawpeer_frame(buf, sizeof(buf), &e, &seq, sizeof(seq));
+    rawpeer_shm_write(&r, buf, n);
+    /* Read (the reader's tail has reached it) before the ring breaks. */
+    RANK_WAIT(__atomic_load_n((uint64_t *)(r.mem + 192), __ATOMIC_ACQUIRE) == r.head, 30000,
+              "rank 0 never read the good message");
+    uint8_t bad[16] = {0xff, 0xff, 0xff, 0x7f};
+    switch (breaking) {
+    case BREAK_ENVELOPE_LENGTH:
+        rawpeer_shm_write(&r, bad, 4); /* 2^31 - 1 bytes of envelope */
+        break;
+    case BREAK_ENVELOPE_BYTES:
+        bad[0] = 12, bad[1] = bad[2] = bad[3] = 0;
+        memset(bad + 4, 0xff, 12); /* 12 bytes that are no protobuf */
+        rawpeer_shm_write(&r, bad, 16);
+        break;
+    case BREAK_HEAD:
+        rawpeer_shm_set_head(&r, r.head + (1u << 20)); /* 1 MiB ahead in a 64 KiB ring */
+        break;
+    }
+    /* Rank 0 closes the ring's socket once it gave up on it. */
+    RANK_CHECK(rawpeer_closed_within(r.fd, 30000), "rank 0 kept reading a broken ring");
+    rawpeer_shm_close(&r);
+    return 0;
+}
+
+static void run_broken(break_t how)
+{
+    ranks_opts_t o;
+    int codes[2];
+    breaking = how;
+    ranks_opts_init(&o, 2, broken_body);
+    o.setup = setup;
+    o.rank_env[1] = "WEFT_SHM=0";
+    o.no_shutdown = 1;
+    o.deadline_ms = 60000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+Test(rpc_shm, a_ring_whose_envelope_length_is_impossible_ends_and_its_rank_is_lost, .timeout = 90)
+{
+    run_broken(BREAK_ENVELOPE_LENGTH);
+}
+
+Test(rpc_shm, a_ring_whose_envelope_does_not_decode_ends_and_its_rank_is_lost, .timeout = 90)
+{
+    run_broken(BREAK_ENVELOPE_BYTES);
+}
+
+Test(rpc_shm, a_ring_whose_head_runs_past_its_tail_ends_and_its_rank_is_lost, .timeout = 90)
+{
+    run_broken(BREAK_HEAD);
+}
