@@ -733,6 +733,11 @@ static weft_status_t stuck_locked(coll_group_t *g, const coll_desc_t *d, int src
     return WEFT_OK;
 }
 
+/* A receiver polls this long (taking its pieces from the shared-memory rings, yielding the core
+ * between looks) before it sleeps: a piece usually follows within tens of microseconds, and a
+ * wake-up across cores, or behind other ranks on few cores, costs more. */
+#define COLL_SPIN_NS 10000000
+
 weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
                          int64_t deadline_ns, coll_msg_t **m_p)
 {
@@ -740,6 +745,7 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
     weft_status_t st = WEFT_OK;
     char why[700];
     int spins = 0;
+    int64_t spin_until = 0;
     bool mismatch = false;
 
     pthread_mutex_lock(&ctx->mu);
@@ -779,9 +785,10 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
             return st;
         }
         int64_t now = weft__now_ns();
-        /* A piece usually follows within tens of microseconds: poll briefly before
-         * sleeping (a wake-up across cores costs about as much). */
-        if (spins < 100) {
+        if (spins == 0) {
+            spin_until = now + COLL_SPIN_NS;
+        }
+        if (now < spin_until) {
             spins++;
             pthread_mutex_unlock(&ctx->mu);
             /* Pieces from ranks of this host: taken from their rings on this thread. */
