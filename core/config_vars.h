@@ -59,7 +59,7 @@
       "ranks of one host exchange every frame through shared-memory rings (0: off, on any rank)")  \
     X(SHM_RING_KB, "WEFT_SHM_RING_KB", INT, "4096", 64, 262144, "", "", "rpc",                     \
       "KiB of each shared-memory ring (one per ordered pair of ranks on a host; a power of two)")   \
-    X(SHM_SPIN_US, "WEFT_SHM_SPIN_US", INT, "50", 0, 100000, "", "", "rpc",                        \
+    X(SHM_SPIN_US, "WEFT_SHM_SPIN_US", INT, "1000", 0, 100000, "", "", "rpc",                        \
       "microseconds a shared-memory reader or writer polls its ring before it sleeps")             \
     X(SHM_HOST_TAG, "WEFT_SHM_HOST_TAG", STR, "", 0, 0, "", "", "rpc",                             \
       "tests: ranks with different tags act as if on different hosts (no shared memory)")          \
