@@ -738,8 +738,8 @@ static weft_status_t stuck_locked(coll_group_t *g, const coll_desc_t *d, int src
  * wake-up across cores, or behind other ranks on few cores, costs more. */
 #define COLL_SPIN_NS 10000000
 
-weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
-                         int64_t deadline_ns, coll_msg_t **m_p)
+static weft_status_t recv_wait(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
+                               int64_t deadline_ns, coll_msg_t **m_p, bool *hooked_p)
 {
     coll_ctx_t *ctx = g->ctx;
     weft_status_t st = WEFT_OK;
@@ -804,10 +804,36 @@ weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, i
         int64_t abs = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + (wake - now);
         ts.tv_sec = abs / 1000000000LL;
         ts.tv_nsec = abs % 1000000000LL;
+        if (!*hooked_p) {
+            /* About to sleep: a thread that reads a shared-memory ring hands it over first (the
+             * pieces may be in it), a transport thread gets company. Then the checks again:
+             * a piece may have come meanwhile. */
+            *hooked_p = true;
+            pthread_mutex_unlock(&ctx->mu);
+            weft__blocking(1);
+            pthread_mutex_lock(&ctx->mu);
+            continue;
+        }
         pthread_cond_timedwait(&ctx->cv, &ctx->mu, &ts);
     }
 out:
     pthread_mutex_unlock(&ctx->mu);
+    return st;
+}
+
+weft_status_t coll__recv(coll_group_t *g, const coll_desc_t *d, uint32_t step, int src,
+                         int64_t deadline_ns, coll_msg_t **m_p)
+{
+    bool hooked = false;
+    weft_status_t st = recv_wait(g, d, step, src, deadline_ns, m_p, &hooked);
+    if (hooked) {
+        char why[WEFT__ERROR_MAX];
+        snprintf(why, sizeof(why), "%s", st != WEFT_OK ? weft_last_error() : "");
+        weft__blocking(0);
+        if (st != WEFT_OK) {
+            weft__set_error(st, "%s", why); /* the hook may have set another */
+        }
+    }
     return st;
 }
 

@@ -85,6 +85,17 @@ static void hook_call(int entering)
     }
 }
 
+void weft__get_block_hook(weft__block_hook_cb_t *cb_p, void **arg_p)
+{
+    *cb_p = block_hook.cb;
+    *arg_p = block_hook.arg;
+}
+
+void weft__blocking(int entering)
+{
+    hook_call(entering);
+}
+
 /* Absolute monotonic deadline in ns for a timeout (INT64_MAX: none). */
 static int64_t deadline_after(int64_t timeout_ms)
 {

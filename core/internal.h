@@ -127,6 +127,11 @@ char *weft__vstrfmt(const char *fmt, va_list ap) __attribute__((format(printf, 1
 typedef void (*weft__block_hook_cb_t)(int entering, void *arg);
 /** Sets (cb != NULL) or clears (cb == NULL) the hook of the calling thread only. */
 void weft__set_block_hook(weft__block_hook_cb_t cb, void *arg);
+/** The calling thread's hook (*cb_p NULL: none), to be set again after a change. */
+void weft__get_block_hook(weft__block_hook_cb_t *cb_p, void **arg_p);
+/** A wait of weft's own that is not a future (a module's condition variable) is about to sleep
+ * (@p entering 1) or woke up (0): the thread's hook hears of it as of a future's wait. */
+void weft__blocking(int entering);
 
 /* ---- tensors and values ---------------------------------------------------------------------- */
 

@@ -363,11 +363,13 @@ static bool in_corrupt(shm_in_t *c, uint64_t n)
     return true;
 }
 
-/* Takes the ring for reading (busy); its tail is then this thread's. */
-static bool in_take(shm_in_t *c)
+/* Takes the ring for reading (busy: BUSY_READER or BUSY_POLLER); its tail is then this
+ * thread's. */
+enum { BUSY_READER = 1, BUSY_POLLER = 2 };
+static bool in_take(shm_in_t *c, int who)
 {
     int z = 0;
-    if (!atomic_compare_exchange_strong(&c->busy, &z, 1)) {
+    if (!atomic_compare_exchange_strong(&c->busy, &z, who)) {
         return false;
     }
     c->tail = atomic_load_explicit(&c->ring->tail, memory_order_acquire);
@@ -381,6 +383,7 @@ static void in_release(shm_in_t *c)
 
 static _Thread_local shm_in_t *tl_role; /* the ring whose reading role this thread holds */
 static _Thread_local const void *tl_opener; /* the ring this thread opens (an shm_out_t) */
+static _Thread_local shm_in_t *tl_dedicated; /* the ring this thread was started to read */
 
 static void *role_main(void *arg);
 
@@ -390,6 +393,13 @@ static void role_hand_over(void)
 {
     shm_in_t *c = tl_role;
     if (c == NULL) {
+        return;
+    }
+    if (tl_dedicated != c) {
+        /* A module's polling thread: the ring's own reader is there; it takes the ring back. */
+        tl_role = NULL;
+        in_release(c);
+        futex_wake(&c->ring->reader_sleeping);
         return;
     }
     weft__shm_t *d = c->agent->shm;
@@ -443,8 +453,13 @@ static uint64_t in_avail(shm_in_t *c)
     /* The tail first: another reader of this process may move it on meanwhile (never past
      * the head), and the head only grows; read the other way round, a tail moved past an old
      * head would look like a corrupt ring. */
-    uint64_t t = atomic_load_explicit(&c->ring->tail, memory_order_acquire);
-    uint64_t h = atomic_load_explicit(&c->ring->head, memory_order_acquire);
+    uint64_t t, h;
+    do {
+        /* A consistent pair: the tail did not move while the head was read (else a head the
+         * writer advanced into room freed after the tail was read looks too far ahead). */
+        t = atomic_load_explicit(&c->ring->tail, memory_order_acquire);
+        h = atomic_load_explicit(&c->ring->head, memory_order_acquire);
+    } while (atomic_load_explicit(&c->ring->tail, memory_order_acquire) != t);
     uint64_t n = h - t;
     return n > c->cap ? UINT64_MAX : n;
 }
@@ -475,8 +490,11 @@ static bool in_wait(shm_in_t *c)
         } while (weft__now_ns() < end);
     }
     for (;;) {
-        if (in_stopped(c) || atomic_load(&c->lose)) {
-            return false; /* lost: nothing more is coming that counts */
+        if (in_stopped(c)) {
+            return false;
+        }
+        if (atomic_load(&c->lose) && (n = in_avail(c)) == 0) {
+            return false; /* lost, and all it wrote was read */
         }
         atomic_store(&r->reader_sleeping, 1);
         atomic_thread_fence(memory_order_seq_cst);
@@ -558,12 +576,15 @@ static bool in_sink(shm_in_t *c, const weft_landing_t *l, uint64_t n)
         if (k < n - done) {
             k &= ~(uint64_t)7;
         }
+        if (k > 0 && ((uintptr_t)(c->data + off) & 7) != 0 && c->hot == NULL) {
+            c->hot = weft_alloc(HOT_BYTES); /* NULL: 8 bytes at a time below */
+        }
+        if (k > 0 && ((uintptr_t)(c->data + off) & 7) != 0 && c->hot == NULL) {
+            k = 0;
+        }
         if (k > 0 && ((uintptr_t)(c->data + off) & 7) != 0) {
             /* Not aligned for the sink's element loads (a frame starts anywhere in the ring):
              * through a small hot buffer. */
-            if (c->hot == NULL && (c->hot = weft_alloc(HOT_BYTES)) == NULL) {
-                return false;
-            }
             if (k > HOT_BYTES) {
                 k = HOT_BYTES;
             }
@@ -575,7 +596,7 @@ static bool in_sink(shm_in_t *c, const weft_landing_t *l, uint64_t n)
             continue;
         }
         if (k == 0) {
-            uint8_t tmp[8];
+            alignas(8) uint8_t tmp[8];
             uint64_t t = n - done < 8 ? n - done : 8;
             if (!in_read(c, tmp, t)) {
                 return false;
@@ -798,7 +819,12 @@ static bool read_frame(shm_in_t *c)
         snprintf(why, sizeof(why), "%s", weft_last_error());
         bool keep = framed && !over && in_read(c, NULL, body);
         weft__set_error(st, "%s", why);
+        shm_in_t *role = tl_role;
+        if (!keep) {
+            tl_role = NULL; /* the ring cannot be read on: nobody takes it over */
+        }
         weft__deliver(a, &o, env, NULL, st);
+        tl_role = role;
         return keep || in_broke(c, "%s", why);
     }
     if (env->kind == WEFT__V1__KIND__KIND_ONEWAY && env->n_tensors == 1 && env->n_refs == 0 &&
@@ -993,6 +1019,7 @@ static void *role_main(void *arg)
     /* The first thread shakes hands (before it holds the role: the Hello's check may wait). */
     bool ok = atomic_load(&c->peer) >= 0 || handshake_in(c) >= 0;
     tl_role = c;
+    tl_dedicated = c;
     weft__set_block_hook(role_block_hook, NULL);
     while (ok && tl_role == c && !in_stopped(c)) {
         if (atomic_load(&c->lose) &&
@@ -1004,7 +1031,7 @@ static void *role_main(void *arg)
         if (!in_wait(c)) {
             break;
         }
-        if (!in_take(c)) {
+        if (!in_take(c, BUSY_READER)) {
             sched_yield(); /* that thread is taking a frame: briefly */
             continue;
         }
@@ -1501,7 +1528,7 @@ static void *opener_main(void *arg)
     weft_agent_t *a = o->agent;
 
     weft__nopipe_thread();
-    tl_opener = o; /* a frame sent from a callback of its flush queues behind the rest */
+    tl_opener = o; /* a frame sent from a callback of its flush queues (to any peer) */
     bool ok = open_out(o);
     atomic_store(&o->opened, ok);
     if (!ok && o->ring != NULL) {
@@ -1570,7 +1597,7 @@ static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, wef
     (void)flags;
     (void)path_p;
     pthread_mutex_lock(&o->mu);
-    if (o->state == OUT_OPENING && atomic_load(&o->opened) && tl_opener != o) {
+    if (o->state == OUT_OPENING && atomic_load(&o->opened) && tl_opener == NULL) {
         /* The ring is open and the frames that waited for it are being written: this one goes
          * after them, from this thread (the queue stays bounded). */
         role_hand_over();
@@ -1926,15 +1953,27 @@ size_t weft_agent_poll_channel(weft_agent_t *a, uint32_t channel)
     pthread_mutex_unlock(&d->mu);
     for (int i = 0; i < nc; i++) {
         shm_in_t *c = cand[i];
-        if (in_stopped(c) || atomic_load(&c->lose) || !in_take(c)) {
+        if (in_stopped(c) || atomic_load(&c->lose) || !in_take(c, BUSY_POLLER)) {
             continue;
         }
-        /* Only whole frames for this channel, in the ring's order: it never waits, and never
-         * runs anything but the channel's module (which must not block). */
-        while (next_is_whole_on(c, channel) && read_frame(c)) {
+        /* Only whole frames for this channel, in the ring's order: it never waits for bytes.
+         * The module's callback may complete futures whose callbacks block: then the ring goes
+         * back to its reader (role_hand_over), as from a reader thread. */
+        weft__block_hook_cb_t saved_cb;
+        void *saved_arg;
+        weft__get_block_hook(&saved_cb, &saved_arg);
+        shm_in_t *saved_role = tl_role;
+        tl_role = c;
+        weft__set_block_hook(role_block_hook, NULL);
+        while (tl_role == c && !atomic_load(&c->lose) && next_is_whole_on(c, channel) &&
+               read_frame(c)) {
             n++;
         }
-        in_release(c);
+        if (tl_role == c) {
+            in_release(c);
+        }
+        tl_role = saved_role;
+        weft__set_block_hook(saved_cb, saved_arg);
     }
     pthread_mutex_lock(&d->mu);
     for (int i = 0; i < nc; i++) {
@@ -1956,9 +1995,10 @@ bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const cha
         if (atomic_load(&c->peer) != peer || atomic_load(&c->done) || c->ring == NULL) {
             continue;
         }
-        if (in_avail(c) == 0 || atomic_load(&c->busy) != 0) {
-            /* Nothing to read first; or a thread is inside a delivery that may not come back
-             * soon (a handler that computes or blocks): the loss is declared now. */
+        if (in_avail(c) == 0 || atomic_load(&c->busy) == BUSY_READER) {
+            /* Nothing to read first; or its reader is inside a delivery that may not come back
+             * soon (a handler that computes or blocks): the loss is declared now. (A module's
+             * polling thread only takes whole frames for itself, briefly: the reader follows.) */
             break;
         }
         if (!atomic_load(&c->lose)) {
