@@ -387,19 +387,6 @@ static int connect_to(const char *address, int64_t deadline_ns)
     return fd;
 }
 
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-    p[2] = (uint8_t)(v >> 16);
-    p[3] = (uint8_t)(v >> 24);
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
-
 /* ------------------------------------------------------------ opening */
 
 /* Connects to @p peer and proves this rank; -1 on failure (logged). *ssl_p: the TLS session
@@ -434,7 +421,7 @@ static int open_out(weft_agent_t *a, int peer, SSL **ssl_p)
     if (!read_until(fd, ssl, ch, sizeof(ch), deadline)) {
         goto err_close;
     }
-    if (get_u32(ch) != DIRECT_MAGIC || get_u32(ch + 4) != DIRECT_VERSION) {
+    if (weft__get_u32(ch) != DIRECT_MAGIC || weft__get_u32(ch + 4) != DIRECT_VERSION) {
         why = "the peer speaks another handshake";
         goto err_close;
     }
@@ -452,16 +439,16 @@ static int open_out(weft_agent_t *a, int peer, SSL **ssl_p)
         why = "no memory";
         goto err_close;
     }
-    put_u32(hello, DIRECT_MAGIC);
-    put_u32(hello + 4, DIRECT_VERSION);
-    put_u32(hello + 8, (uint32_t)hlen);
+    weft__put_u32(hello, DIRECT_MAGIC);
+    weft__put_u32(hello + 4, DIRECT_VERSION);
+    weft__put_u32(hello + 8, (uint32_t)hlen);
     weft__v1__hello__pack(&h, hello + 12);
     uint8_t ans[8];
     if (!io_write(fd, ssl, hello, 12 + hlen) || !read_until(fd, ssl, ans, sizeof(ans), deadline)) {
         goto err_close;
     }
-    int32_t status = (int32_t)get_u32(ans);
-    uint32_t tlen = get_u32(ans + 4);
+    int32_t status = (int32_t)weft__get_u32(ans);
+    uint32_t tlen = weft__get_u32(ans + 4);
     if (status != 0) {
         char text[512] = "";
         size_t k = tlen < sizeof(text) - 1 ? tlen : sizeof(text) - 1;
@@ -499,8 +486,8 @@ static bool handshake_answer(int fd, SSL *ssl, weft_status_t st, const char *tex
 {
     size_t n = strlen(text);
     uint8_t hdr[8];
-    put_u32(hdr, (uint32_t)(int32_t)st);
-    put_u32(hdr + 4, (uint32_t)n);
+    weft__put_u32(hdr, (uint32_t)(int32_t)st);
+    weft__put_u32(hdr + 4, (uint32_t)n);
     return io_write(fd, ssl, hdr, sizeof(hdr)) && (n == 0 || io_write(fd, ssl, text, n));
 }
 
@@ -522,8 +509,8 @@ static int handshake_in(conn_in_t *c)
             return -1;
         }
     }
-    put_u32(ch, DIRECT_MAGIC);
-    put_u32(ch + 4, DIRECT_VERSION);
+    weft__put_u32(ch, DIRECT_MAGIC);
+    weft__put_u32(ch + 4, DIRECT_VERSION);
     if (weft__random_bytes(ch + 8, WEFT__CHALLENGE_BYTES) != WEFT_OK ||
         !io_write(c->fd, c->ssl, ch, sizeof(ch))) {
         return -1;
@@ -537,10 +524,10 @@ static int handshake_in(conn_in_t *c)
         }
         return -1;
     }
-    uint32_t hlen = get_u32(hdr + 8);
-    if (get_u32(hdr) != DIRECT_MAGIC || get_u32(hdr + 4) != DIRECT_VERSION || hlen > MAX_HELLO) {
+    uint32_t hlen = weft__get_u32(hdr + 8);
+    if (weft__get_u32(hdr) != DIRECT_MAGIC || weft__get_u32(hdr + 4) != DIRECT_VERSION || hlen > MAX_HELLO) {
         snprintf(why, sizeof(why), "bad handshake (magic %08x, version %u, hello of %u bytes)",
-                 get_u32(hdr), get_u32(hdr + 4), hlen);
+                 weft__get_u32(hdr), weft__get_u32(hdr + 4), hlen);
         WEFT_WARN("refused a direct connection: %s", why);
         (void)handshake_answer(c->fd, c->ssl, WEFT_ERR_PROTOCOL, why);
         return -1;
@@ -1132,7 +1119,7 @@ static bool read_frame(conn_in_t *c)
     if (!read_all(c, lenb, 4)) { /* the next frame may be small */
         return false;
     }
-    uint32_t elen = get_u32(lenb);
+    uint32_t elen = weft__get_u32(lenb);
     if (elen > WEFT__MAX_ENVELOPE) {
         WEFT_WARN("direct connection from rank %d: an envelope of %u bytes (max %u); closing", peer,
                   elen, WEFT__MAX_ENVELOPE);

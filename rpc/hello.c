@@ -53,14 +53,6 @@ void weft__hello_fill(weft_agent_t *a, Weft__V1__Hello *h)
     h->identity_key.len = WEFT__ID_KEY_BYTES;
 }
 
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-    p[2] = (uint8_t)(v >> 16);
-    p[3] = (uint8_t)(v >> 24);
-}
-
 /* The signed bytes: tag, transport, challenge, client rank, server rank, world size. */
 static size_t transcript(uint8_t *buf, char tp, const uint8_t *challenge, int client, int server,
                          int world)
@@ -70,9 +62,9 @@ static size_t transcript(uint8_t *buf, char tp, const uint8_t *challenge, int cl
     buf[n++] = (uint8_t)tp;
     memcpy(buf + n, challenge, WEFT__CHALLENGE_BYTES);
     n += WEFT__CHALLENGE_BYTES;
-    put_u32(buf + n, (uint32_t)client);
-    put_u32(buf + n + 4, (uint32_t)server);
-    put_u32(buf + n + 8, (uint32_t)world);
+    weft__put_u32(buf + n, (uint32_t)client);
+    weft__put_u32(buf + n + 4, (uint32_t)server);
+    weft__put_u32(buf + n + 8, (uint32_t)world);
     return n + 12;
 }
 

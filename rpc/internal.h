@@ -72,6 +72,20 @@ typedef struct weft__op {
 
 typedef struct weft__stream weft__stream_t;
 
+/* Little-endian u32 of the handshakes and framing. */
+static inline void weft__put_u32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+static inline uint32_t weft__get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
 /* ------------------------------------------------------------------ wire (wire.c) */
 
 /* An encoded message ready to send. */

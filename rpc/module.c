@@ -262,11 +262,6 @@ void weft_agent_timer_cancel_owner(weft_agent_t *a, const void *owner)
 
 #define MSG_MAX_HEADER (16u << 20)
 
-static uint32_t get_u32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
-
 /* Appends @p src's tensors (shared) and references (retained) to @p dst. */
 static weft_status_t share_parts(weft_value_t *dst, const weft_value_t *src)
 {
@@ -343,7 +338,7 @@ weft_status_t weft_msg_unpack_payload(const void *payload, size_t len,
         return weft__set_error(WEFT_ERR_PROTOCOL, "msg_unpack: a %s message has no header frame",
                                desc->short_name);
     }
-    size_t hlen = get_u32(p);
+    size_t hlen = weft__get_u32(p);
     if (hlen > len - 4) {
         return weft__set_error(WEFT_ERR_PROTOCOL,
                                "msg_unpack: header of %zu bytes in a payload of %zu", hlen, len);
@@ -385,10 +380,10 @@ weft_status_t weft_msg_body(const weft_value_t *msg, weft_value_t **body_p)
     if (body_p == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "msg_body: NULL argument");
     }
-    if (p == NULL || len < 4 || get_u32(p) > len - 4) {
+    if (p == NULL || len < 4 || weft__get_u32(p) > len - 4) {
         return weft__set_error(WEFT_ERR_PROTOCOL, "msg_body: not a framed module message");
     }
-    size_t off = 4 + (size_t)get_u32(p);
+    size_t off = 4 + (size_t)weft__get_u32(p);
     WEFT_CHECK(weft_value_create(&v));
     if (len > off) {
         WEFT_CHECK_GOTO(weft_value_set_payload(v, p + off, len - off), st, err_free_value);

@@ -161,19 +161,6 @@ struct weft__shm {
 
 /* ------------------------------------------------------------ small helpers */
 
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-    p[2] = (uint8_t)(v >> 16);
-    p[3] = (uint8_t)(v >> 24);
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
 static void futex_wait(_Atomic uint32_t *w, uint32_t val, int ms)
 {
     struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -786,7 +773,7 @@ static bool read_frame(shm_in_t *c)
     if (!in_read(c, lenb, 4)) {
         return false;
     }
-    uint32_t elen = get_u32(lenb);
+    uint32_t elen = weft__get_u32(lenb);
     if (elen > WEFT__MAX_ENVELOPE) {
         return in_broke(c, "an envelope of %u bytes (max %u)", elen, WEFT__MAX_ENVELOPE);
     }
@@ -861,8 +848,8 @@ static bool answer(int fd, weft_status_t st, const char *text)
 {
     size_t n = strlen(text);
     uint8_t hdr[8];
-    put_u32(hdr, (uint32_t)(int32_t)st);
-    put_u32(hdr + 4, (uint32_t)n);
+    weft__put_u32(hdr, (uint32_t)(int32_t)st);
+    weft__put_u32(hdr + 4, (uint32_t)n);
     return send_all(fd, hdr, sizeof(hdr)) && (n == 0 || send_all(fd, text, n));
 }
 
@@ -929,8 +916,8 @@ static int handshake_in(shm_in_t *c)
         (void)answer(c->sock, WEFT_ERR_AUTH, why);
         return -1;
     }
-    put_u32(ch, SHM_MAGIC);
-    put_u32(ch + 4, SHM_VERSION);
+    weft__put_u32(ch, SHM_MAGIC);
+    weft__put_u32(ch + 4, SHM_VERSION);
     if (weft__random_bytes(ch + 8, WEFT__CHALLENGE_BYTES) != WEFT_OK ||
         !send_all(c->sock, ch, sizeof(ch))) {
         return -1;
@@ -939,12 +926,12 @@ static int handshake_in(shm_in_t *c)
         WEFT_WARN("a shared-memory connection closed or timed out before its handshake");
         goto err_close_fd;
     }
-    uint32_t hlen = get_u32(hdr + 8);
-    if (get_u32(hdr) != SHM_MAGIC || get_u32(hdr + 4) != SHM_VERSION || hlen > MAX_HELLO) {
+    uint32_t hlen = weft__get_u32(hdr + 8);
+    if (weft__get_u32(hdr) != SHM_MAGIC || weft__get_u32(hdr + 4) != SHM_VERSION || hlen > MAX_HELLO) {
         snprintf(why, sizeof(why), "bad handshake (magic %08x, version %u, hello of %u bytes)",
-                 get_u32(hdr), get_u32(hdr + 4), hlen);
+                 weft__get_u32(hdr), weft__get_u32(hdr + 4), hlen);
         WEFT_WARN("refused a shared-memory connection: %s", why);
-        (void)answer(c->sock, get_u32(hdr + 4) != SHM_VERSION ? WEFT_ERR_VERSION
+        (void)answer(c->sock, weft__get_u32(hdr + 4) != SHM_VERSION ? WEFT_ERR_VERSION
                                                                 : WEFT_ERR_PROTOCOL,
                      why);
         goto err_close_fd;
@@ -1426,7 +1413,7 @@ static bool open_out(shm_out_t *o)
     if (!recv_until(fd, ch, sizeof(ch), deadline, NULL, &d->stop)) {
         goto err;
     }
-    if (get_u32(ch) != SHM_MAGIC || get_u32(ch + 4) != SHM_VERSION) {
+    if (weft__get_u32(ch) != SHM_MAGIC || weft__get_u32(ch + 4) != SHM_VERSION) {
         why = "the peer speaks another handshake";
         goto err;
     }
@@ -1449,9 +1436,9 @@ static bool open_out(shm_out_t *o)
         why = "no memory";
         goto err;
     }
-    put_u32(hello, SHM_MAGIC);
-    put_u32(hello + 4, SHM_VERSION);
-    put_u32(hello + 8, (uint32_t)hlen);
+    weft__put_u32(hello, SHM_MAGIC);
+    weft__put_u32(hello + 4, SHM_VERSION);
+    weft__put_u32(hello + 8, (uint32_t)hlen);
     weft__v1__hello__pack(&h, hello + 12);
     /* The memfd travels with the header. */
     struct iovec iov = {hello, 12};
@@ -1481,8 +1468,8 @@ static bool open_out(shm_out_t *o)
     }
     close(memfd);
     memfd = -1;
-    int32_t status = (int32_t)get_u32(ans);
-    uint32_t tlen = get_u32(ans + 4);
+    int32_t status = (int32_t)weft__get_u32(ans);
+    uint32_t tlen = weft__get_u32(ans + 4);
     if (status != 0) {
         char text[512] = "";
         size_t tk = tlen < sizeof(text) - 1 ? tlen : sizeof(text) - 1;
@@ -1900,7 +1887,7 @@ static bool next_is_whole_on(shm_in_t *c, uint32_t channel)
         return false;
     }
     in_peek(c, 0, lenb, 4);
-    uint32_t elen = get_u32(lenb);
+    uint32_t elen = weft__get_u32(lenb);
     if (elen > WEFT__MAX_ENVELOPE || avail < 4 + (uint64_t)elen) {
         return false;
     }
