@@ -111,6 +111,8 @@ typedef struct shm_in {
     /* The peer was declared lost elsewhere (its stream): the ring is read up to lose_at, then
      * the loss is declared with this status and text (under d->mu until lose is set). */
     _Atomic bool lose;
+    bool lose_timed;  /* a timer declares it if the reader stays inside a delivery (d->mu) */
+    bool lose_forced; /* that timer ran: the loss is declared at once (d->mu) */
     uint64_t lose_at;
     weft_status_t lose_st;
     char lose_why[256];
@@ -1684,6 +1686,9 @@ static void tp_stop(weft_agent_t *a)
         return;
     }
     atomic_store(&d->stop, true);
+    if (a->timer != NULL) {
+        weft__timer_cancel_owner(a->timer, d); /* no deferred loss is forced from here on */
+    }
     if (d->acceptor_started) {
         uint64_t one = 1;
         ssize_t k = write(d->wake_fd, &one, sizeof(one));
@@ -1970,6 +1975,30 @@ size_t weft_agent_poll_channel(weft_agent_t *a, uint32_t channel)
     return n;
 }
 
+/* Timer: a deferred loss whose ring's reader did not get to it in time is declared now. */
+static void force_loss(void *arg, uint64_t data)
+{
+    weft_agent_t *a = arg;
+    weft__shm_t *d = a->shm;
+    int peer = (int)data;
+    bool found = false;
+    weft_status_t st = WEFT_ERR_PEER_LOST;
+    char why[256] = "";
+    pthread_mutex_lock(&d->mu);
+    for (shm_in_t *c = d->ins; c != NULL; c = c->next) {
+        if (atomic_load(&c->peer) == peer && atomic_load(&c->lose) && !c->lose_forced) {
+            c->lose_forced = true;
+            st = c->lose_st;
+            snprintf(why, sizeof(why), "%s", c->lose_why);
+            found = true;
+        }
+    }
+    pthread_mutex_unlock(&d->mu);
+    if (found) {
+        weft__agent_peer_lost(a, peer, st, why);
+    }
+}
+
 bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const char *why)
 {
     weft__shm_t *d = a->shm;
@@ -1982,10 +2011,8 @@ bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const cha
         if (atomic_load(&c->peer) != peer || atomic_load(&c->done) || c->ring == NULL) {
             continue;
         }
-        if (in_avail(c) == 0 || atomic_load(&c->busy) == BUSY_READER) {
-            /* Nothing to read first; or its reader is inside a delivery that may not come back
-             * soon (a handler that computes or blocks): the loss is declared now. (A module's
-             * polling thread only takes whole frames for itself, briefly: the reader follows.) */
+        if (c->lose_forced || in_avail(c) == 0) {
+            /* Nothing left to read first, or it waited its time: the loss is declared now. */
             break;
         }
         if (!atomic_load(&c->lose)) {
@@ -1994,6 +2021,13 @@ bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const cha
             snprintf(c->lose_why, sizeof(c->lose_why), "%s", why != NULL ? why : "peer lost");
             atomic_store(&c->lose, true);
             futex_wake(&c->ring->reader_sleeping);
+        }
+        if (!c->lose_timed && atomic_load(&c->busy) == BUSY_READER && a->timer != NULL) {
+            /* Its reader is inside a delivery, which may not come back soon (a handler that
+             * computes or blocks): within a peer timeout the loss is declared anyway. */
+            c->lose_timed = weft__timer_add(a->timer,
+                                            weft__now_ns() + a->peer_timeout_ms * 1000000,
+                                            force_loss, NULL, a, (uint64_t)peer, d) != 0;
         }
         deferred = true;
     }
