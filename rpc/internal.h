@@ -561,6 +561,9 @@ void weft__stream_close(weft__stream_t *s); /* client: half-close; server: finis
  * message (they leave together once all have run). No-op if it holds none. */
 void weft__stream_uncork_current(void);
 void weft__stream_cancel(weft__stream_t *s);
+/* Client: waits until the stream's handshake is over (true: accepted), @p deadline_ns passes or
+ * *@p stop (may be NULL) is set. */
+bool weft__stream_wait_handshake(weft__stream_t *s, int64_t deadline_ns, _Atomic bool *stop);
 int weft__stream_peer(const weft__stream_t *s);
 
 /* bulk.c */

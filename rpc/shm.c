@@ -1519,6 +1519,18 @@ static void *opener_main(void *arg)
     weft__nopipe_thread();
     tl_opener = o; /* a frame sent from a callback of its flush queues (to any peer) */
     bool ok = open_out(o);
+    if (ok && !atomic_exchange(&o->watched, true)) {
+        /* The peer's gRPC stream opens beside the ring before the ring carries anything: its
+         * keepalive must be watching before a call waits on a peer that stops (a peer stopped
+         * during the stream's handshake is found only at the handshake's deadline). */
+        weft__stream_t *ws;
+        if (weft__peer_stream(o->agent, o->peer, &ws) == WEFT_OK) {
+            (void)weft__stream_wait_handshake(
+                ws, weft__now_ns() + 2 * o->agent->handshake_timeout_ms * 1000000,
+                &o->agent->shm->stop);
+            weft__stream_unref(ws);
+        }
+    }
     atomic_store(&o->opened, ok);
     if (!ok && o->ring != NULL) {
         munmap(o->ring, o->map_len);

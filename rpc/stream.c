@@ -1234,3 +1234,18 @@ const weft__transport_t weft__stream_transport = {
     .cut = tp_cut,
     .stop = tp_stop,
 };
+
+bool weft__stream_wait_handshake(weft__stream_t *s, int64_t deadline_ns, _Atomic bool *stop)
+{
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        bool over = s->hs_over || s->dead;
+        bool ok = s->hello_ok && !s->dead;
+        pthread_mutex_unlock(&s->mu);
+        if (over || weft__now_ns() >= deadline_ns || (stop != NULL && atomic_load(stop))) {
+            return ok;
+        }
+        struct timespec ms = {0, 1000000}; /* a handshake takes about one round trip */
+        nanosleep(&ms, NULL);
+    }
+}

@@ -920,6 +920,9 @@ Test(rpc_refs, malformed_references_are_refused_and_the_agent_keeps_working, .ti
 {
     ranks_opts_t o;
     int codes[2];
+    /* The raw peer speaks for rank 1 on a stream of its own: rank 1 itself opens none (with
+     * rings, it would open its stream to rank 0 beside them at join). */
+    setenv("WEFT_SHM", "0", 1);
     ranks_opts_init(&o, 2, raw_body);
     o.setup = raw_setup;
     o.auth_token = "secret";
