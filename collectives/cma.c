@@ -45,6 +45,12 @@
 /* Pulled and reduced in pieces this large: two of them stay in cache. */
 #define CMA_SEG_BYTES (256u << 10)
 
+/* oneshot's area: a word (the operations this rank finished), two slots (a header, then up
+ * to COLL_ONESHOT_MAX_BYTES), then two scratch buffers of that size. */
+#define ONESHOT_HDR_BYTES  64u
+#define ONESHOT_SLOT_BYTES (ONESHOT_HDR_BYTES + COLL_ONESHOT_MAX_BYTES)
+#define ONESHOT_AREA_BYTES (ONESHOT_HDR_BYTES + 2 * ONESHOT_SLOT_BYTES + 2 * COLL_ONESHOT_MAX_BYTES)
+
 /* The HELLO: what a rank tells every other about itself and its buffer; an operation may
  * add words of its own after these (all_to_all: its split lists). */
 enum { H_PID, H_ADDR, H_BYTES, H_EPOCH_ADDR, H_EPOCH, H_WILLING, H_NEED_VOTE, H_HOST, H_N };
@@ -513,13 +519,25 @@ static void keep_boards(cma_t *c)
     }
     g->cma_pids = weft_calloc((size_t)n, sizeof(*g->cma_pids));
     g->cma_boards = weft_calloc((size_t)n, sizeof(*g->cma_boards));
-    if (g->cma_pids == NULL || g->cma_boards == NULL) {
-        weft_free(g->cma_pids); /* the messages then: slower, as correct */
+    g->cma_smalls = weft_calloc((size_t)n, sizeof(*g->cma_smalls));
+    g->cma_small_fin = weft_calloc((size_t)n, sizeof(*g->cma_small_fin));
+    g->cma_small = weft_calloc(1, ONESHOT_AREA_BYTES);
+    if (g->cma_pids == NULL || g->cma_boards == NULL || g->cma_smalls == NULL ||
+        g->cma_small_fin == NULL || g->cma_small == NULL) {
+        /* The messages then: slower, as correct (a oneshot operation fails here). */
+        weft_free(g->cma_pids);
         weft_free(g->cma_boards);
+        weft_free(g->cma_smalls);
+        weft_free(g->cma_small_fin);
+        weft_free(g->cma_small);
         g->cma_pids = NULL;
         g->cma_boards = NULL;
+        g->cma_smalls = NULL;
+        g->cma_small_fin = NULL;
+        g->cma_small = NULL;
         return;
     }
+    g->cma_board.small = (uint64_t)(uintptr_t)g->cma_small;
     for (int r = 0; r < n; r++) {
         g->cma_pids[r] = r == g->rank ? getpid() : c->peers[r].pid;
         g->cma_boards[r] =
@@ -758,6 +776,242 @@ out:
     weft_free(off);
     weft_free(bounce);
     return st;
+}
+
+/* ------------------------------------------------------------ oneshot: small all_reduce */
+
+/*
+ * A slot of a rank's oneshot area: the operation whose bytes follow the header. The owner
+ * clears seq, writes the bytes and the other words, then sets seq (a seqlock: a reader that
+ * finds seq unchanged after reading the bytes read them whole). The area's first word says
+ * which operations the owner finished (seq + 1: every one below), reading included, failed
+ * or not; an owner rewrites a slot only once every member finished the operation the slot
+ * held. A member that read our slot of operation s had finished every operation before s,
+ * so back-to-back operations never wait for that word: no message says when a rank is done.
+ */
+typedef struct {
+    _Atomic uint64_t seq; /* seq + 1 of the operation; 0 while being written */
+    uint64_t hash, kind, dtype, rop, root, count, bytes;
+} oneshot_hdr_t;
+_Static_assert(sizeof(oneshot_hdr_t) <= ONESHOT_HDR_BYTES, "oneshot header");
+
+/* Group rank @p q's slot of operation @p seq, in its process: 0 while unknown. */
+static uint64_t oneshot_slot(const coll_group_t *g, int q, uint64_t seq)
+{
+    uint64_t area = g->cma_smalls[q];
+    return area == 0 ? 0 : area + ONESHOT_HDR_BYTES + (seq & 1) * ONESHOT_SLOT_BYTES;
+}
+
+/* Learns where group rank @p q's area is: on its board from when it settled (it may settle
+ * after us). */
+static weft_status_t oneshot_area(cma_t *c, int q)
+{
+    for (int spins = 0; c->g->cma_smalls[q] == 0;) {
+        coll_cma_board_t b;
+        WEFT_CHECK(read_board(c, q, &b));
+        c->g->cma_smalls[q] = b.small;
+        if (b.small == 0) {
+            WEFT_CHECK(wait_a_bit(c, &spins));
+        }
+    }
+    return WEFT_OK;
+}
+
+/* Waits until every member finished the operation (seq + 1) @p last: nobody reads the slot
+ * that held it any more. */
+static weft_status_t oneshot_slot_free(cma_t *c, uint64_t last)
+{
+    coll_group_t *g = c->g;
+
+    for (int q = 0; q < g->size; q++) {
+        if (q == g->rank) {
+            continue;
+        }
+        for (int spins = 0; g->cma_small_fin[q] < last;) {
+            uint64_t fin = 0;
+            WEFT_CHECK(oneshot_area(c, q));
+            WEFT_CHECK(pull(c, q, g->cma_smalls[q], sizeof(fin), 0, &fin, sizeof(fin)));
+            if (fin > g->cma_small_fin[q]) {
+                g->cma_small_fin[q] = fin;
+            }
+            if (g->cma_small_fin[q] < last) {
+                WEFT_CHECK(wait_a_bit(c, &spins));
+            }
+        }
+    }
+    return WEFT_OK;
+}
+
+/* Reads @p nb bytes of group rank @p q's slot of this operation into @p dst once it shows
+ * this operation, and checks its view. */
+static weft_status_t oneshot_read(cma_t *c, int q, uint8_t *dst, size_t nb)
+{
+    coll_group_t *g = c->g;
+    const coll_desc_t *d = c->d;
+    const char *what = coll__kind_name(d->kind);
+    oneshot_hdr_t h;
+    int spins = 0;
+
+    WEFT_CHECK(oneshot_area(c, q));
+    uint64_t slot = oneshot_slot(g, q, d->seq);
+    for (;;) {
+        WEFT_CHECK(pull(c, q, slot, sizeof(h), 0, &h, sizeof(h)));
+        uint64_t got = atomic_load(&h.seq);
+        if (got == d->seq + 1) {
+            break;
+        }
+        if (got > d->seq + 1) {
+            return weft__set_error(WEFT_ERR_PROTOCOL,
+                                   "%s: group rank %d shows operation %llu in the slot of "
+                                   "operation %llu",
+                                   what, q, (unsigned long long)(got - 1),
+                                   (unsigned long long)d->seq);
+        }
+        WEFT_CHECK(wait_a_bit(c, &spins));
+    }
+    coll_desc_t theirs = {(coll_kind_t)h.kind,     d->seq,      (weft_dtype_t)h.dtype,
+                          (weft_reduce_op_t)h.rop, (int)h.root, h.count};
+    WEFT_CHECK(coll__check_view(g, d, &theirs, h.hash, q));
+    if (h.bytes != nb) {
+        return weft__set_error(WEFT_ERR_PROTOCOL,
+                               "%s: group rank %d shows %llu bytes where this rank has %zu", what,
+                               q, (unsigned long long)h.bytes, nb);
+    }
+    if (nb > 0) {
+        WEFT_CHECK(pull(c, q, slot, ONESHOT_SLOT_BYTES, ONESHOT_HDR_BYTES, dst, nb));
+    }
+    /* Still this operation's: the bytes were read whole. */
+    uint64_t again = 0;
+    WEFT_CHECK(pull(c, q, slot, sizeof(again), 0, &again, sizeof(again)));
+    if (again != d->seq + 1) {
+        return weft__set_error(WEFT_ERR_TRANSPORT,
+                               "%s: group rank %d rewrote its slot while it was being read", what,
+                               q);
+    }
+    /* It showed this operation: it finished every one before. */
+    if (g->cma_small_fin[q] < d->seq) {
+        g->cma_small_fin[q] = d->seq;
+    }
+    return WEFT_OK;
+}
+
+weft_status_t coll__all_reduce_oneshot(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                       bool *declined_p)
+{
+    const coll_desc_t *d = a->d;
+    int n = g->size, me = g->rank;
+    size_t nb = a->count * weft_dtype_size(a->wt);
+    weft_status_t st = WEFT_OK;
+
+    if (nb > COLL_ONESHOT_MAX_BYTES) {
+        /* Forced above its size: every member sees the same size and declines alike. */
+        *declined_p = true;
+        return WEFT_OK;
+    }
+    if (g->cma_state != 1) {
+        /* Not settled yet (alike on every member): this operation settles, by messages. */
+        return coll__all_reduce_cma(g, a, deadline, declined_p);
+    }
+    if (g->cma_small == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory for the oneshot slots");
+    }
+    cma_t c;
+    memset(&c, 0, sizeof(c));
+    c.g = g;
+    c.d = d;
+    c.deadline = deadline;
+    c.peers = weft_calloc((size_t)n, sizeof(*c.peers));
+    if (c.peers == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory");
+    }
+    for (int r = 0; r < n; r++) {
+        c.peers[r].pid = g->cma_pids[r];
+    }
+    /* Show ours, in the slot of this operation's parity, once nobody reads what it held. */
+    uint64_t *last = &g->cma_small_last[d->seq & 1];
+    _Atomic uint64_t *fin = (_Atomic uint64_t *)(void *)g->cma_small;
+    uint8_t *slot = g->cma_small + ONESHOT_HDR_BYTES + (d->seq & 1) * ONESHOT_SLOT_BYTES;
+    oneshot_hdr_t *h = (oneshot_hdr_t *)(void *)slot;
+    st = oneshot_slot_free(&c, *last);
+    if (st != WEFT_OK) {
+        goto out;
+    }
+    *last = d->seq + 1;
+    atomic_store(&h->seq, 0);
+    if (nb > 0) {
+        memcpy(slot + ONESHOT_HDR_BYTES, a->work, nb);
+    }
+    h->hash = g->hash;
+    h->kind = (uint64_t)d->kind;
+    h->dtype = (uint64_t)d->dtype;
+    h->rop = (uint64_t)d->rop;
+    h->root = (uint64_t)(int64_t)d->root;
+    h->count = d->count;
+    h->bytes = nb;
+    atomic_store(&h->seq, d->seq + 1);
+
+    /* Everyone's, reduced in rank order: the same result on every member. */
+    uint8_t *acc = g->cma_small + ONESHOT_HDR_BYTES + 2 * ONESHOT_SLOT_BYTES,
+            *tmp = acc + COLL_ONESHOT_MAX_BYTES;
+    for (int q = 0; q < n && st == WEFT_OK; q++) {
+        const uint8_t *src = a->work;
+        if (q != me) {
+            src = q == 0 ? acc : tmp;
+            st = oneshot_read(&c, q, q == 0 ? acc : tmp, nb);
+        }
+        if (st == WEFT_OK && nb > 0) {
+            if (q == 0 && src != acc) {
+                memcpy(acc, src, nb);
+            } else if (q > 0) {
+                coll__reduce_into(&a->op->kern, acc, src, a->count, a->wt, d->rop);
+            }
+        }
+    }
+    if (st == WEFT_OK && nb > 0) {
+        memcpy(a->work, acc, nb);
+    }
+out:
+    /* Done reading the others, whatever happened: our slots of this operation may go. */
+    atomic_store(fin, d->seq + 1);
+    weft_free(c.peers);
+    return st;
+}
+
+void coll__oneshot_drain(coll_group_t *g)
+{
+    uint64_t last =
+        g->cma_small_last[0] > g->cma_small_last[1] ? g->cma_small_last[0] : g->cma_small_last[1];
+    if (g->cma_small == NULL || last == 0) {
+        return;
+    }
+    int64_t deadline = weft__now_ns() + atomic_load(&g->timeout_ms) * 1000000;
+    for (int q = 0; q < g->size; q++) {
+        for (int spins = 0; q != g->rank && g->cma_small_fin[q] < last && g->cma_smalls[q] != 0;
+             spins++) {
+            uint64_t fin = 0;
+            struct iovec l = {&fin, sizeof(fin)},
+                         r = {(void *)(uintptr_t)g->cma_smalls[q], sizeof(fin)};
+            if (process_vm_readv(g->cma_pids[q], &l, 1, &r, 1, 0) != (ssize_t)sizeof(fin)) {
+                break; /* gone, or its group too: nobody reads us from there */
+            }
+            if (fin >= last) {
+                g->cma_small_fin[q] = fin;
+                break;
+            }
+            if (weft__now_ns() >= deadline) {
+                WEFT_WARN("collectives: group %u freed while group rank %d may still read "
+                          "its last all_reduce slot",
+                          g->id, q);
+                return;
+            }
+            if (spins < CMA_SPINS) {
+                sched_yield();
+            } else {
+                struct timespec ts = {0, CMA_NAP_NS};
+                nanosleep(&ts, NULL);
+            }
+        }
+    }
 }
 
 weft_status_t coll__reduce_scatter_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,

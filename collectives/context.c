@@ -889,7 +889,7 @@ weft_status_t coll__wait_released(weft_future_t **rel, size_t n, int64_t deadlin
             continue;
         }
         int64_t left = (deadline_ns - weft__now_ns()) / 1000000;
-        weft_status_t s = left > 0                    ? weft_future_wait(rel[i], left)
+        weft_status_t s = left > 0                   ? weft_future_wait(rel[i], left)
                           : weft_future_done(rel[i]) ? weft_future_status(rel[i])
                                                      : WEFT_ERR_TIMEOUT;
         if (s != WEFT_OK) {

@@ -289,6 +289,8 @@ void weft_pg_free(weft_pg_t *pg)
         pthread_mutex_unlock(&g->mu);
         pthread_join(g->thread, NULL);
     }
+    /* Members may still be reading our last oneshot slot: not freed under them. */
+    coll__oneshot_drain(g);
     /* Then its posted receives fail, and its pieces go. */
     coll__ctx_drop_group(ctx, g);
     pthread_mutex_destroy(&g->mu);
@@ -296,6 +298,9 @@ void weft_pg_free(weft_pg_t *pg)
     weft_free(g->done_extra);
     weft_free(g->cma_pids);
     weft_free(g->cma_boards);
+    weft_free(g->cma_small);
+    weft_free(g->cma_smalls);
+    weft_free(g->cma_small_fin);
     weft_free(g->world);
     weft_free(g);
     weft_free(pg);

@@ -163,7 +163,13 @@ typedef struct coll_cma_board {
     uint64_t hash;          /* the view of the operation: the group's member list, */
     uint64_t kind, seq, dtype, rop, root, count; /* ... and the coll_desc_t */
     uint64_t check;
+    /* Set once, when the group settled on reading (never changed after, and outside the
+     * check): the address of this rank's oneshot area (cma.c), 0 before. */
+    uint64_t small;
 } coll_cma_board_t;
+
+/* all_reduce by one round of reads (cma.c, "oneshot"): up to this many bytes per member. */
+#define COLL_ONESHOT_MAX_BYTES (64u << 10)
 
 /* Shared state of a group; handles point at it. */
 typedef struct coll_group {
@@ -208,6 +214,15 @@ typedef struct coll_group {
     coll_cma_board_t cma_board;
     int *cma_pids;
     uint64_t *cma_boards;
+    /* oneshot (cma.c), once settled: this rank's area (a word saying which operations it
+     * finished, two slots the members read, by the parity of an operation's seq, then two
+     * scratch buffers); each member's area, learned from its board (0: not yet); what this
+     * rank knows each member finished (seq + 1: every operation below it); the operation
+     * (seq + 1) each of our slots last held. */
+    uint8_t *cma_small;
+    uint64_t *cma_smalls;
+    uint64_t *cma_small_fin;
+    uint64_t cma_small_last[2];
 } coll_group_t;
 
 /* The sender's view of an operation, carried by every message of it. */
@@ -255,6 +270,8 @@ typedef struct coll_algo {
      * choice by size among the other entries of the kind, as every member does.
      */
     weft_status_t (*run)(coll_group_t *g, const coll_args_t *a, int64_t deadline, bool *declined_p);
+    /* It applies up to this many bytes in @p g (NULL: any size). */
+    size_t (*max_bytes)(const coll_group_t *g);
 } coll_algo_t;
 
 /* ------------------------------------------------------------ context.c */
@@ -389,6 +406,15 @@ weft_status_t coll__reduce_scatter_cma(coll_group_t *g, const coll_args_t *a, in
                                        bool *declined_p);
 weft_status_t coll__all_to_all_cma(coll_group_t *g, const coll_args_t *a, int64_t deadline,
                                    bool *declined_p);
+/* all_reduce of at most COLL_ONESHOT_MAX_BYTES in one round: each rank shows its buffer in a
+ * slot of its own and reads every other member's, then reduces them all in rank order. A
+ * group that has not settled on reading settles with this operation (coll__all_reduce_cma's
+ * messages), or every member declines. */
+weft_status_t coll__all_reduce_oneshot(coll_group_t *g, const coll_args_t *a, int64_t deadline,
+                                       bool *declined_p);
+/* Before @p g goes: waits until every member is done with this rank's last oneshot slot (it
+ * finished that operation, failed or not; it is gone; or the group's timeout passed). */
+void coll__oneshot_drain(coll_group_t *g);
 /* The operations of this process, of every kind, that ran by cross-memory reads (tests). */
 long coll__cma_ops(void);
 

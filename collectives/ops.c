@@ -39,29 +39,38 @@ static size_t cma_move_min_bytes(const coll_group_t *g)
     return CMA_MOVE_MIN_BYTES;
 }
 
+/* all_reduce up to this size between ranks of one host: one round of reads (cma.c), no
+ * message at all once the group settled. */
+static size_t oneshot_max_bytes(const coll_group_t *g)
+{
+    (void)g;
+    return COLL_ONESHOT_MAX_BYTES;
+}
+
 #define CMA_DECLINES                                                                               \
     "unless a member cannot read the others' memory or does not let them (WEFT_COLL_CMA=0)"
 
 /* ------------------------------------------------------------ the algorithm table */
 
 /* Every algorithm of every operation. An operation chosen by size runs the entry of its kind
- * with the highest score among those whose min_bytes it reaches. */
+ * with the highest score among those whose range (min_bytes .. max_bytes) holds its size. */
 static const coll_algo_t algos[] = {
-    {"direct", OP_ALL_REDUCE, 1, NULL, NULL, coll__all_reduce_direct},
-    {"ring", OP_ALL_REDUCE, 2, ring_min_bytes, NULL, coll__all_reduce_ring},
-    {"cma", OP_ALL_REDUCE, 3, cma_min_bytes, CMA_DECLINES, coll__all_reduce_cma},
-    {"direct", OP_BARRIER, 1, NULL, NULL, coll__barrier},
-    {"tree", OP_BROADCAST, 1, NULL, NULL, coll__broadcast},
-    {"cma", OP_BROADCAST, 2, cma_move_min_bytes, CMA_DECLINES, coll__broadcast_cma},
-    {"direct", OP_REDUCE, 1, NULL, NULL, coll__reduce},
-    {"direct", OP_GATHER, 1, NULL, NULL, coll__gather},
-    {"direct", OP_SCATTER, 1, NULL, NULL, coll__scatter},
-    {"direct", OP_ALL_GATHER, 1, NULL, NULL, coll__all_gather},
-    {"cma", OP_ALL_GATHER, 2, cma_move_min_bytes, CMA_DECLINES, coll__all_gather_cma},
-    {"direct", OP_REDUCE_SCATTER, 1, NULL, NULL, coll__reduce_scatter},
-    {"cma", OP_REDUCE_SCATTER, 2, cma_move_min_bytes, CMA_DECLINES, coll__reduce_scatter_cma},
-    {"direct", OP_ALL_TO_ALL, 1, NULL, NULL, coll__all_to_all},
-    {"cma", OP_ALL_TO_ALL, 2, cma_move_min_bytes, CMA_DECLINES, coll__all_to_all_cma},
+    {"direct", OP_ALL_REDUCE, 1, NULL, NULL, coll__all_reduce_direct, NULL},
+    {"ring", OP_ALL_REDUCE, 2, ring_min_bytes, NULL, coll__all_reduce_ring, NULL},
+    {"cma", OP_ALL_REDUCE, 3, cma_min_bytes, CMA_DECLINES, coll__all_reduce_cma, NULL},
+    {"oneshot", OP_ALL_REDUCE, 4, NULL, CMA_DECLINES, coll__all_reduce_oneshot, oneshot_max_bytes},
+    {"direct", OP_BARRIER, 1, NULL, NULL, coll__barrier, NULL},
+    {"tree", OP_BROADCAST, 1, NULL, NULL, coll__broadcast, NULL},
+    {"cma", OP_BROADCAST, 2, cma_move_min_bytes, CMA_DECLINES, coll__broadcast_cma, NULL},
+    {"direct", OP_REDUCE, 1, NULL, NULL, coll__reduce, NULL},
+    {"direct", OP_GATHER, 1, NULL, NULL, coll__gather, NULL},
+    {"direct", OP_SCATTER, 1, NULL, NULL, coll__scatter, NULL},
+    {"direct", OP_ALL_GATHER, 1, NULL, NULL, coll__all_gather, NULL},
+    {"cma", OP_ALL_GATHER, 2, cma_move_min_bytes, CMA_DECLINES, coll__all_gather_cma, NULL},
+    {"direct", OP_REDUCE_SCATTER, 1, NULL, NULL, coll__reduce_scatter, NULL},
+    {"cma", OP_REDUCE_SCATTER, 2, cma_move_min_bytes, CMA_DECLINES, coll__reduce_scatter_cma, NULL},
+    {"direct", OP_ALL_TO_ALL, 1, NULL, NULL, coll__all_to_all, NULL},
+    {"cma", OP_ALL_TO_ALL, 2, cma_move_min_bytes, CMA_DECLINES, coll__all_to_all_cma, NULL},
 };
 #define NALGOS (sizeof(algos) / sizeof(algos[0]))
 
@@ -89,6 +98,11 @@ static size_t min_bytes(const coll_group_t *g, int i)
     return algos[i].min_bytes != NULL ? algos[i].min_bytes(g) : 0;
 }
 
+static size_t max_bytes(const coll_group_t *g, int i)
+{
+    return algos[i].max_bytes != NULL ? algos[i].max_bytes(g) : SIZE_MAX;
+}
+
 /* The choice by size: the best entry of @p kind for @p bytes other than @p except. Every
  * kind has an entry that applies from 0 bytes. */
 static int choose(const coll_group_t *g, coll_kind_t kind, size_t bytes, int except)
@@ -100,7 +114,8 @@ static int choose(const coll_group_t *g, coll_kind_t kind, size_t bytes, int exc
          * longer asks: it would cost a round of messages per operation. */
         bool settled_off = algos[i].declines != NULL && g->cma_state < 0;
         if (algos[i].kind == kind && (int)i != except && !settled_off &&
-            bytes >= min_bytes(g, (int)i) && (best < 0 || algos[i].score > algos[best].score)) {
+            bytes >= min_bytes(g, (int)i) && bytes <= max_bytes(g, (int)i) &&
+            (best < 0 || algos[i].score > algos[best].score)) {
             best = (int)i;
         }
     }
@@ -143,11 +158,12 @@ void coll__appendf(char *buf, size_t n, size_t *len_p, const char *fmt, ...)
     }
 }
 
-/* "2 MiB", "256 KiB", "above 64 KiB" (from 64 KiB + 1), "1000 bytes". */
-static void append_size(char *buf, size_t n, size_t *len_p, size_t b)
+/* "from 2 MiB", "from 256 KiB", "above 64 KiB" (from 64 KiB + 1), "from 1000 bytes"; with
+ * @p upto, "up to 64 KiB". */
+static void append_size(char *buf, size_t n, size_t *len_p, size_t b, bool upto)
 {
-    const char *verb = "from ";
-    if (b > 1024 && (b - 1) % 1024 == 0) {
+    const char *verb = upto ? "up to " : "from ";
+    if (!upto && b > 1024 && (b - 1) % 1024 == 0) {
         verb = "above ";
         b--;
     }
@@ -169,8 +185,12 @@ static void append_by_size(const coll_group_t *g, coll_kind_t kind, int except, 
     bool first = true;
     for (;;) {
         int next = -1;
+        /* After one that declined (the members settled against reading each other), none
+         * that would decline too. */
+        bool no_declining = except >= 0 && algos[except].declines != NULL;
         for (size_t i = 0; i < NALGOS; i++) {
             if (algos[i].kind == kind && (int)i != except && algos[i].score < last &&
+                !(no_declining && algos[i].declines != NULL) &&
                 (next < 0 || algos[i].score > algos[next].score)) {
                 next = (int)i;
             }
@@ -183,12 +203,16 @@ static void append_by_size(const coll_group_t *g, coll_kind_t kind, int except, 
         first = false;
         if (min_bytes(g, next) > 0) {
             coll__appendf(buf, n, len_p, " ");
-            append_size(buf, n, len_p, min_bytes(g, next));
+            append_size(buf, n, len_p, min_bytes(g, next), false);
+        }
+        if (max_bytes(g, next) < SIZE_MAX) {
+            coll__appendf(buf, n, len_p, " ");
+            append_size(buf, n, len_p, max_bytes(g, next), true);
         }
         if (algos[next].declines != NULL) {
             coll__appendf(buf, n, len_p, " (%s)", algos[next].declines);
         }
-        if (min_bytes(g, next) == 0) {
+        if (min_bytes(g, next) == 0 && max_bytes(g, next) == SIZE_MAX) {
             return; /* it takes every size: the entries below never run */
         }
     }

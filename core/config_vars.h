@@ -77,7 +77,7 @@
     /* collectives */                                                                              \
     X(COLL_TIMEOUT_MS, "WEFT_COLL_TIMEOUT_MS", INT, "60000", 1, INT64_MAX, "", "",              \
       "collectives", "a group's default deadline for each operation")                              \
-    X(COLL_ALGO, "WEFT_COLL_ALGO", CHOICE, "auto", 0, 0, "auto|direct|ring|cma", "", "collectives", \
+    X(COLL_ALGO, "WEFT_COLL_ALGO", CHOICE, "auto", 0, 0, "auto|direct|ring|cma|oneshot", "", "collectives", \
       "all_reduce algorithm of new groups (set it alike on every rank)")                          \
     X(COLL_CMA, "WEFT_COLL_CMA", BOOL, "1", 0, 0, "", "", "collectives",                           \
       "allow collectives (all_reduce, broadcast, all_gather, reduce_scatter, all_to_all) by "        \

@@ -79,20 +79,21 @@ typedef enum {
 /**
  * Forces the algorithm of @p op in the group, for the operations issued after it returns.
  * A group chooses by size unless told otherwise: all_reduce runs "direct" up to 64 KiB and
- * "ring" above (with two members: "ring" from 1 MiB), and "cma" (cross-memory reads between
- * ranks of one host) from 256 KiB (two members: from 2 MiB); broadcast, all_gather,
+ * "ring" above (with two members: "ring" from 1 MiB); between ranks of one host, "oneshot"
+ * (one round of cross-memory reads, no message once the group settled) up to 64 KiB and
+ * "cma" (cross-memory reads) from 256 KiB (two members: from 2 MiB); broadcast, all_gather,
  * reduce_scatter and all_to_all run "cma" from 64 KiB per member (the tensor of broadcast, the
  * input of all_gather and all_to_all, the output part of reduce_scatter), else "tree"
  * (broadcast) or "direct"; barrier, reduce, gather and scatter have one algorithm each
- * ("direct"). WEFT_COLL_ALGO (auto|direct|ring|cma), read when the group is created, forces
+ * ("direct"). WEFT_COLL_ALGO (auto|direct|ring|cma|oneshot), read when the group is created, forces
  * all_reduce's for that group. weft_pg_describe prints the choice.
  *
  * Every member must force the same algorithm at the same point of the group's sequence of
  * operations: the algorithms do not interoperate, and their pieces do not say which one sent
  * them, so members that differ fail the operation (WEFT_ERR_PROTOCOL for a piece of the wrong
- * size, or WEFT_ERR_TIMEOUT at its deadline). A forced "cma" that the members cannot use (another
- * host, reads not permitted, WEFT_COLL_CMA=0 on a member) falls back, on every member, to the
- * choice by size among the others. Every handle to the world shares its choice.
+ * size, or WEFT_ERR_TIMEOUT at its deadline). A forced "cma" or "oneshot" that the members cannot
+ * use (another host, reads not permitted, WEFT_COLL_CMA=0 on a member) falls back, on every member,
+ * to the choice by size among the others. Every handle to the world shares its choice.
  * @param[in] name the algorithm; "auto": choose by size; NULL: back to the choice the group
  *            had when it was created (WEFT_COLL_ALGO). Borrowed for the call.
  * Thread-safe.

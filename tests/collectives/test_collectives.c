@@ -630,6 +630,196 @@ Test(collectives, cma_mismatch_fails_everywhere, .timeout = 120)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* ------------------------------------------------ oneshot: small all_reduce by one round of reads
+ */
+
+/* Every dtype and reduce op at sizes up to oneshot's 64 KiB, with other operations in between
+ * (a slot is rewritten only once every member is done with what it held), on @p pg: exact
+ * results; the first call settles the group (one cma operation), every call ran oneshot. */
+static int check_oneshot(weft_pg_t *pg, int world)
+{
+    const weft_reduce_op_t fops[] = {WEFT_SUM, WEFT_PRODUCT, WEFT_MIN, WEFT_MAX, WEFT_AVG};
+    const weft_reduce_op_t iops[] = {WEFT_BAND, WEFT_BOR, WEFT_BXOR};
+    const size_t counts[] = {1000, 0, 1, 8192};
+    long o = coll__algo_runs(OP_ALL_REDUCE, "oneshot"), cma = coll__cma_ops(), calls = 0;
+    int k = 0;
+
+    for (int d = 0; d < NDTYPES; d++) {
+        bool integer = DTYPES[d] == WEFT_I8 || DTYPES[d] == WEFT_I32 || DTYPES[d] == WEFT_I64 ||
+                       DTYPES[d] == WEFT_U8;
+        for (size_t c = 0; c < 4; c++) {
+            for (int i = 0; i < 5 + (integer ? 3 : 0); i++) {
+                weft_reduce_op_t op = i < 5 ? fops[i] : iops[i - 5];
+                if (check_all_reduce(pg, world, counts[c], DTYPES[d], op) != 0) {
+                    return 1;
+                }
+                calls++;
+                /* Another operation now and then: the next all_reduce takes the slot of the
+                 * one before this one. */
+                if (++k % 3 == 0 && check_broadcast(pg, 7, WEFT_I32, k % world) != 0) {
+                    return 1;
+                }
+                if (k % 5 == 0) {
+                    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s",
+                               weft_last_error());
+                }
+            }
+        }
+    }
+    /* The largest: 64 KiB of f32. */
+    if (check_all_reduce(pg, world, (64u << 10) / 4, WEFT_F32, WEFT_SUM) != 0) {
+        return 1;
+    }
+    calls++;
+    RANK_CHECK(coll__algo_runs(OP_ALL_REDUCE, "oneshot") - o == calls,
+               "%ld of %ld all_reduces ran oneshot", coll__algo_runs(OP_ALL_REDUCE, "oneshot") - o,
+               calls);
+    RANK_CHECK(coll__cma_ops() - cma == 1, "%ld operations read by cma (the settling one only)",
+               coll__cma_ops() - cma);
+    return 0;
+}
+
+/* On the world and on a sub-group of the last world - 1 ranks (group ranks differ from world
+ * ranks). */
+static int body_oneshot(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg, *sub;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    if (check_oneshot(pg, world) != 0) {
+        return 1;
+    }
+    int members[8];
+    for (int r = 1; r < world; r++) {
+        members[r - 1] = r;
+    }
+    RANK_CHECK(weft_pg_new(a, members, world - 1, &sub) == WEFT_OK, "new_group");
+    if (rank > 0 && world > 2 && check_oneshot(sub, world - 1) != 0) {
+        return 1;
+    }
+    weft_pg_free(sub);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, oneshot_all_reduce, .timeout = 240)
+{
+    for (int world = 2; world <= 4; world++) {
+        ranks_opts_t o;
+        int codes[4];
+        ranks_opts_init(&o, world, body_oneshot);
+        o.deadline_ms = 75000;
+        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
+    }
+}
+
+/* Async calls queued back to back: each rank's operations overtake nothing, and the slots
+ * alternate under them. */
+static int body_oneshot_queued(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    enum { N = 64 };
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    weft_tensor_t *t[N];
+    weft_future_t *f[N];
+    for (int i = 0; i < N; i++) {
+        int64_t n = 1 + i * 37;
+        weft_tensor_empty(WEFT_I64, 1, &n, &t[i]);
+        int64_t *v = weft_tensor_data(t[i]);
+        for (int64_t j = 0; j < n; j++) {
+            v[j] = (int64_t)(rank + 1) * (i + j);
+        }
+        RANK_CHECK(weft_coll_all_reduce(pg, t[i], WEFT_SUM, &f[i]) == WEFT_OK, "issue %d: %s", i,
+                   weft_last_error());
+    }
+    int64_t ranks = (int64_t)world * (world + 1) / 2;
+    for (int i = 0; i < N; i++) {
+        RANK_CHECK(weft_future_wait(f[i], 30000) == WEFT_OK, "call %d: %s", i,
+                   weft_future_error(f[i]));
+        const int64_t *v = weft_tensor_data(t[i]);
+        for (int64_t j = 0; j < 1 + i * 37; j++) {
+            RANK_CHECK(v[j] == ranks * (i + j), "call %d element %lld: %lld", i, (long long)j,
+                       (long long)v[j]);
+        }
+        weft_future_release(f[i]);
+        weft_tensor_release(t[i]);
+    }
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, oneshot_queued_calls, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_oneshot_queued);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* Counts that differ, once the group settled: a mismatch on every rank (from the slots'
+ * views, before any byte is reduced), then the group goes on. */
+static int body_oneshot_mismatch(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    RANK_CHECK(check_all_reduce(pg, world, 100, WEFT_F32, WEFT_SUM) == 0, "settling");
+    long o = coll__algo_runs(OP_ALL_REDUCE, "oneshot");
+    int64_t n = 100 + rank;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    weft_status_t st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "count mismatch gave %s: %s", weft_strerror(st),
+               weft_last_error());
+    RANK_CHECK(strstr(weft_last_error(), "count") != NULL, "text: %s", weft_last_error());
+    weft_tensor_release(t);
+    RANK_CHECK(check_all_reduce(pg, world, 100, WEFT_F32, WEFT_SUM) == 0, "after");
+    RANK_CHECK(check_all_reduce(pg, world, 3, WEFT_I32, WEFT_MAX) == 0, "after, twice");
+    RANK_CHECK(coll__algo_runs(OP_ALL_REDUCE, "oneshot") - o == 3, "oneshot ran %ld times",
+               coll__algo_runs(OP_ALL_REDUCE, "oneshot") - o);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, oneshot_mismatch_fails_everywhere, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_oneshot_mismatch);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* One rank does not let the others read its memory (WEFT_COLL_CMA=0): the small all_reduces
+ * run direct everywhere, exact, the first and the later ones. */
+static int body_oneshot_declined(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    long o = coll__algo_runs(OP_ALL_REDUCE, "oneshot"),
+         d = coll__algo_runs(OP_ALL_REDUCE, "direct"), cma = coll__cma_ops();
+    for (int i = 0; i < 3; i++) {
+        RANK_CHECK(check_all_reduce(pg, world, 1000 + (size_t)i, WEFT_F32, WEFT_SUM) == 0, "%d", i);
+    }
+    RANK_CHECK(coll__algo_runs(OP_ALL_REDUCE, "oneshot") == o &&
+                   coll__algo_runs(OP_ALL_REDUCE, "direct") == d + 3 && coll__cma_ops() == cma,
+               "oneshot %ld, direct %ld, cma %ld", coll__algo_runs(OP_ALL_REDUCE, "oneshot") - o,
+               coll__algo_runs(OP_ALL_REDUCE, "direct") - d, coll__cma_ops() - cma);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, oneshot_declined_by_one_rank, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_oneshot_declined);
+    o.setup = cma_declined_setup;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 /* ------------------------------------------------ every collective by cross-memory reads */
 
 /* The operations that read each other's memory besides all_reduce. */
@@ -858,16 +1048,19 @@ static long runs(const char *name)
 /* An all_reduce of @p count f32 on @p pg that must be run by @p algo (exact result). */
 static int check_ran(weft_pg_t *pg, int world, size_t count, const char *algo)
 {
-    long d = runs("direct"), r = runs("ring"), c = runs("cma"), cma_ops = coll__cma_ops();
+    long d = runs("direct"), r = runs("ring"), c = runs("cma"), o = runs("oneshot"),
+         cma_ops = coll__cma_ops();
     if (check_all_reduce(pg, world, count, WEFT_F32, WEFT_SUM) != 0) {
         return 1;
     }
     long want_d = strcmp(algo, "direct") == 0, want_r = strcmp(algo, "ring") == 0,
-         want_c = strcmp(algo, "cma") == 0;
-    RANK_CHECK(runs("direct") - d == want_d && runs("ring") - r == want_r &&
-                   runs("cma") - c == want_c && coll__cma_ops() - cma_ops == want_c,
-               "%zu floats: %s should have run; ran direct %ld, ring %ld, cma %ld", count, algo,
-               runs("direct") - d, runs("ring") - r, runs("cma") - c);
+         want_c = strcmp(algo, "cma") == 0, want_o = strcmp(algo, "oneshot") == 0;
+    /* oneshot settles an unsettled group with cma's messages (one cma operation). */
+    RANK_CHECK(
+        runs("direct") - d == want_d && runs("ring") - r == want_r && runs("cma") - c == want_c &&
+            runs("oneshot") - o == want_o && (want_o || coll__cma_ops() - cma_ops == want_c),
+        "%zu floats: %s should have run; ran direct %ld, ring %ld, cma %ld, oneshot %ld", count,
+        algo, runs("direct") - d, runs("ring") - r, runs("cma") - c, runs("oneshot") - o);
     return 0;
 }
 
@@ -899,7 +1092,7 @@ static int body_forced(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(weft_pg_set_algorithm(pgs[0], WEFT_COLL_ALL_REDUCE, "auto") == WEFT_OK, "auto");
     RANK_CHECK(weft_pg_set_algorithm(pgs[1], WEFT_COLL_ALL_REDUCE, NULL) == WEFT_OK, "NULL");
     for (int i = 0; i < 2; i++) {
-        if (check_ran(pgs[i], world, small, "direct") != 0 ||
+        if (check_ran(pgs[i], world, small, "oneshot") != 0 ||
             check_ran(pgs[i], world, large, "cma") != 0) {
             return 1;
         }
@@ -945,27 +1138,33 @@ Test(collectives, algorithm_forced_per_group, .timeout = 120)
 }
 
 /* The choice by size, at its thresholds (bytes in the accumulation dtype: f16 counts as f32):
- * direct up to 64 KiB, ring above (two members: from 1 MiB), cma from 256 KiB (two members:
- * from 2 MiB). */
+ * oneshot up to 64 KiB, direct above (more than two members: none), ring above 64 KiB (two
+ * members: from 1 MiB), cma from 256 KiB (two members: from 2 MiB). */
 static int body_thresholds(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)rank;
     (void)arg;
     weft_pg_t *pg;
     RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
-    size_t ring = world == 2 ? (1u << 20) : (64u << 10) + 4,
+    size_t one = 64u << 10, ring = world == 2 ? (1u << 20) : (64u << 10) + 4,
            cma = world == 2 ? 2u << 20 : 256u << 10;
-    if (check_ran(pg, world, ring / 4 - 1, "direct") != 0 ||
+    const char *below_ring = world == 2 ? "direct" : "oneshot";
+    if (check_ran(pg, world, 1, "oneshot") != 0 || check_ran(pg, world, one / 4, "oneshot") != 0 ||
+        (world == 2 && check_ran(pg, world, one / 4 + 1, "direct") != 0) ||
+        check_ran(pg, world, ring / 4 - 1, below_ring) != 0 ||
         check_ran(pg, world, ring / 4, "ring") != 0 ||
         check_ran(pg, world, cma / 4 - 1, "ring") != 0 ||
         check_ran(pg, world, cma / 4, "cma") != 0) {
         return 1;
     }
-    long d = runs("direct"), r = runs("ring");
+    long o = runs("oneshot"), d = runs("direct"), r = runs("ring");
+    RANK_CHECK(check_all_reduce(pg, world, one / 4, WEFT_F16, WEFT_SUM) == 0, "f16 oneshot");
     RANK_CHECK(check_all_reduce(pg, world, ring / 4 - 1, WEFT_F16, WEFT_SUM) == 0, "f16 below");
     RANK_CHECK(check_all_reduce(pg, world, ring / 4, WEFT_BF16, WEFT_SUM) == 0, "bf16 at");
-    RANK_CHECK(runs("direct") == d + 1 && runs("ring") == r + 1, "halves: direct %ld, ring %ld",
-               runs("direct") - d, runs("ring") - r);
+    RANK_CHECK(runs("oneshot") == o + (world == 2 ? 1 : 2) && runs("direct") == d + (world == 2) &&
+                   runs("ring") == r + 1,
+               "halves: oneshot %ld, direct %ld, ring %ld", runs("oneshot") - o, runs("direct") - d,
+               runs("ring") - r);
     weft_pg_free(pg);
     return 0;
 }
@@ -993,7 +1192,7 @@ static int body_unknown_algo(weft_agent_t *a, int rank, int world, void *arg)
     weft_status_t st = weft_pg_set_algorithm(pg, WEFT_COLL_ALL_REDUCE, "tree");
     RANK_CHECK(st == WEFT_ERR_NOT_FOUND, "tree for all_reduce gave %s", weft_strerror(st));
     RANK_CHECK(strstr(weft_last_error(), "'tree'") != NULL &&
-                   strstr(weft_last_error(), "direct, ring, cma") != NULL,
+                   strstr(weft_last_error(), "direct, ring, cma, oneshot") != NULL,
                "text: %s", weft_last_error());
     st = weft_pg_set_algorithm(pg, WEFT_COLL_BROADCAST, "ring");
     RANK_CHECK(st == WEFT_ERR_NOT_FOUND, "ring for broadcast gave %s", weft_strerror(st));
@@ -1050,9 +1249,11 @@ static int body_describe(weft_agent_t *a, int rank, int world, void *arg)
              "allowed",
              rank, world);
     RANK_CHECK(has_line(buf, first), "world:\n%s", buf);
-    RANK_CHECK(has_line(buf, "all_reduce: by size: cma from 256 KiB (unless a member cannot read "
-                             "the others' memory or does not let them (WEFT_COLL_CMA=0)), else "
-                             "ring above 64 KiB, else direct"),
+    RANK_CHECK(has_line(buf, "all_reduce: by size: oneshot up to 64 KiB (unless a member cannot "
+                             "read the others' memory or does not let them (WEFT_COLL_CMA=0)), "
+                             "else cma from 256 KiB (unless a member cannot read the others' "
+                             "memory or does not let them (WEFT_COLL_CMA=0)), else ring above 64 "
+                             "KiB, else direct"),
                "world:\n%s", buf);
 #define CMA_OR(what, other)                                                                        \
     what ": by size: cma from 64 KiB (unless a member cannot read the others' memory or does "     \
@@ -1072,7 +1273,9 @@ static int body_describe(weft_agent_t *a, int rank, int world, void *arg)
     /* Two members: other thresholds; forced; another timeout. */
     weft_pg_describe(pair, buf, sizeof(buf));
     if (rank < 2) {
-        RANK_CHECK(has_line(buf, "all_reduce: by size: cma from 2 MiB (unless a member cannot "
+        RANK_CHECK(has_line(buf, "all_reduce: by size: oneshot up to 64 KiB (unless a member "
+                                 "cannot read the others' memory or does not let them "
+                                 "(WEFT_COLL_CMA=0)), else cma from 2 MiB (unless a member cannot "
                                  "read the others' memory or does not let them "
                                  "(WEFT_COLL_CMA=0)), else ring from 1 MiB, else direct"),
                    "pair:\n%s", buf);
@@ -1760,19 +1963,22 @@ Test(collectives, dead_rank_fails_pending_operations, .timeout = 120)
     }
 }
 
-/* A member killed while the others are inside a broadcast (arg 0) or an all_gather (arg 1)
- * that reads each other's memory, signalled through the boards (the group settled on its
- * first such operation): each of them fails with WEFT_ERR_PEER_LOST, within seconds. */
+/* A member killed while the others are inside a broadcast (arg 0), an all_gather (arg 1) or
+ * a small all_reduce (arg 2, oneshot) that reads each other's memory, signalled through the
+ * boards or the slots (the group settled on its first such operation): each of them fails
+ * with WEFT_ERR_PEER_LOST, within seconds. */
 static int body_dead_cma(weft_agent_t *a, int rank, int world, void *arg)
 {
-    bool gather = *(const int *)arg == 1;
+    int which = *(const int *)arg;
+    bool gather = which == 1, small = which == 2;
     weft_pg_t *pg;
     weft_pg_world(a, &pg);
     weft_pg_set_timeout(pg, 30000);
-    const size_t n = (1u << 20) / 4;
+    const size_t n = small ? 1000 : (1u << 20) / 4;
     for (int i = 0; i < 2; i++) {
-        if ((gather ? check_others(pg, world, WEFT_F32, n) : check_broadcast(pg, n, WEFT_F32, i)) !=
-            0) {
+        if ((small    ? check_all_reduce(pg, world, n, WEFT_F32, WEFT_SUM)
+             : gather ? check_others(pg, world, WEFT_F32, n)
+                      : check_broadcast(pg, n, WEFT_F32, i)) != 0) {
             return 1;
         }
     }
@@ -1786,12 +1992,14 @@ static int body_dead_cma(weft_agent_t *a, int rank, int world, void *arg)
     weft_tensor_t *in, *out;
     weft_tensor_create(WEFT_F32, 1, &cn, &in);
     weft_tensor_create(WEFT_F32, 1, &total, &out);
-    coll_kind_t kind = gather ? OP_ALL_GATHER : OP_BROADCAST;
-    long runs_before = coll__algo_runs(kind, "cma");
+    coll_kind_t kind = small ? OP_ALL_REDUCE : gather ? OP_ALL_GATHER : OP_BROADCAST;
+    const char *algo = small ? "oneshot" : "cma";
+    long runs_before = coll__algo_runs(kind, algo);
     int64_t t0 = now_ms();
     weft_future_t *f;
-    weft_status_t st =
-        gather ? weft_coll_all_gather(pg, in, out, &f) : weft_coll_broadcast(pg, in, 0, &f);
+    weft_status_t st = small    ? weft_coll_all_reduce(pg, in, WEFT_SUM, &f)
+                       : gather ? weft_coll_all_gather(pg, in, out, &f)
+                                : weft_coll_broadcast(pg, in, 0, &f);
     RANK_CHECK(st == WEFT_OK, "issue: %s", weft_last_error());
     weft_value_t *note;
     weft_value_create(&note);
@@ -1799,10 +2007,10 @@ static int body_dead_cma(weft_agent_t *a, int rank, int world, void *arg)
     weft_value_free(note);
     RANK_CHECK(st == WEFT_OK, "note to rank 2: %s", weft_last_error());
     st = weft_future_wait(f, 60000);
-    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "%s with a dead rank gave %s: %s",
-               gather ? "all_gather" : "broadcast", weft_strerror(st), weft_future_error(f));
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "%s with a dead rank gave %s: %s", coll__kind_name(kind),
+               weft_strerror(st), weft_future_error(f));
     RANK_CHECK(now_ms() - t0 < 10000, "failed after %lld ms", (long long)(now_ms() - t0));
-    RANK_CHECK(coll__algo_runs(kind, "cma") == runs_before + 1, "it did not run cma");
+    RANK_CHECK(coll__algo_runs(kind, algo) == runs_before + 1, "it did not run %s", algo);
     weft_future_release(f);
     weft_tensor_release(in);
     weft_tensor_release(out);
@@ -1812,7 +2020,7 @@ static int body_dead_cma(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(collectives, dead_rank_fails_cma_collectives, .timeout = 120)
 {
-    for (int op = 0; op < 2; op++) {
+    for (int op = 0; op < 3; op++) {
         ranks_opts_t o;
         int codes[4];
         ranks_opts_init(&o, 4, body_dead_cma);

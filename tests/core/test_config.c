@@ -83,7 +83,7 @@ Test(config, invalid_values_fall_back_to_the_default, .init = cr_redirect_stderr
         "using the default 60000\n"
         "[weft] warning: ignoring WEFT_PEER_TIMEOUT_MS=10: not an integer in "
         "200..9223372036854775807; using the default 2000\n"
-        "[weft] warning: ignoring WEFT_COLL_ALGO=tree: not one of auto|direct|ring|cma; using the "
+        "[weft] warning: ignoring WEFT_COLL_ALGO=tree: not one of auto|direct|ring|cma|oneshot; using the "
         "default auto\n"
         "[weft] warning: ignoring WEFT_DIRECT=maybe: not 0 or 1; using the default 1\n");
 }
