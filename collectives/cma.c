@@ -842,6 +842,49 @@ static weft_status_t oneshot_slot_free(cma_t *c, uint64_t last)
     return WEFT_OK;
 }
 
+/* A wait on a member's slot this long (in rounds of wait_a_bit: ~2 ms) asks why. */
+#define ONESHOT_HAIL_SPINS 1024
+#define CMA_STEP_VIEW      0xfff00004u
+
+/*
+ * Group rank @p q has not shown this operation for a while: it may run another one at this
+ * seq. Sends it, once (@p first), a piece carrying this operation's view, which a member
+ * waiting for pieces compares with its own (a difference: a mismatch everywhere, through the
+ * abort; a member in this same operation drops it with the operation's other pieces). Looks
+ * at its board too: a member whose board shows an operation of this seq by messages has not
+ * settled (the group settles again on its next operation, on every member: this one fails
+ * everywhere through the abort); one that reads by boards compares its view.
+ */
+static weft_status_t oneshot_hail(cma_t *c, int q, bool first)
+{
+    coll_group_t *g = c->g;
+    const coll_desc_t *d = c->d;
+    coll_cma_board_t b;
+
+    if (first) {
+        WEFT_CHECK(coll__send(g, d, CMA_STEP_VIEW, q, NULL, 0, WEFT_U8, NULL));
+    }
+    WEFT_CHECK(read_board(c, q, &b));
+    uint64_t epoch = epoch_of(g, d->seq);
+    if (atomic_load(&b.epoch) != epoch || b.check != board_check(&b, epoch)) {
+        return WEFT_OK;
+    }
+    if (b.mode != CMA_MODE_BOARDS) {
+        g->cma_state = 0;
+        return weft__set_error(WEFT_ERR_TRANSPORT,
+                               "%s: group rank %d has not settled cross-memory reads; the group "
+                               "settles them again on its next operation",
+                               coll__kind_name(d->kind), q);
+    }
+    coll_desc_t theirs = {(coll_kind_t)b.kind,     b.seq,       (weft_dtype_t)b.dtype,
+                          (weft_reduce_op_t)b.rop, (int)b.root, b.count};
+    WEFT_CHECK(coll__check_view(g, d, &theirs, b.hash, q));
+    return weft__set_error(WEFT_ERR_TRANSPORT,
+                           "%s: group rank %d runs another algorithm for operation %llu (force "
+                           "the same on every member)",
+                           coll__kind_name(d->kind), q, (unsigned long long)d->seq);
+}
+
 /* Reads @p nb bytes of group rank @p q's slot of this operation into @p dst once it shows
  * this operation, and checks its view. */
 static weft_status_t oneshot_read(cma_t *c, int q, uint8_t *dst, size_t nb)
@@ -855,10 +898,21 @@ static weft_status_t oneshot_read(cma_t *c, int q, uint8_t *dst, size_t nb)
     WEFT_CHECK(oneshot_area(c, q));
     uint64_t slot = oneshot_slot(g, q, d->seq);
     for (;;) {
-        WEFT_CHECK(pull(c, q, slot, sizeof(h), 0, &h, sizeof(h)));
+        weft_status_t rs = pull(c, q, slot, sizeof(h), 0, &h, sizeof(h));
+        if (rs != WEFT_OK) {
+            /* Its area is gone (it freed the group after leaving this operation): whatever
+             * made it leave (an abort, a lost member, the deadline) is the reason. */
+            char why[WEFT__ERROR_MAX];
+            snprintf(why, sizeof(why), "%s", weft_last_error());
+            WEFT_CHECK(coll__check(g, d, c->deadline));
+            return weft__set_error(rs, "%s", why);
+        }
         uint64_t got = atomic_load(&h.seq);
         if (got == d->seq + 1) {
             break;
+        }
+        if (spins > 0 && spins % ONESHOT_HAIL_SPINS == 0) {
+            WEFT_CHECK(oneshot_hail(c, q, spins == ONESHOT_HAIL_SPINS));
         }
         if (got > d->seq + 1) {
             return weft__set_error(WEFT_ERR_PROTOCOL,
@@ -927,6 +981,7 @@ weft_status_t coll__all_reduce_oneshot(coll_group_t *g, const coll_args_t *a, in
     for (int r = 0; r < n; r++) {
         c.peers[r].pid = g->cma_pids[r];
     }
+    g->cma_small_entered = d->seq + 1; /* members may poll our area from now on */
     /* Show ours, in the slot of this operation's parity, once nobody reads what it held. */
     uint64_t *last = &g->cma_small_last[d->seq & 1];
     _Atomic uint64_t *fin = (_Atomic uint64_t *)(void *)g->cma_small;
@@ -977,16 +1032,37 @@ out:
     return st;
 }
 
+void coll__oneshot_finished(coll_group_t *g, uint64_t seq)
+{
+    if (g->cma_small != NULL) {
+        _Atomic uint64_t *fin = (_Atomic uint64_t *)(void *)g->cma_small;
+        if (atomic_load(fin) < seq + 1) {
+            atomic_store(fin, seq + 1);
+        }
+    }
+}
+
+/* Whether group rank @p q was lost (the agent said so). */
+static bool member_lost(coll_group_t *g, int q)
+{
+    pthread_mutex_lock(&g->ctx->mu);
+    bool lost = g->ctx->lost[g->world[q]];
+    pthread_mutex_unlock(&g->ctx->mu);
+    return lost;
+}
+
 void coll__oneshot_drain(coll_group_t *g)
 {
-    uint64_t last =
-        g->cma_small_last[0] > g->cma_small_last[1] ? g->cma_small_last[0] : g->cma_small_last[1];
+    /* The last operation in which members may have polled our area, shown or not. */
+    uint64_t last = g->cma_small_entered;
     if (g->cma_small == NULL || last == 0) {
         return;
     }
-    int64_t deadline = weft__now_ns() + atomic_load(&g->timeout_ms) * 1000000;
+    int64_t ms = atomic_load(&g->timeout_ms);
+    int64_t deadline = weft__now_ns() + (ms > INT64_MAX / 2000000 ? INT64_MAX / 2 : ms * 1000000);
     for (int q = 0; q < g->size; q++) {
-        for (int spins = 0; q != g->rank && g->cma_small_fin[q] < last && g->cma_smalls[q] != 0;
+        for (int spins = 0; q != g->rank && g->cma_small_fin[q] < last && g->cma_smalls[q] != 0 &&
+                            !(spins % 64 == 0 && member_lost(g, q));
              spins++) {
             uint64_t fin = 0;
             struct iovec l = {&fin, sizeof(fin)},

@@ -223,6 +223,7 @@ typedef struct coll_group {
     uint64_t *cma_smalls;
     uint64_t *cma_small_fin;
     uint64_t cma_small_last[2];
+    uint64_t cma_small_entered; /* seq + 1 of the last oneshot operation this rank entered */
 } coll_group_t;
 
 /* The sender's view of an operation, carried by every message of it. */
@@ -415,6 +416,9 @@ weft_status_t coll__all_reduce_oneshot(coll_group_t *g, const coll_args_t *a, in
 /* Before @p g goes: waits until every member is done with this rank's last oneshot slot (it
  * finished that operation, failed or not; it is gone; or the group's timeout passed). */
 void coll__oneshot_drain(coll_group_t *g);
+/* This rank finished operation @p seq of @p g, of any kind (its oneshot word says so: a member
+ * waiting to rewrite a slot waits for it). On the thread that ran it, in seq order. */
+void coll__oneshot_finished(coll_group_t *g, uint64_t seq);
 /* The operations of this process, of every kind, that ran by cross-memory reads (tests). */
 long coll__cma_ops(void);
 

@@ -325,6 +325,7 @@ void coll__run(coll_group_t *g, coll_op_t *op)
             coll__abort(g, op->seq, st, text);
         }
     }
+    coll__oneshot_finished(g, op->seq);
     /* Over here: its pieces nobody took, and those still to come, are dropped. Before
      * the future completes, whose callbacks may issue the next operations. */
     coll__seq_done(g, op->seq);

@@ -790,6 +790,41 @@ Test(collectives, oneshot_mismatch_fails_everywhere, .timeout = 120)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* Different operations at the same point of a settled group: ranks 0 and 1 run a small
+ * all_reduce (oneshot: no message) while rank 2 waits in a broadcast from rank 0 (the tree:
+ * it only receives). The all_reduce's waits hail the member that shows nothing; every rank
+ * fails with WEFT_ERR_MISMATCH, none at its deadline, and the group goes on. */
+static int body_oneshot_kind_mismatch(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    weft_pg_set_timeout(pg, 30000);
+    RANK_CHECK(check_all_reduce(pg, world, 10, WEFT_F32, WEFT_SUM) == 0, "settling");
+    RANK_CHECK(check_all_reduce(pg, world, 10, WEFT_F32, WEFT_SUM) == 0, "settled");
+    int64_t n = 10;
+    weft_tensor_t *t;
+    weft_tensor_create(WEFT_F32, 1, &n, &t);
+    int64_t t0 = now_ms();
+    weft_status_t st = rank == 2 ? weft_coll_broadcast(pg, t, 0, NULL)
+                                 : weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "different operations gave %s: %s", weft_strerror(st),
+               weft_last_error());
+    RANK_CHECK(now_ms() - t0 < 15000, "failed after %lld ms", (long long)(now_ms() - t0));
+    weft_tensor_release(t);
+    RANK_CHECK(check_all_reduce(pg, world, 10, WEFT_F32, WEFT_SUM) == 0, "after");
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, oneshot_kind_mismatch_fails_everywhere, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_oneshot_kind_mismatch);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 /* One rank does not let the others read its memory (WEFT_COLL_CMA=0): the small all_reduces
  * run direct everywhere, exact, the first and the later ones. */
 static int body_oneshot_declined(weft_agent_t *a, int rank, int world, void *arg)
