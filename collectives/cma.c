@@ -507,15 +507,15 @@ static weft_status_t vote(cma_t *c, bool *yes_p)
     return st;
 }
 
-/* The group settled on reading: keeps where each member's board is, for the operations to
- * come to signal through them. */
-static void keep_boards(cma_t *c)
+/* Makes what a settled group keeps (each member's process and board, the oneshot area and
+ * what it learns of the others'), before the vote: a rank that cannot votes unwilling, so that
+ * every member declines alike. */
+static bool cma_prepare(coll_group_t *g)
 {
-    coll_group_t *g = c->g;
     int n = g->size;
 
-    if (g->cma_pids != NULL) {
-        return;
+    if (g->cma_small != NULL) {
+        return true;
     }
     g->cma_pids = weft_calloc((size_t)n, sizeof(*g->cma_pids));
     g->cma_boards = weft_calloc((size_t)n, sizeof(*g->cma_boards));
@@ -524,7 +524,6 @@ static void keep_boards(cma_t *c)
     g->cma_small = weft_calloc(1, ONESHOT_AREA_BYTES);
     if (g->cma_pids == NULL || g->cma_boards == NULL || g->cma_smalls == NULL ||
         g->cma_small_fin == NULL || g->cma_small == NULL) {
-        /* The messages then: slower, as correct (a oneshot operation fails here). */
         weft_free(g->cma_pids);
         weft_free(g->cma_boards);
         weft_free(g->cma_smalls);
@@ -535,14 +534,28 @@ static void keep_boards(cma_t *c)
         g->cma_smalls = NULL;
         g->cma_small_fin = NULL;
         g->cma_small = NULL;
-        return;
+        return false;
     }
-    g->cma_board.small = (uint64_t)(uintptr_t)g->cma_small;
+    return true;
+}
+
+/* The group settled on reading: keeps where each member's board is, for the operations to
+ * come to signal through them, and shows where our oneshot area is. The arrays were made
+ * before the vote (cma_prepare). */
+static void keep_boards(cma_t *c)
+{
+    coll_group_t *g = c->g;
+    int n = g->size;
+
+    if (g->cma_small == NULL || g->cma_board.small != 0) {
+        return; /* never made (then this rank voted unwilling), or kept already */
+    }
     for (int r = 0; r < n; r++) {
         g->cma_pids[r] = r == g->rank ? getpid() : c->peers[r].pid;
         g->cma_boards[r] =
             r == g->rank ? (uint64_t)(uintptr_t)&g->cma_board : c->peers[r].epoch_addr;
     }
+    g->cma_board.small = (uint64_t)(uintptr_t)g->cma_small;
 }
 
 /*
@@ -571,7 +584,7 @@ static weft_status_t cma_open(cma_t *c, coll_group_t *g, const coll_desc_t *d, i
     c->deadline = deadline;
     c->nextra = nextra;
     c->epoch = epoch_of(g, d->seq);
-    c->fast = g->cma_state == 1 && g->cma_pids != NULL;
+    c->fast = g->cma_state == 1 && g->cma_board.small != 0; /* kept: keep_boards */
     c->peers = weft_calloc((size_t)n, sizeof(*c->peers));
     c->rel = weft_calloc(2 * (size_t)n, sizeof(*c->rel));
     c->hello = weft_calloc(H_N + nextra + 1, sizeof(int64_t)); /* + the vote */
@@ -585,7 +598,7 @@ static weft_status_t cma_open(cma_t *c, coll_group_t *g, const coll_desc_t *d, i
 
     /* Willing: the group lets the members read (WEFT_COLL_CMA when it was created), the reads
      * work here, and the group has not settled against them. */
-    bool willing = g->cma_allowed && g->cma_state >= 0 && self_readable();
+    bool willing = g->cma_allowed && g->cma_state >= 0 && self_readable() && cma_prepare(g);
     int64_t *h = c->hello;
     h[H_PID] = (int64_t)getpid();
     h[H_ADDR] = (int64_t)(uintptr_t)addr;
@@ -966,8 +979,10 @@ weft_status_t coll__all_reduce_oneshot(coll_group_t *g, const coll_args_t *a, in
         /* Not settled yet (alike on every member): this operation settles, by messages. */
         return coll__all_reduce_cma(g, a, deadline, declined_p);
     }
-    if (g->cma_small == NULL) {
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "all_reduce: no memory for the oneshot slots");
+    if (g->cma_board.small == 0) {
+        /* Settled everywhere means this rank voted willing, which it does only once its area
+         * exists and keep_boards shows it: never here. */
+        return weft__set_error(WEFT_ERR_INVALID_STATE, "all_reduce: settled without its slots");
     }
     cma_t c;
     memset(&c, 0, sizeof(c));
