@@ -186,8 +186,10 @@ static void append_by_size(const coll_group_t *g, coll_kind_t kind, int except, 
     for (;;) {
         int next = -1;
         /* After one that declined (the members settled against reading each other), none
-         * that would decline too. */
-        bool no_declining = except >= 0 && algos[except].declines != NULL;
+         * that would decline too; one with a size limit also declines above it, leaving the
+         * others in the running. */
+        bool no_declining =
+            except >= 0 && algos[except].declines != NULL && algos[except].max_bytes == NULL;
         for (size_t i = 0; i < NALGOS; i++) {
             if (algos[i].kind == kind && (int)i != except && algos[i].score < last &&
                 !(no_declining && algos[i].declines != NULL) &&
@@ -248,6 +250,11 @@ void coll__algo_describe(const coll_group_t *g, char *buf, size_t n, size_t *len
                           g->algo_from[k] == COLL_FROM_ENV    ? "WEFT_COLL_ALGO"
                           : g->algo_from[k] == COLL_FROM_CALL ? "weft_pg_set_algorithm"
                                                               : "default");
+            if (max_bytes(g, i) < SIZE_MAX) {
+                coll__appendf(buf, n, len_p, " ");
+                append_size(buf, n, len_p, max_bytes(g, i), true);
+                coll__appendf(buf, n, len_p, algos[i].declines != NULL ? "," : "; else by size: ");
+            }
             if (algos[i].declines != NULL) {
                 coll__appendf(buf, n, len_p, " %s; else by size: ", algos[i].declines);
                 append_by_size(g, (coll_kind_t)k, i, buf, n, len_p);

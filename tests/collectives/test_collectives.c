@@ -1328,6 +1328,16 @@ static int body_describe(weft_agent_t *a, int rank, int world, void *arg)
     weft_pg_describe(pg, buf, sizeof(buf));
     RANK_CHECK(has_line(buf, "all_reduce: direct (weft_pg_set_algorithm)"), "world forced:\n%s",
                buf);
+    /* Forced with a size limit: above it, the others compete by size, cma among them. */
+    weft_pg_set_algorithm(pair, WEFT_COLL_ALL_REDUCE, "oneshot");
+    weft_pg_describe(pair, buf, sizeof(buf));
+    RANK_CHECK(has_line(buf, "all_reduce: oneshot (weft_pg_set_algorithm) up to 64 KiB, unless a "
+                             "member cannot read the others' memory or does not let them "
+                             "(WEFT_COLL_CMA=0); else by size: cma from 2 MiB (unless a member "
+                             "cannot read the others' memory or does not let them "
+                             "(WEFT_COLL_CMA=0)), else ring from 1 MiB, else direct"),
+               "pair forced oneshot:\n%s", buf);
+    weft_pg_describe(pg, buf, sizeof(buf));
     RANK_CHECK(strstr(buf, "timeout 1234 ms (default 60000 ms)") != NULL, "timeout:\n%s", buf);
     weft_pg_set_timeout(pg, 0); /* the default again */
     size_t whole = weft_pg_describe(pg, buf, sizeof(buf));
