@@ -553,12 +553,41 @@ int criteo_synth_cfg(const char *prog, const criteo_cfg_t *c, int print, criteo_
 
 /* ------------------------------------------------------------------ lookups */
 
-static int cmp_u64(const void *a, const void *b)
+/*
+ * Sorts @p n keys (id << 32 | position, positions ascending on entry) by id, keeping the
+ * positions' order among equal ids: the order a sort of the whole keys gives. A stable LSD
+ * radix sort over the id bits in use, 11 at a time, through @p tmp (n keys): a batch's few
+ * hundred keys per feature took glibc's qsort (a merge sort calling a comparison) 8% of a
+ * training step.
+ */
+static void sort_keys(uint64_t *keys, uint64_t *tmp, size_t n)
 {
-    uint64_t x = *(const uint64_t *)a;
-    uint64_t y = *(const uint64_t *)b;
-
-    return x < y ? -1 : x > y;
+    uint64_t all = 0;
+    for (size_t i = 0; i < n; i++) {
+        all |= keys[i] >> 32;
+    }
+    uint64_t *src = keys, *dst = tmp;
+    for (unsigned shift = 32; shift < 64 && (all >> (shift - 32)) != 0; shift += 11) {
+        size_t count[2048] = {0};
+        for (size_t i = 0; i < n; i++) {
+            count[(src[i] >> shift) & 2047]++;
+        }
+        size_t at = 0;
+        for (size_t d = 0; d < 2048; d++) {
+            size_t c = count[d];
+            count[d] = at;
+            at += c;
+        }
+        for (size_t i = 0; i < n; i++) {
+            dst[count[(src[i] >> shift) & 2047]++] = src[i];
+        }
+        uint64_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != keys) {
+        memcpy(keys, src, n * sizeof(*keys));
+    }
 }
 
 void criteo_lookup_free(criteo_lookup_t *lk)
@@ -580,7 +609,7 @@ weft_status_t criteo_lookup_prepare(const criteo_set_t *set, const int64_t *idx,
 
     memset(lk, 0, sizeof(*lk));
     lk->k = k;
-    lk->keys = malloc((size_t)k * sizeof(*lk->keys));
+    lk->keys = malloc(2 * (size_t)k * sizeof(*lk->keys)); /* the keys, then sort_keys' room */
     if (lk->keys == NULL) {
         return WEFT_ERR_NO_MEMORY;
     }
@@ -592,7 +621,7 @@ weft_status_t criteo_lookup_prepare(const criteo_set_t *set, const int64_t *idx,
         for (int64_t i = 0; i < k; i++) {
             lk->keys[i] = (uint64_t)set->cat[idx[i] * CRITEO_SPARSE + f] << 32 | (uint64_t)i;
         }
-        qsort(lk->keys, (size_t)k, sizeof(*lk->keys), cmp_u64);
+        sort_keys(lk->keys, lk->keys + k, (size_t)k);
         lk->ids[f] = malloc((size_t)k * sizeof(*lk->ids[f]));
         if (lk->ids[f] == NULL) {
             st = WEFT_ERR_NO_MEMORY;
