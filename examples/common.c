@@ -3,12 +3,27 @@
 
 #include <errno.h>
 #include <getopt.h>
+#include <malloc.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
+
+/*
+ * A training step allocates the same large buffers (activations, gradients, a batch's rows)
+ * and frees them again. glibc serves buffers from 128 KiB up with fresh mmaps and gives freed
+ * heap tops back to the system, so every step faulted its pages in anew (hybrid_train: 3-4% of
+ * the time in page faults, 113-118k -> 126k samples/s with these two settings). Every example
+ * keeps freed memory for reuse instead, as allocators tuned for such loops do; the peak
+ * resident size grows a little (hybrid_train's largest rank: 119 -> 128 MiB).
+ */
+__attribute__((constructor)) static void ex_keep_freed_memory(void)
+{
+    (void)mallopt(M_MMAP_THRESHOLD, 256 << 20);
+    (void)mallopt(M_TRIM_THRESHOLD, 512 << 20);
+}
 
 #define MAX_OPTS 64
 #define OPT_BASE 256 /* getopt_long's value of row i: OPT_BASE + i, clear of '?' and 'h' */
