@@ -153,6 +153,9 @@ def run_rank(a):
     import torch.distributed.rpc as rpc
 
     torch.set_num_threads(1)
+    # Subnormals flushed to zero, as weft's servers apply updates (its threads, made after this,
+    # inherit the setting): the same arithmetic on both sides.
+    torch.set_flush_denormal(True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(a.port)
     world = a.servers + a.workers
