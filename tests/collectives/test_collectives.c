@@ -679,14 +679,19 @@ static int check_oneshot(weft_pg_t *pg, int world)
     return 0;
 }
 
-/* Runs @p check on the world and on a sub-group of the last world - 1 ranks (group ranks
- * differ from world ranks). */
-static int on_world_and_sub(weft_agent_t *a, int rank, int world,
-                            int (*check)(weft_pg_t *pg, int world))
+/* A check of a group of @p world members (ranks_opts_t.arg of body_world_and_sub). */
+typedef struct {
+    int (*check)(weft_pg_t *pg, int world);
+} group_check_t;
+
+/* Runs the check @p arg names on the world and on a sub-group of the last world - 1 ranks
+ * (group ranks differ from world ranks). */
+static int body_world_and_sub(weft_agent_t *a, int rank, int world, void *arg)
 {
+    const group_check_t *gc = arg;
     weft_pg_t *pg, *sub;
     RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
-    if (check(pg, world) != 0) {
+    if (gc->check(pg, world) != 0) {
         return 1;
     }
     int members[8];
@@ -694,7 +699,7 @@ static int on_world_and_sub(weft_agent_t *a, int rank, int world,
         members[r - 1] = r;
     }
     RANK_CHECK(weft_pg_new(a, members, world - 1, &sub) == WEFT_OK, "new_group");
-    if (rank > 0 && world > 2 && check(sub, world - 1) != 0) {
+    if (rank > 0 && world > 2 && gc->check(sub, world - 1) != 0) {
         return 1;
     }
     weft_pg_free(sub);
@@ -702,27 +707,23 @@ static int on_world_and_sub(weft_agent_t *a, int rank, int world,
     return 0;
 }
 
-/* Runs @p body at worlds 2, 3 and 4. */
-static void worlds_2_to_4(int (*body)(weft_agent_t *, int, int, void *))
+/* Runs @p check on the world and a sub-group at worlds 2, 3 and 4. */
+static void worlds_2_to_4(int (*check)(weft_pg_t *pg, int world))
 {
+    group_check_t gc = {check};
     for (int world = 2; world <= 4; world++) {
         ranks_opts_t o;
         int codes[4];
-        ranks_opts_init(&o, world, body);
+        ranks_opts_init(&o, world, body_world_and_sub);
+        o.arg = &gc;
         o.deadline_ms = 75000;
         cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
     }
 }
 
-static int body_oneshot(weft_agent_t *a, int rank, int world, void *arg)
-{
-    (void)arg;
-    return on_world_and_sub(a, rank, world, check_oneshot);
-}
-
 Test(collectives, oneshot_all_reduce, .timeout = 240)
 {
-    worlds_2_to_4(body_oneshot);
+    worlds_2_to_4(check_oneshot);
 }
 
 /* Async calls queued back to back: each rank's operations overtake nothing, and the slots
@@ -925,15 +926,9 @@ static int check_cma_moves(weft_pg_t *pg, int world)
 
 /* Forced for every size: broadcast, all_gather, reduce_scatter and all_to_all give exact
  * results, on the world and on a sub-group. */
-static int body_cma_moves(weft_agent_t *a, int rank, int world, void *arg)
-{
-    (void)arg;
-    return on_world_and_sub(a, rank, world, check_cma_moves);
-}
-
 Test(collectives, cma_every_collective, .timeout = 240)
 {
-    worlds_2_to_4(body_cma_moves);
+    worlds_2_to_4(check_cma_moves);
 }
 
 /* By size: each of the four reads the others' memory from 64 KiB per member (the tensor of
