@@ -575,10 +575,55 @@ weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p)
     return submit(pg, OP_BARRIER, NULL, 0, WEFT_SUM, work_p);
 }
 
+/* The device collectives by device type (index WEFT_DEVICE_CPU unused). */
+static _Atomic(const weft_coll_device_ops_t *) device_ops[WEFT_DEVICE_CUDA + 1];
+
+weft_status_t weft_coll_device_register(weft_device_type_t type, const weft_coll_device_ops_t *ops)
+{
+    if ((int)type <= (int)WEFT_DEVICE_CPU || (int)type > (int)WEFT_DEVICE_CUDA) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "collectives: device type %d cannot get device collectives",
+                               (int)type);
+    }
+    if (ops != NULL && (ops->name == NULL || ops->all_reduce == NULL || ops->broadcast == NULL)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG,
+                               "collectives: a device entry needs a name and every function");
+    }
+    atomic_store(&device_ops[type], ops);
+    return WEFT_OK;
+}
+
+/* The device entry for @p t's device, or NULL (a CPU tensor, or none registered). */
+static const weft_coll_device_ops_t *device_entry(const weft_tensor_t *t)
+{
+    weft_device_t dev = weft_tensor_device(t);
+    if (dev.type == WEFT_DEVICE_CPU || (int)dev.type < 0 || (int)dev.type > (int)WEFT_DEVICE_CUDA) {
+        return NULL;
+    }
+    return atomic_load(&device_ops[dev.type]);
+}
+
+static weft_status_t submit_staged(weft_pg_t *pg, coll_kind_t kind, weft_tensor_t *t, int root,
+                                   weft_reduce_op_t rop, weft_coll_ready_fn_t ready,
+                                   void *ready_arg, weft_future_t **work_p)
+{
+    coll_op_t *op = op_new(kind, t, NULL, root, rop);
+    if (op == NULL) {
+        return WEFT_ERR_NO_MEMORY;
+    }
+    op->ready = ready;
+    op->ready_arg = ready_arg;
+    return submit_op(pg, op, work_p);
+}
+
 weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root, weft_future_t **work_p)
 {
     if (t == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "broadcast: NULL tensor");
+    }
+    const weft_coll_device_ops_t *dev = device_entry(t);
+    if (dev != NULL && pg != NULL) {
+        return dev->broadcast(pg, t, root, work_p);
     }
     return submit(pg, OP_BROADCAST, t, root, WEFT_SUM, work_p);
 }
@@ -589,7 +634,31 @@ weft_status_t weft_coll_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_
     if (t == NULL) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "all_reduce: NULL tensor");
     }
+    const weft_coll_device_ops_t *dev = device_entry(t);
+    if (dev != NULL && pg != NULL) {
+        return dev->all_reduce(pg, t, op, work_p);
+    }
     return submit(pg, OP_ALL_REDUCE, t, 0, op, work_p);
+}
+
+weft_status_t weft_coll_all_reduce_staged(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
+                                          weft_coll_ready_fn_t ready, void *ready_arg,
+                                          weft_future_t **work_p)
+{
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "all_reduce: NULL tensor");
+    }
+    return submit_staged(pg, OP_ALL_REDUCE, t, 0, op, ready, ready_arg, work_p);
+}
+
+weft_status_t weft_coll_broadcast_staged(weft_pg_t *pg, weft_tensor_t *t, int root,
+                                         weft_coll_ready_fn_t ready, void *ready_arg,
+                                         weft_future_t **work_p)
+{
+    if (t == NULL) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "broadcast: NULL tensor");
+    }
+    return submit_staged(pg, OP_BROADCAST, t, root, WEFT_SUM, ready, ready_arg, work_p);
 }
 
 weft_status_t weft_coll_reduce(weft_pg_t *pg, weft_tensor_t *t, int root, weft_reduce_op_t op,

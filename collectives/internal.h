@@ -145,6 +145,8 @@ typedef struct coll_op {
     int64_t deadline_ns; /* the group's timeout from the call that issued it */
     int algo;            /* the group's algorithm when it was issued (-1: by size) */
     coll_kern_t kern;    /* reducing operations: the kernels of their tensors' device */
+    weft_coll_ready_fn_t ready; /* staged operations: run before the tensor is used (or NULL) */
+    void *ready_arg;
 } coll_op_t;
 
 /*

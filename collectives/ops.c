@@ -311,7 +311,12 @@ void coll__run(coll_group_t *g, coll_op_t *op)
                              coll__kind_name(op->kind), (unsigned long long)op->seq, g->id);
     } else {
         coll_args_t a = {op, &d, NULL, 0, WEFT_U8};
-        if (op->kind == OP_ALL_REDUCE) {
+        st = op->ready != NULL ? op->ready(op->ready_arg) : WEFT_OK;
+        if (st != WEFT_OK) {
+            st = weft__set_error(st, "%s: operation %llu: its tensor was not made ready: %s",
+                                 coll__kind_name(op->kind), (unsigned long long)op->seq,
+                                 weft_last_error());
+        } else if (op->kind == OP_ALL_REDUCE) {
             st = run_all_reduce(g, &a, deadline);
         } else {
             st = run_algo(g, &a, d.count * weft_dtype_size(d.dtype), deadline);

@@ -274,6 +274,58 @@ WEFT_API weft_status_t weft_coll_all_to_all(weft_pg_t *pg, const weft_tensor_t *
                                             weft_tensor_t *out, const int64_t *in_splits,
                                             const int64_t *out_splits, weft_future_t **work_p);
 
+/*
+ * Device collectives. An all_reduce or broadcast of a tensor on a device other than the CPU goes
+ * to the entry registered for its device type: the CUDA build's weft_cuda_init registers one
+ * (include/weft/cuda.h), which stages the tensor through pinned host memory in chunks with the
+ * staged operations below, or exchanges device memory directly between ranks of one host.
+ * Without an entry such tensors behave as described above (reductions use their device's reduce
+ * ops; other operations fail with WEFT_ERR_UNSUPPORTED).
+ */
+
+/** A device type's collectives. Each has the contract of the CPU function of its name. */
+typedef struct {
+    /** Names the entry in errors and logs ("cuda"). */
+    const char *name;
+    weft_status_t (*all_reduce)(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
+                                weft_future_t **work_p);
+    weft_status_t (*broadcast)(weft_pg_t *pg, weft_tensor_t *t, int root, weft_future_t **work_p);
+} weft_coll_device_ops_t;
+
+/**
+ * Registers @p ops for tensors on devices of @p type, replacing the previous entry; NULL removes
+ * it. Register before issuing operations on such tensors. Thread-safe.
+ * @param[in] ops borrowed: must stay valid until replaced or removed (usually a static const).
+ * @return WEFT_ERR_INVALID_ARG (a type outside weft_device_type_t, WEFT_DEVICE_CPU, an entry
+ *         without a name or a function).
+ */
+WEFT_API weft_status_t weft_coll_device_register(weft_device_type_t type,
+                                                 const weft_coll_device_ops_t *ops);
+
+/**
+ * Runs before a staged operation reads or writes its tensor, on the thread that runs it (the
+ * group's worker, or the caller of a blocking call), after the group's earlier operations: it
+ * may wait there for the tensor's contents (a device-to-host copy). A status other than WEFT_OK
+ * (text in weft_last_error()) fails the operation on this member, and the other members fail it
+ * too. Not called for an operation that fails before it starts (its deadline passed in the
+ * queue).
+ */
+typedef weft_status_t (*weft_coll_ready_fn_t)(void *arg);
+
+/**
+ * weft_coll_all_reduce of a CPU tensor whose contents are ready only when @p ready returns
+ * (NULL: at once). A device entry issues one per chunk of a device tensor, all at the call, so
+ * that the group's order is the order of the calls while the chunks' copies are still running.
+ * Thread-safe.
+ */
+WEFT_API weft_status_t weft_coll_all_reduce_staged(weft_pg_t *pg, weft_tensor_t *t,
+                                                   weft_reduce_op_t op, weft_coll_ready_fn_t ready,
+                                                   void *ready_arg, weft_future_t **work_p);
+/** weft_coll_broadcast with a @p ready hook, as weft_coll_all_reduce_staged. Thread-safe. */
+WEFT_API weft_status_t weft_coll_broadcast_staged(weft_pg_t *pg, weft_tensor_t *t, int root,
+                                                  weft_coll_ready_fn_t ready, void *ready_arg,
+                                                  weft_future_t **work_p);
+
 #ifdef __cplusplus
 }
 #endif

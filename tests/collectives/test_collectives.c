@@ -1616,6 +1616,245 @@ Test(collectives, reductions_by_device, .timeout = 120)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* ------------------------------------------------ staged operations and device entries */
+
+/* A staged operation's ready hook: the tensor's contents "land" there (as a device-to-host
+ * copy's would), so the operation must not read the tensor before it ran. */
+typedef struct {
+    weft_tensor_t *t;
+    int rank, seq;
+    weft_status_t fail; /* WEFT_OK: fill; else fail with it */
+    _Atomic int calls;
+} staged_hook_t;
+
+static weft_status_t staged_ready(void *arg)
+{
+    staged_hook_t *h = arg;
+    atomic_fetch_add(&h->calls, 1);
+    float *x = weft_tensor_data(h->t);
+    for (int64_t i = 0; i < weft_tensor_numel(h->t); i++) {
+        x[i] = (float)((h->rank + 1) * (h->seq + 1)) + (float)(i % 7);
+    }
+    return WEFT_OK;
+}
+
+static weft_status_t staged_ready_failing(void *arg)
+{
+    staged_hook_t *h = arg;
+    atomic_fetch_add(&h->calls, 1);
+    /* what a device copy that failed records */
+    return h->fail;
+}
+
+/* Staged all_reduce and broadcast: several issued at once, asynchronously, each hook run before
+ * its operation reads the tensor (the tensors hold NaN until then), in order with a plain
+ * operation between; a hook that fails on one member fails that operation on every member, and
+ * the group goes on. */
+static int body_staged(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    enum { K = 4, N = 3000 };
+    int64_t n = N;
+    staged_hook_t h[K];
+    weft_future_t *f[K + 1];
+    weft_tensor_t *plain = NULL;
+    weft_tensor_create(WEFT_F32, 1, &n, &plain);
+    ((float *)weft_tensor_data(plain))[0] = (float)rank;
+    for (int k = 0; k < K; k++) {
+        memset(&h[k], 0, sizeof(h[k]));
+        weft_tensor_empty(WEFT_F32, 1, &n, &h[k].t);
+        float *x = weft_tensor_data(h[k].t);
+        for (int i = 0; i < N; i++) {
+            x[i] = __builtin_nanf("");
+        }
+        h[k].rank = rank;
+        h[k].seq = k;
+        h[k].fail = WEFT_OK;
+    }
+    /* all_reduce, all_reduce, plain all_reduce, broadcast from the last rank, all_reduce */
+    RANK_CHECK(weft_coll_all_reduce_staged(pg, h[0].t, WEFT_SUM, staged_ready, &h[0], &f[0]) ==
+                   WEFT_OK,
+               "%s", weft_last_error());
+    RANK_CHECK(weft_coll_all_reduce_staged(pg, h[1].t, WEFT_MAX, staged_ready, &h[1], &f[1]) ==
+                   WEFT_OK,
+               "%s", weft_last_error());
+    RANK_CHECK(weft_coll_all_reduce(pg, plain, WEFT_SUM, &f[K]) == WEFT_OK, "%s",
+               weft_last_error());
+    RANK_CHECK(weft_coll_broadcast_staged(pg, h[2].t, world - 1, staged_ready, &h[2], &f[2]) ==
+                   WEFT_OK,
+               "%s", weft_last_error());
+    /* blocking, after the asynchronous ones */
+    RANK_CHECK(weft_coll_all_reduce_staged(pg, h[3].t, WEFT_SUM, staged_ready, &h[3], NULL) ==
+                   WEFT_OK,
+               "blocking staged: %s", weft_last_error());
+    f[3] = NULL;
+    for (int k = 0; k <= K; k++) {
+        if (f[k] != NULL) {
+            RANK_CHECK(weft_future_wait(f[k], -1) == WEFT_OK, "op %d: %s", k,
+                       weft_future_error(f[k]));
+            weft_future_release(f[k]);
+        }
+    }
+    for (int k = 0; k < K; k++) {
+        RANK_CHECK(atomic_load(&h[k].calls) == 1, "hook %d ran %d times", k,
+                   atomic_load(&h[k].calls));
+        const float *x = weft_tensor_data(h[k].t);
+        for (int i = 0; i < N; i++) {
+            float base = (float)(i % 7), want;
+            if (k == 1) { /* MAX: the last rank's */
+                want = (float)(world * (k + 1)) + base;
+            } else if (k == 2) { /* broadcast from the last rank */
+                want = (float)(world * (k + 1)) + base;
+            } else { /* SUM */
+                want = (float)((k + 1) * world * (world + 1) / 2) + (float)world * base;
+            }
+            RANK_CHECK(x[i] == want, "staged op %d element %d: %g, want %g", k, i, (double)x[i],
+                       (double)want);
+        }
+    }
+    RANK_CHECK(((float *)weft_tensor_data(plain))[0] == (float)(world * (world - 1) / 2),
+               "the plain all_reduce between them");
+    /* a hook failing on rank 1 only */
+    staged_hook_t bad;
+    memset(&bad, 0, sizeof(bad));
+    bad.t = h[0].t;
+    bad.rank = rank;
+    bad.fail = rank == 1 ? WEFT_ERR_CUDA : WEFT_OK;
+    weft_status_t st = weft_coll_all_reduce_staged(
+        pg, bad.t, WEFT_SUM, rank == 1 ? staged_ready_failing : staged_ready, &bad, NULL);
+    RANK_CHECK(st != WEFT_OK, "a failing hook on rank 1: rank %d got OK", rank);
+    if (rank == 1) {
+        RANK_CHECK(st == WEFT_ERR_CUDA, "rank 1 got %s", weft_status_name(st));
+        RANK_CHECK(strstr(weft_last_error(), "not made ready") != NULL, "text: %s",
+                   weft_last_error());
+    }
+    /* the group is still in step */
+    ((float *)weft_tensor_data(plain))[0] = 1.0f;
+    RANK_CHECK(weft_coll_all_reduce(pg, plain, WEFT_SUM, NULL) == WEFT_OK, "after: %s",
+               weft_last_error());
+    RANK_CHECK(((float *)weft_tensor_data(plain))[0] == (float)world, "after: wrong sum");
+    for (int k = 0; k < K; k++) {
+        weft_tensor_release(h[k].t);
+    }
+    weft_tensor_release(plain);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, staged_operations_wait_for_their_ready_hook, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_staged);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
+/* A device entry gets all_reduce and broadcast of its device's tensors (the entry here runs the
+ * CPU collective on the host memory behind them, counting its calls); CPU tensors never reach
+ * it; other operations keep the rules without an entry; removed, reductions of such tensors are
+ * refused again. Registration refuses the CPU and incomplete entries. */
+static _Atomic int entry_all_reduce, entry_broadcast;
+
+static weft_tensor_t *as_cpu(weft_tensor_t *t)
+{
+    int64_t n = weft_tensor_numel(t);
+    weft_tensor_t *c = NULL;
+    weft_tensor_wrap(weft_tensor_dtype(t), 1, &n, weft_tensor_data(t), weft_tensor_nbytes(t),
+                     WEFT_CPU, NULL, NULL, &c);
+    return c;
+}
+
+static weft_status_t entry_ar(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
+                              weft_future_t **work_p)
+{
+    atomic_fetch_add(&entry_all_reduce, 1);
+    weft_tensor_t *c = as_cpu(t);
+    weft_status_t st = weft_coll_all_reduce(pg, c, op, work_p);
+    weft_tensor_release(c); /* the operation holds its own reference */
+    return st;
+}
+
+static weft_status_t entry_bc(weft_pg_t *pg, weft_tensor_t *t, int root, weft_future_t **work_p)
+{
+    atomic_fetch_add(&entry_broadcast, 1);
+    weft_tensor_t *c = as_cpu(t);
+    weft_status_t st = weft_coll_broadcast(pg, c, root, work_p);
+    weft_tensor_release(c);
+    return st;
+}
+
+static int body_device_entry(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    static const weft_coll_device_ops_t entry = {"fake", entry_ar, entry_bc};
+    static const weft_coll_device_ops_t nameless = {NULL, entry_ar, entry_bc};
+    RANK_CHECK(weft_coll_device_register(WEFT_DEVICE_CPU, &entry) == WEFT_ERR_INVALID_ARG,
+               "the CPU");
+    RANK_CHECK(weft_coll_device_register(WEFT_DEVICE_CUDA, &nameless) == WEFT_ERR_INVALID_ARG,
+               "no name");
+    RANK_CHECK(weft_coll_device_register((weft_device_type_t)7, &entry) == WEFT_ERR_INVALID_ARG,
+               "type 7");
+    RANK_CHECK(weft_coll_device_register(WEFT_DEVICE_CUDA, &entry) == WEFT_OK, "register");
+    const weft_device_t cuda = {WEFT_DEVICE_CUDA, 0};
+    int64_t n = 100;
+    weft_tensor_t *host = NULL, *host2 = NULL;
+    weft_tensor_create(WEFT_I32, 1, &n, &host);
+    weft_tensor_create(WEFT_I32, 1, &n, &host2);
+    int32_t *x = weft_tensor_data(host);
+    for (int i = 0; i < 100; i++) {
+        x[i] = rank + i;
+    }
+    weft_tensor_t *t = on_device(host, cuda);
+    weft_future_t *f = NULL;
+    RANK_CHECK(weft_coll_all_reduce(pg, t, WEFT_SUM, &f) == WEFT_OK, "%s", weft_last_error());
+    RANK_CHECK(weft_future_wait(f, -1) == WEFT_OK, "%s", weft_future_error(f));
+    weft_future_release(f);
+    for (int i = 0; i < 100; i++) {
+        RANK_CHECK(x[i] == world * (world - 1) / 2 + world * i, "element %d: %d", i, x[i]);
+        x[i] = rank == 0 ? 1000 + i : -1;
+    }
+    RANK_CHECK(weft_coll_broadcast(pg, t, 0, NULL) == WEFT_OK, "%s", weft_last_error());
+    for (int i = 0; i < 100; i++) {
+        RANK_CHECK(x[i] == 1000 + i, "broadcast element %d: %d", i, x[i]);
+    }
+    RANK_CHECK(atomic_load(&entry_all_reduce) == 1 && atomic_load(&entry_broadcast) == 1,
+               "entry calls %d %d", atomic_load(&entry_all_reduce),
+               atomic_load(&entry_broadcast));
+    /* CPU tensors never reach it */
+    RANK_CHECK(weft_coll_all_reduce(pg, host2, WEFT_SUM, NULL) == WEFT_OK, "cpu");
+    RANK_CHECK(atomic_load(&entry_all_reduce) == 1, "a CPU tensor reached the entry");
+    /* an operation the entry does not take: refused as without one */
+    weft_status_t st = weft_coll_barrier(pg, NULL);
+    RANK_CHECK(st == WEFT_OK, "barrier");
+    weft_tensor_t *t2 = on_device(host2, cuda);
+    st = weft_coll_reduce(pg, t2, 0, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "reduce of device tensors without reduce ops: %s",
+               weft_status_name(st));
+    /* removed: the reductions are refused again */
+    RANK_CHECK(weft_coll_device_register(WEFT_DEVICE_CUDA, NULL) == WEFT_OK, "unregister");
+    st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "all_reduce without the entry: %s",
+               weft_status_name(st));
+    weft_tensor_release(t);
+    weft_tensor_release(t2);
+    weft_tensor_release(host);
+    weft_tensor_release(host2);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, a_device_entry_takes_its_devices_tensors, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_device_entry);
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 /* The seeds' sub-group {1, 3}, two half-world groups at once, then MAX over the world. */
 static int body_groups(weft_agent_t *a, int rank, int world, void *arg)
 {
