@@ -82,6 +82,14 @@
     X(COLL_CMA, "WEFT_COLL_CMA", BOOL, "1", 0, 0, "", "", "collectives",                           \
       "allow collectives (all_reduce, broadcast, all_gather, reduce_scatter, all_to_all) by "        \
       "cross-memory reads between ranks of one host (0 on any rank: never)")  \
+    /* cuda (the cuda feature) */                                                                  \
+    X(CUDA_CHUNK_KB, "WEFT_CUDA_CHUNK_KB", INT, "4096", 64, 1048576, "", "", "cuda",                \
+      "KiB per chunk when a collective of device tensors stages them through pinned host memory") \
+    X(CUDA_IPC, "WEFT_CUDA_IPC", BOOL, "1", 0, 0, "", "", "cuda",                                  \
+      "ranks of one host exchange device memory by CUDA IPC in all_reduce and broadcast "          \
+      "(set it alike on every rank)")                                                              \
+    X(CUDA_IPC_MIN_KB, "WEFT_CUDA_IPC_MIN_KB", INT, "256", 0, 1048576, "", "", "cuda",             \
+      "smallest tensor (KiB) whose all_reduce or broadcast considers CUDA IPC")                   \
     /* ps */                                                                                       \
     X(PS_SERVERS, "WEFT_PS_SERVERS", STR, "1", 0, 0, "", "", "ps",                                 \
       "parameter server ranks: a count N (ranks 0..N-1) or a list \"0,3\"")                       \

@@ -1,0 +1,632 @@
+/*
+ * all_reduce and broadcast of device tensors (the device entry of the collectives).
+ *
+ * Staged: the tensor goes through a pinned host buffer in chunks. Every chunk's device-to-host
+ * copy is queued on one stream at the call, and every chunk's host collective is issued at the
+ * call too (weft_coll_*_staged), so the group's order is the order of the calls; a chunk's
+ * collective waits, when the group reaches it, for its copy's event, and when it completes its
+ * host-to-device copy is queued on a second stream. Copies in both directions and the transport
+ * of other chunks overlap.
+ *
+ * IPC (ranks of one host): each rank keeps a device buffer the others map (cudaIpc*), copies its
+ * tensor there, and after a round that checks every member could map every buffer (the round is
+ * also the barrier), reduces its share of the elements from every member's buffer in member
+ * order, into its own buffer; after a barrier it copies every member's share into its tensor,
+ * and a last barrier lets the buffers be reused. Broadcast: the root's buffer, read by all.
+ */
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <weft/collectives.h>
+#include <weft/cuda.h>
+
+#include "internal.h"
+
+static _Atomic uint64_t n_ipc_ops, n_staged_ops, n_staged_chunks, n_ipc_maps;
+
+void weft_cuda_stats(weft_cuda_stats_t *s)
+{
+    if (s == NULL) {
+        return;
+    }
+    s->ipc_ops = atomic_load(&n_ipc_ops);
+    s->staged_ops = atomic_load(&n_staged_ops);
+    s->staged_chunks = atomic_load(&n_staged_chunks);
+    s->ipc_maps = atomic_load(&n_ipc_maps);
+}
+
+/* ---- staged through pinned host memory ------------------------------------------------------ */
+
+typedef struct staged staged_t;
+
+typedef struct {
+    staged_t *s;
+    size_t off, len;
+    weft_tensor_t *host; /* a CPU tensor over the pinned buffer's part */
+    cudaEvent_t copied;  /* its device-to-host copy done (none: nothing to copy in) */
+} chunk_t;
+
+struct staged {
+    weft_tensor_t *t; /* the device tensor (reference held) */
+    int device;
+    bool copy_in, copy_out; /* device-to-host before, host-to-device after */
+    unsigned char *host;
+    size_t nbytes;
+    cudaStream_t d2h, h2d;
+    chunk_t *chunks;
+    size_t nchunks;
+    _Atomic size_t left;
+    pthread_mutex_t mu;
+    weft_status_t st;
+    char why[512];
+    weft_future_t *f; /* the caller's */
+};
+
+static void staged_fail(staged_t *s, weft_status_t st, const char *why)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->st == WEFT_OK) {
+        s->st = st;
+        snprintf(s->why, sizeof(s->why), "%s", why);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Frees what was made; waits for the copies still queued (they write the buffers). */
+static void staged_free(staged_t *s)
+{
+    if (s->chunks != NULL) {
+        for (size_t i = 0; i < s->nchunks; i++) {
+            weft_tensor_release(s->chunks[i].host);
+            if (s->chunks[i].copied != NULL) {
+                (void)cudaEventDestroy(s->chunks[i].copied);
+            }
+        }
+        weft_free(s->chunks);
+    }
+    if (s->d2h != NULL) {
+        (void)cudaStreamSynchronize(s->d2h);
+        (void)cudaStreamDestroy(s->d2h);
+    }
+    if (s->h2d != NULL) {
+        (void)cudaStreamSynchronize(s->h2d);
+        (void)cudaStreamDestroy(s->h2d);
+    }
+    if (s->host != NULL) {
+        weft_cuda__pinned_put(s->host, s->nbytes);
+    }
+    weft_tensor_release(s->t);
+    pthread_mutex_destroy(&s->mu);
+    weft_free(s);
+}
+
+/* The last chunk is done: the caller's future completes once the copies back have landed. */
+static void staged_finish(staged_t *s)
+{
+    weft_status_t st = s->st;
+    char why[600];
+    snprintf(why, sizeof(why), "%s", s->why);
+    if (s->h2d != NULL) {
+        (void)cudaSetDevice(s->device);
+        cudaError_t e = cudaStreamSynchronize(s->h2d);
+        if (e != cudaSuccess && st == WEFT_OK) {
+            st = weft_cuda__fail(e, "cudaStreamSynchronize (host to device)", __FILE__, __LINE__);
+            snprintf(why, sizeof(why), "%s", weft_last_error());
+        }
+    }
+    weft_future_t *f = s->f;
+    staged_free(s);
+    weft_future_complete(f, st, st == WEFT_OK ? NULL : why, NULL);
+    weft_future_release(f);
+}
+
+/* weft_coll_ready_fn_t: the chunk's bytes are in the pinned buffer. */
+static weft_status_t chunk_ready(void *arg)
+{
+    chunk_t *c = arg;
+    staged_t *s = c->s;
+    pthread_mutex_lock(&s->mu);
+    weft_status_t st = s->st;
+    if (st != WEFT_OK) {
+        weft__set_error(st, "%s", s->why);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (st != WEFT_OK) {
+        return st; /* its copy in could not be set up: the group fails the chunk */
+    }
+    if (c->copied == NULL) {
+        return WEFT_OK;
+    }
+    WEFT_CUDA_CHECK(cudaEventSynchronize(c->copied));
+    return WEFT_OK;
+}
+
+/* A chunk's collective ended with @p st (text @p why): queue its copy back. */
+static void chunk_done(chunk_t *c, weft_status_t st, const char *why)
+{
+    staged_t *s = c->s;
+    if (st != WEFT_OK) {
+        staged_fail(s, st, why);
+    } else if (s->copy_out && c->len > 0) {
+        cudaError_t e = cudaSetDevice(s->device);
+        if (e == cudaSuccess) {
+            e = cudaMemcpyAsync((unsigned char *)weft_tensor_data(s->t) + c->off, s->host + c->off,
+                                c->len, cudaMemcpyHostToDevice, s->h2d);
+        }
+        if (e != cudaSuccess) {
+            weft_status_t fst =
+                weft_cuda__fail(e, "cudaMemcpyAsync (host to device)", __FILE__, __LINE__);
+            staged_fail(s, fst, weft_last_error());
+        }
+    }
+    atomic_fetch_add(&n_staged_chunks, 1);
+    if (atomic_fetch_sub(&s->left, 1) == 1) {
+        staged_finish(s);
+    }
+}
+
+static void chunk_done_cb(weft_future_t *f, void *arg)
+{
+    chunk_done(arg, weft_future_status(f), weft_future_error(f));
+    weft_future_release(f);
+}
+
+/* Sets up @p s for @p t: the buffer, streams, chunks, and the device-to-host copies queued. */
+static weft_status_t staged_prepare(staged_t *s)
+{
+    size_t esize = weft_dtype_size(weft_tensor_dtype(s->t));
+    size_t chunk = (size_t)weft__cfg_int(WEFT__CFG_CUDA_CHUNK_KB) * 1024;
+    chunk -= chunk % esize;
+    s->nbytes = weft_tensor_nbytes(s->t);
+    s->nchunks = s->nbytes == 0 ? 1 : (s->nbytes + chunk - 1) / chunk;
+    /* The chunks first: whatever fails after, every chunk still takes its place in the group. */
+    s->chunks = weft_calloc(s->nchunks, sizeof(*s->chunks));
+    if (s->chunks == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "cuda: no memory for %zu chunks", s->nchunks);
+    }
+    for (size_t i = 0; i < s->nchunks; i++) {
+        chunk_t *c = &s->chunks[i];
+        c->s = s;
+        c->off = i * chunk;
+        c->len = s->nbytes - c->off < chunk ? s->nbytes - c->off : chunk;
+    }
+    WEFT_CHECK(weft_cuda__use(s->device));
+    WEFT_CHECK(weft_cuda__pinned_get(s->nbytes, (void **)&s->host));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->d2h, cudaStreamNonBlocking));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->h2d, cudaStreamNonBlocking));
+    const unsigned char *dev = weft_tensor_data(s->t);
+    for (size_t i = 0; i < s->nchunks; i++) {
+        chunk_t *c = &s->chunks[i];
+        int64_t n = (int64_t)(c->len / esize);
+        WEFT_CHECK(weft_tensor_wrap(weft_tensor_dtype(s->t), 1, &n, s->host + c->off, c->len,
+                                    WEFT_CPU, NULL, NULL, &c->host));
+        if (s->copy_in && c->len > 0) {
+            WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&c->copied, cudaEventDisableTiming));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(s->host + c->off, dev + c->off, c->len,
+                                            cudaMemcpyDeviceToHost, s->d2h));
+            WEFT_CUDA_CHECK(cudaEventRecord(c->copied, s->d2h));
+        }
+    }
+    return WEFT_OK;
+}
+
+/* Issues one host collective per chunk. Blocking (@p work_p NULL): one after the other on this
+ * thread (the copies still overlap them); else asynchronously, the caller's future completing
+ * after the last chunk's copy back. */
+static weft_status_t staged_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool bcast, int root,
+                                weft_reduce_op_t rop, weft_future_t **work_p)
+{
+    staged_t *s = weft_calloc(1, sizeof(*s));
+    weft_status_t st;
+    if (s == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "cuda: no memory");
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    s->t = weft_tensor_retain(t);
+    s->device = device;
+    s->copy_in = !bcast || weft_pg_rank(pg) == root;
+    s->copy_out = !bcast || weft_pg_rank(pg) != root;
+    WEFT_CHECK_GOTO(weft_future_create(&s->f), st, err_free);
+    st = staged_prepare(s);
+    if (st != WEFT_OK) {
+        /* Nothing issued yet: the group learns of it from a failing first chunk, so that the
+         * others do not wait; this rank's later chunks are issued as usual. */
+        staged_fail(s, st, weft_last_error());
+        if (s->chunks == NULL) {
+            goto err_free;
+        }
+    }
+    atomic_fetch_add(&n_staged_ops, 1);
+    weft_future_t *f = weft_future_retain(s->f);
+    atomic_store(&s->left, s->nchunks);
+    for (size_t i = 0; i < s->nchunks; i++) {
+        chunk_t *c = &s->chunks[i];
+        weft_future_t *cf = NULL;
+        if (c->host == NULL) {
+            /* its tensor could not be made: an empty stand-in keeps the group in step */
+            int64_t zero = 0;
+            (void)weft_tensor_wrap(weft_tensor_dtype(t), 1, &zero, NULL, 0, WEFT_CPU, NULL, NULL,
+                                   &c->host);
+        }
+        weft_future_t **cfp = work_p != NULL ? &cf : NULL;
+        st = bcast ? weft_coll_broadcast_staged(pg, c->host, root, chunk_ready, c, cfp)
+                   : weft_coll_all_reduce_staged(pg, c->host, rop, chunk_ready, c, cfp);
+        if (st != WEFT_OK || cf == NULL) {
+            chunk_done(c, st, st == WEFT_OK ? "" : weft_last_error());
+        } else {
+            weft_future_then(cf, chunk_done_cb, c); /* releases cf */
+        }
+    }
+    /* s may be gone: f is the caller's reference. */
+    if (work_p != NULL) {
+        *work_p = f;
+        return WEFT_OK;
+    }
+    st = weft_future_wait(f, -1);
+    if (st != WEFT_OK) {
+        weft__set_error(st, "%s", weft_future_error(f));
+    }
+    weft_future_release(f);
+    return st;
+
+err_free:
+    if (s->f != NULL) {
+        weft_future_release(s->f);
+    }
+    staged_free(s);
+    return st;
+}
+
+/* ---- CUDA IPC between ranks of one host ------------------------------------------------------ */
+
+/* What each member shows the others (gathered at every IPC operation). */
+typedef struct {
+    uint64_t host[2]; /* this host: hashes of its name and boot id */
+    int32_t pid;
+    int32_t ok;   /* IPC allowed here and the buffer exported */
+    uint64_t gen; /* the buffer's generation (it grows) */
+    uint64_t bytes;
+    cudaIpcMemHandle_t handle;
+} ipc_desc_t;
+
+/* This process's exported buffers: one per group and device, the least recently used given up
+ * when the table is full (its group, if still used, makes a new one). Generations are unique
+ * in the process, so a peer maps each buffer once. */
+#define MAX_OWN 32
+static pthread_mutex_t ipc_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t ipc_gen, ipc_clock;
+static struct {
+    const weft_pg_t *pg;
+    int device;
+    void *buf;
+    size_t bytes;
+    uint64_t gen, used;
+    cudaIpcMemHandle_t handle;
+} own[MAX_OWN];
+
+/* Peers' buffers mapped here. */
+#define MAX_MAPS 64
+static struct {
+    uint64_t host0;
+    int32_t pid;
+    uint64_t gen;
+    void *p;
+} maps[MAX_MAPS];
+
+static uint64_t hash_str(const char *s, uint64_t h)
+{
+    for (; *s != '\0'; s++) {
+        h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    }
+    return h;
+}
+
+static void host_key(uint64_t key[2])
+{
+    char name[256] = "", boot[64] = "";
+    (void)gethostname(name, sizeof(name) - 1);
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, boot, sizeof(boot) - 1);
+        boot[n > 0 ? n : 0] = '\0';
+        close(fd);
+    }
+    key[0] = hash_str(name, 1469598103934665603ull);
+    key[1] = hash_str(boot, 1469598103934665603ull);
+}
+
+/* Makes this process's buffer for @p pg on @p device at least @p bytes (the device current);
+ * fills @p d and *buf_p. */
+static weft_status_t own_buffer(const weft_pg_t *pg, int device, size_t bytes, ipc_desc_t *d,
+                                void **buf_p)
+{
+    weft_status_t st = WEFT_OK;
+    int slot = -1, lru = 0;
+    pthread_mutex_lock(&ipc_mu);
+    for (int i = 0; i < MAX_OWN; i++) {
+        if (own[i].buf != NULL && own[i].pg == pg && own[i].device == device) {
+            slot = i;
+            break;
+        }
+        if (own[i].buf == NULL) {
+            lru = i;
+        } else if (own[lru].buf != NULL && own[i].used < own[lru].used) {
+            lru = i;
+        }
+    }
+    if (slot < 0) {
+        slot = lru;
+    }
+    if (own[slot].buf != NULL &&
+        (own[slot].pg != pg || own[slot].device != device || own[slot].bytes < bytes)) {
+        (void)cudaFree(own[slot].buf);
+        own[slot].buf = NULL;
+        own[slot].bytes = 0;
+    }
+    if (own[slot].buf == NULL) {
+        own[slot].pg = pg;
+        own[slot].device = device;
+        WEFT_CUDA_CHECK_GOTO(cudaMalloc(&own[slot].buf, bytes), st, out);
+        own[slot].bytes = bytes;
+        own[slot].gen = ++ipc_gen;
+        WEFT_CUDA_CHECK_GOTO(cudaIpcGetMemHandle(&own[slot].handle, own[slot].buf), st, out);
+    }
+    own[slot].used = ++ipc_clock;
+    d->gen = own[slot].gen;
+    d->bytes = own[slot].bytes;
+    d->handle = own[slot].handle;
+    *buf_p = own[slot].buf;
+out:
+    if (st != WEFT_OK && own[slot].buf != NULL) {
+        (void)cudaFree(own[slot].buf);
+        own[slot].buf = NULL;
+        own[slot].bytes = 0;
+    }
+    pthread_mutex_unlock(&ipc_mu);
+    return st;
+}
+
+/* The address of @p peer's buffer in this process (mapped once per generation). */
+static weft_status_t map_peer(const ipc_desc_t *peer, void **p_p)
+{
+    weft_status_t st = WEFT_OK;
+    int slot = -1, oldest = 0;
+    pthread_mutex_lock(&ipc_mu);
+    for (int i = 0; i < MAX_MAPS; i++) {
+        if (maps[i].p != NULL && maps[i].host0 == peer->host[0] && maps[i].pid == peer->pid &&
+            maps[i].gen == peer->gen) {
+            *p_p = maps[i].p;
+            pthread_mutex_unlock(&ipc_mu);
+            return WEFT_OK;
+        }
+        if (maps[i].p == NULL) {
+            if (slot < 0) {
+                slot = i;
+            }
+        } else if (maps[oldest].p == NULL || maps[i].gen < maps[oldest].gen) {
+            oldest = i;
+        }
+    }
+    if (slot < 0) {
+        (void)cudaIpcCloseMemHandle(maps[oldest].p);
+        maps[oldest].p = NULL;
+        slot = oldest;
+    }
+    void *p = NULL;
+    WEFT_CUDA_CHECK_GOTO(cudaIpcOpenMemHandle(&p, peer->handle, cudaIpcMemLazyEnablePeerAccess), st,
+                         out);
+    maps[slot].host0 = peer->host[0];
+    maps[slot].pid = peer->pid;
+    maps[slot].gen = peer->gen;
+    maps[slot].p = p;
+    atomic_fetch_add(&n_ipc_maps, 1);
+    *p_p = p;
+out:
+    pthread_mutex_unlock(&ipc_mu);
+    return st;
+}
+
+/* A blocking host collective on a small CPU tensor over @p data. */
+static weft_status_t host_all_gather(weft_pg_t *pg, const void *mine, void *all, size_t bytes)
+{
+    weft_tensor_t *in = NULL, *out = NULL;
+    int64_t n = (int64_t)bytes, nall = n * weft_pg_size(pg);
+    weft_status_t st;
+    WEFT_CHECK(weft_tensor_wrap(WEFT_U8, 1, &n, (void *)mine, bytes, WEFT_CPU, NULL, NULL, &in));
+    WEFT_CHECK_GOTO(
+        weft_tensor_wrap(WEFT_U8, 1, &nall, all, (size_t)nall, WEFT_CPU, NULL, NULL, &out), st,
+        out);
+    st = weft_coll_all_gather(pg, in, out, NULL);
+out:
+    weft_tensor_release(in);
+    weft_tensor_release(out);
+    return st;
+}
+
+/* Every member's flag, MIN: also the barrier that orders the buffers' writes and reads. */
+static weft_status_t agree(weft_pg_t *pg, int32_t *flag)
+{
+    weft_tensor_t *t;
+    int64_t one = 1;
+    WEFT_CHECK(weft_tensor_wrap(WEFT_I32, 1, &one, flag, sizeof(*flag), WEFT_CPU, NULL, NULL, &t));
+    weft_status_t st = weft_coll_all_reduce(pg, t, WEFT_MIN, NULL);
+    weft_tensor_release(t);
+    return st;
+}
+
+/* The element range of member @p r's share: 16-byte aligned boundaries. */
+static void share(size_t n, size_t esize, int size, int r, size_t *lo_p, size_t *len_p)
+{
+    size_t per = (n + (size_t)size - 1) / (size_t)size;
+    size_t align = 16 / esize;
+    per = (per + align - 1) / align * align;
+    size_t lo = per * (size_t)r < n ? per * (size_t)r : n;
+    *lo_p = lo;
+    *len_p = n - lo < per ? n - lo : per;
+}
+
+/*
+ * The IPC operation, when every member can take part: *done_p false when it could not (nothing
+ * written; every member then takes the staged path, they all saw the same).
+ */
+static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool bcast, int root,
+                             weft_reduce_op_t rop, bool *done_p)
+{
+    int size = weft_pg_size(pg), me = weft_pg_rank(pg);
+    size_t nbytes = weft_tensor_nbytes(t), esize = weft_dtype_size(weft_tensor_dtype(t));
+    size_t n = nbytes / esize;
+    weft_status_t st = WEFT_OK;
+    ipc_desc_t mine, *all = NULL;
+    void *bufs[WEFT_CUDA_MAX_SOURCES], *mybuf = NULL;
+
+    *done_p = false;
+    memset(&mine, 0, sizeof(mine));
+    host_key(mine.host);
+    mine.pid = (int32_t)getpid();
+    mine.ok = 0;
+    if (weft__cfg_bool(WEFT__CFG_CUDA_IPC) && weft_cuda__use(device) == WEFT_OK &&
+        own_buffer(pg, device, nbytes, &mine, &mybuf) == WEFT_OK) {
+        mine.ok = 1;
+    }
+    all = weft_calloc((size_t)size, sizeof(*all));
+    if (all == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "cuda: no memory");
+    }
+    WEFT_CHECK_GOTO(host_all_gather(pg, &mine, all, sizeof(mine)), st, out);
+    for (int r = 0; r < size; r++) {
+        if (!all[r].ok || all[r].host[0] != mine.host[0] || all[r].host[1] != mine.host[1]) {
+            goto out; /* every member sees the same: all take the staged path */
+        }
+    }
+    /* Map the others' buffers and copy this tensor into this rank's own; then agree. */
+    int32_t ok = 1;
+    for (int r = 0; r < size && ok; r++) {
+        if (r == me) {
+            bufs[r] = mybuf;
+        } else if (map_peer(&all[r], &bufs[r]) != WEFT_OK) {
+            WEFT_INFO("cuda: IPC refused, staging instead: %s", weft_last_error());
+            ok = 0;
+        }
+    }
+    if (ok && (!bcast || me == root)) {
+        cudaError_t e = cudaMemcpy(bufs[me], weft_tensor_data(t), nbytes, cudaMemcpyDeviceToDevice);
+        if (e != cudaSuccess) {
+            WEFT_INFO("cuda: IPC copy failed, staging instead: %s", cudaGetErrorString(e));
+            (void)cudaGetLastError();
+            ok = 0;
+        }
+    }
+    WEFT_CHECK_GOTO(agree(pg, &ok), st, out);
+    if (!ok) {
+        goto out;
+    }
+    *done_p = true;
+    atomic_fetch_add(&n_ipc_ops, 1);
+    if (bcast) {
+        if (me != root) {
+            WEFT_CUDA_CHECK_GOTO(
+                cudaMemcpy(weft_tensor_data(t), bufs[root], nbytes, cudaMemcpyDeviceToDevice), st,
+                fail);
+        }
+    } else {
+        weft_cuda__sources_t srcs;
+        size_t lo, len;
+        share(n, esize, size, me, &lo, &len);
+        for (int r = 0; r < size; r++) {
+            srcs.p[r] = (const unsigned char *)bufs[r] + lo * esize;
+        }
+        WEFT_CUDA_CHECK_GOTO(weft_cuda__reduce_many(0, (unsigned char *)bufs[me] + lo * esize,
+                                                    &srcs, size, len, weft_tensor_dtype(t), rop),
+                             st, fail);
+        WEFT_CUDA_CHECK_GOTO(cudaStreamSynchronize(0), st, fail);
+        WEFT_CHECK_GOTO(weft_coll_barrier(pg, NULL), st, out);
+        for (int r = 0; r < size; r++) {
+            share(n, esize, size, r, &lo, &len);
+            if (len > 0) {
+                WEFT_CUDA_CHECK_GOTO(
+                    cudaMemcpyAsync((unsigned char *)weft_tensor_data(t) + lo * esize,
+                                    (const unsigned char *)bufs[r] + lo * esize, len * esize,
+                                    cudaMemcpyDeviceToDevice, 0),
+                    st, fail);
+            }
+        }
+        WEFT_CUDA_CHECK_GOTO(cudaStreamSynchronize(0), st, fail);
+    }
+    /* Nobody rewrites its buffer (the next operation) while another still reads it. */
+    WEFT_CHECK_GOTO(weft_coll_barrier(pg, NULL), st, out);
+    goto out;
+
+fail:
+    /* A device failure half-way: the others are (or will be) at a barrier; this rank's own
+     * failing barrier tells them. */
+    {
+        char why[600];
+        snprintf(why, sizeof(why), "%s", weft_last_error());
+        int32_t bad = 0;
+        (void)agree(pg, &bad);
+        st = weft__set_error(st, "%s", why);
+    }
+out:
+    weft_free(all);
+    return st;
+}
+
+/* ---- the entry ------------------------------------------------------------------------------- */
+
+static weft_status_t run(weft_pg_t *pg, weft_tensor_t *t, bool bcast, int root,
+                         weft_reduce_op_t rop, weft_future_t **work_p)
+{
+    const char *what = bcast ? "broadcast" : "all_reduce";
+    int device;
+    weft_status_t st;
+    WEFT_CHECK(weft_cuda__device_of(t, what, &device));
+    if (!bcast) {
+        st = weft_reduce_check(rop, weft_tensor_dtype(t));
+        if (st != WEFT_OK) {
+            return weft__set_error(st, "%s: %s", what, weft_last_error());
+        }
+    } else if (root < 0 || root >= weft_pg_size(pg)) {
+        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: root %d is not in the group of %d", what,
+                               root, weft_pg_size(pg));
+    }
+    size_t nbytes = weft_tensor_nbytes(t);
+    if (weft_pg_size(pg) > 1 && weft_pg_size(pg) <= WEFT_CUDA_MAX_SOURCES &&
+        nbytes >= (size_t)weft__cfg_int(WEFT__CFG_CUDA_IPC_MIN_KB) * 1024 && nbytes > 0) {
+        bool done;
+        st = ipc_run(pg, t, device, bcast, root, rop, &done);
+        if (st != WEFT_OK || done) {
+            if (work_p != NULL) {
+                weft_future_t *f;
+                WEFT_CHECK(weft_future_create(&f));
+                weft_future_complete(f, st, st == WEFT_OK ? NULL : weft_last_error(), NULL);
+                *work_p = f;
+                return WEFT_OK;
+            }
+            return st;
+        }
+    }
+    return staged_run(pg, t, device, bcast, root, rop, work_p);
+}
+
+static weft_status_t device_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
+                                       weft_future_t **work_p)
+{
+    return run(pg, t, false, 0, op, work_p);
+}
+
+static weft_status_t device_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
+                                      weft_future_t **work_p)
+{
+    return run(pg, t, true, root, WEFT_SUM, work_p);
+}
+
+const weft_coll_device_ops_t weft_cuda__coll_ops = {
+    .name = "cuda",
+    .all_reduce = device_all_reduce,
+    .broadcast = device_broadcast,
+};
