@@ -20,6 +20,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <weft/collectives.h>
@@ -56,7 +57,7 @@ struct staged {
     int device;
     bool copy_in, copy_out; /* device-to-host before, host-to-device after */
     unsigned char *host;
-    size_t nbytes;
+    size_t nbytes, host_cap;
     cudaStream_t d2h, h2d;
     chunk_t *chunks;
     size_t nchunks;
@@ -98,7 +99,7 @@ static void staged_free(staged_t *s)
         (void)cudaStreamDestroy(s->h2d);
     }
     if (s->host != NULL) {
-        weft_cuda__pinned_put(s->host, s->nbytes);
+        weft_cuda__pinned_put(s->host, s->host_cap);
     }
     weft_tensor_release(s->t);
     pthread_mutex_destroy(&s->mu);
@@ -133,15 +134,21 @@ static weft_status_t chunk_ready(void *arg)
     pthread_mutex_lock(&s->mu);
     weft_status_t st = s->st;
     if (st != WEFT_OK) {
-        weft__set_error(st, "%s", s->why);
+        /* A status of its own (not a loss or a mismatch, which the others would take as
+         * theirs): the group tells the others, who fail this chunk at once. */
+        weft__set_error(WEFT_ERR_INVALID_STATE, "an earlier part of this operation failed: %s",
+                        s->why);
     }
     pthread_mutex_unlock(&s->mu);
     if (st != WEFT_OK) {
-        return st; /* its copy in could not be set up: the group fails the chunk */
+        return WEFT_ERR_INVALID_STATE;
     }
     if (c->copied == NULL) {
         return WEFT_OK;
     }
+    /* on the thread that runs the operation: the device made current there, or CUDA would
+     * make a context on device 0 for it */
+    WEFT_CUDA_CHECK(cudaSetDevice(s->device));
     WEFT_CUDA_CHECK(cudaEventSynchronize(c->copied));
     return WEFT_OK;
 }
@@ -196,9 +203,11 @@ static weft_status_t staged_prepare(staged_t *s)
         c->len = s->nbytes - c->off < chunk ? s->nbytes - c->off : chunk;
     }
     WEFT_CHECK(weft_cuda__use(s->device));
-    WEFT_CHECK(weft_cuda__pinned_get(s->nbytes, (void **)&s->host));
-    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->d2h, cudaStreamNonBlocking));
-    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->h2d, cudaStreamNonBlocking));
+    WEFT_CHECK(weft_cuda__pinned_get(s->nbytes, (void **)&s->host, &s->host_cap));
+    /* Blocking streams: their copies come after the caller's work on the legacy default
+     * stream (a kernel that wrote the gradients), and that work after them. */
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->d2h, cudaStreamDefault));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->h2d, cudaStreamDefault));
     const unsigned char *dev = weft_tensor_data(s->t);
     for (size_t i = 0; i < s->nchunks; i++) {
         chunk_t *c = &s->chunks[i];
@@ -206,7 +215,9 @@ static weft_status_t staged_prepare(staged_t *s)
         WEFT_CHECK(weft_tensor_wrap(weft_tensor_dtype(s->t), 1, &n, s->host + c->off, c->len,
                                     WEFT_CPU, NULL, NULL, &c->host));
         if (s->copy_in && c->len > 0) {
-            WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&c->copied, cudaEventDisableTiming));
+            /* a wait on it sleeps (the thread running the group's operations) */
+            WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&c->copied, cudaEventDisableTiming |
+                                                                     cudaEventBlockingSync));
             WEFT_CUDA_CHECK(cudaMemcpyAsync(s->host + c->off, dev + c->off, c->len,
                                             cudaMemcpyDeviceToHost, s->d2h));
             WEFT_CUDA_CHECK(cudaEventRecord(c->copied, s->d2h));
@@ -243,9 +254,12 @@ static weft_status_t staged_run(weft_pg_t *pg, weft_tensor_t *t, int device, boo
     }
     atomic_fetch_add(&n_staged_ops, 1);
     weft_future_t *f = weft_future_retain(s->f);
-    atomic_store(&s->left, s->nchunks);
-    for (size_t i = 0; i < s->nchunks; i++) {
-        chunk_t *c = &s->chunks[i];
+    /* s is freed when its last chunk is done, which may be before the loop looks again */
+    const size_t nchunks = s->nchunks;
+    chunk_t *const chunks = s->chunks;
+    atomic_store(&s->left, nchunks);
+    for (size_t i = 0; i < nchunks; i++) {
+        chunk_t *c = &chunks[i];
         weft_future_t *cf = NULL;
         if (c->host == NULL) {
             /* its tensor could not be made: an empty stand-in keeps the group in step */
@@ -258,8 +272,10 @@ static weft_status_t staged_run(weft_pg_t *pg, weft_tensor_t *t, int device, boo
                    : weft_coll_all_reduce_staged(pg, c->host, rop, chunk_ready, c, cfp);
         if (st != WEFT_OK || cf == NULL) {
             chunk_done(c, st, st == WEFT_OK ? "" : weft_last_error());
-        } else {
-            weft_future_then(cf, chunk_done_cb, c); /* releases cf */
+        } else if (weft_future_then(cf, chunk_done_cb, c) != WEFT_OK) { /* releases cf */
+            weft_status_t cst = weft_future_wait(cf, -1);
+            chunk_done(c, cst, weft_future_error(cf));
+            weft_future_release(cf);
         }
     }
     /* s may be gone: f is the caller's reference. */
@@ -287,33 +303,44 @@ err_free:
 /* What each member shows the others (gathered at every IPC operation). */
 typedef struct {
     uint64_t host[2]; /* this host: hashes of its name and boot id */
-    int32_t pid;
-    int32_t ok;   /* IPC allowed here and the buffer exported */
-    uint64_t gen; /* the buffer's generation (it grows) */
+    uint64_t nonce;   /* this process, drawn at random once (a pid may be reused) */
+    int32_t slot;     /* its buffer's slot in its table (the mapping's key with the nonce) */
+    int32_t ok;       /* IPC allowed here and the buffer exported */
+    uint64_t gen;     /* the buffer's generation in the process */
+    uint64_t cap;     /* its size */
+    /* the operation as this rank sees it: every member must agree, else all stage (and the
+     * host collectives report the mismatch) */
     uint64_t bytes;
+    int32_t dtype, rop, root, bcast;
     cudaIpcMemHandle_t handle;
 } ipc_desc_t;
 
-/* This process's exported buffers: one per group and device, the least recently used given up
- * when the table is full (its group, if still used, makes a new one). Generations are unique
- * in the process, so a peer maps each buffer once. */
+/* This process's exported buffers: one per group and device, grown (doubling) when a larger
+ * tensor comes. A grown buffer's old memory is retired, and freed only after an operation in
+ * which every member mapped the new one (having closed the old: a mapping must be closed before
+ * the exporter frees). Slots are never given to another group: a full table stages. */
 #define MAX_OWN 32
 static pthread_mutex_t ipc_mu = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t ipc_gen, ipc_clock;
-static struct {
+static _Atomic uint64_t ipc_gen;
+static uint64_t ipc_nonce;
+static pthread_once_t nonce_once = PTHREAD_ONCE_INIT;
+typedef struct {
     const weft_pg_t *pg;
     int device;
-    void *buf;
-    size_t bytes;
-    uint64_t gen, used;
+    bool used;
+    pthread_mutex_t op_mu; /* held through an operation: one at a time per group and device */
+    void *buf, *retired;
+    size_t cap;
+    uint64_t gen;
     cudaIpcMemHandle_t handle;
-} own[MAX_OWN];
+} own_t;
+static own_t own[MAX_OWN];
 
-/* Peers' buffers mapped here. */
-#define MAX_MAPS 64
+/* Peers' buffers mapped here, by (nonce, slot): a new generation closes the old mapping. */
+#define MAX_MAPS 256
 static struct {
-    uint64_t host0;
-    int32_t pid;
+    uint64_t nonce;
+    int32_t slot;
     uint64_t gen;
     void *p;
 } maps[MAX_MAPS];
@@ -340,88 +367,110 @@ static void host_key(uint64_t key[2])
     key[1] = hash_str(boot, 1469598103934665603ull);
 }
 
-/* Makes this process's buffer for @p pg on @p device at least @p bytes (the device current);
- * fills @p d and *buf_p. */
-static weft_status_t own_buffer(const weft_pg_t *pg, int device, size_t bytes, ipc_desc_t *d,
-                                void **buf_p)
+static void nonce_init(void)
 {
-    weft_status_t st = WEFT_OK;
-    int slot = -1, lru = 0;
+    uint64_t n = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || read(fd, &n, sizeof(n)) != (ssize_t)sizeof(n)) {
+        n = 0;
+    }
+    if (fd >= 0) {
+        close(fd);
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ipc_nonce = n ^ ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ (uint64_t)ts.tv_sec;
+}
+
+/* The slot of (@p pg, @p device), its op_mu locked: -1 when the table is full. */
+static int own_slot(const weft_pg_t *pg, int device)
+{
+    int slot = -1;
     pthread_mutex_lock(&ipc_mu);
     for (int i = 0; i < MAX_OWN; i++) {
-        if (own[i].buf != NULL && own[i].pg == pg && own[i].device == device) {
+        if (own[i].used && own[i].pg == pg && own[i].device == device) {
             slot = i;
             break;
         }
-        if (own[i].buf == NULL) {
-            lru = i;
-        } else if (own[lru].buf != NULL && own[i].used < own[lru].used) {
-            lru = i;
+    }
+    for (int i = 0; i < MAX_OWN && slot < 0; i++) {
+        if (!own[i].used) {
+            slot = i;
+            own[i].used = true;
+            own[i].pg = pg;
+            own[i].device = device;
+            pthread_mutex_init(&own[i].op_mu, NULL);
         }
     }
-    if (slot < 0) {
-        slot = lru;
-    }
-    if (own[slot].buf != NULL &&
-        (own[slot].pg != pg || own[slot].device != device || own[slot].bytes < bytes)) {
-        (void)cudaFree(own[slot].buf);
-        own[slot].buf = NULL;
-        own[slot].bytes = 0;
-    }
-    if (own[slot].buf == NULL) {
-        own[slot].pg = pg;
-        own[slot].device = device;
-        WEFT_CUDA_CHECK_GOTO(cudaMalloc(&own[slot].buf, bytes), st, out);
-        own[slot].bytes = bytes;
-        own[slot].gen = ++ipc_gen;
-        WEFT_CUDA_CHECK_GOTO(cudaIpcGetMemHandle(&own[slot].handle, own[slot].buf), st, out);
-    }
-    own[slot].used = ++ipc_clock;
-    d->gen = own[slot].gen;
-    d->bytes = own[slot].bytes;
-    d->handle = own[slot].handle;
-    *buf_p = own[slot].buf;
-out:
-    if (st != WEFT_OK && own[slot].buf != NULL) {
-        (void)cudaFree(own[slot].buf);
-        own[slot].buf = NULL;
-        own[slot].bytes = 0;
-    }
     pthread_mutex_unlock(&ipc_mu);
-    return st;
+    if (slot >= 0) {
+        pthread_mutex_lock(&own[slot].op_mu);
+    }
+    return slot;
 }
 
-/* The address of @p peer's buffer in this process (mapped once per generation). */
+/* Makes the slot's buffer at least @p bytes (the device current); fills @p d. */
+static weft_status_t own_grow(int slot, size_t bytes, ipc_desc_t *d)
+{
+    own_t *o = &own[slot];
+    if (o->cap < bytes) {
+        size_t cap = o->cap * 2 > bytes ? o->cap * 2 : bytes;
+        void *p = NULL;
+        cudaIpcMemHandle_t h;
+        WEFT_CUDA_CHECK(cudaMalloc(&p, cap));
+        cudaError_t e = cudaIpcGetMemHandle(&h, p);
+        if (e != cudaSuccess) {
+            (void)cudaFree(p);
+            return weft_cuda__fail(e, "cudaIpcGetMemHandle", __FILE__, __LINE__);
+        }
+        if (o->retired != NULL) {
+            /* grown twice with no operation in between that every member mapped */
+            (void)cudaFree(o->retired);
+        }
+        o->retired = o->buf;
+        o->buf = p;
+        o->cap = cap;
+        o->gen = atomic_fetch_add(&ipc_gen, 1) + 1;
+        o->handle = h;
+    }
+    d->slot = slot;
+    d->gen = o->gen;
+    d->cap = o->cap;
+    d->handle = o->handle;
+    return WEFT_OK;
+}
+
+/* The address of @p peer's buffer in this process (mapped once per generation; the older
+ * generation's mapping closed first). */
 static weft_status_t map_peer(const ipc_desc_t *peer, void **p_p)
 {
     weft_status_t st = WEFT_OK;
-    int slot = -1, oldest = 0;
+    int slot = -1;
     pthread_mutex_lock(&ipc_mu);
     for (int i = 0; i < MAX_MAPS; i++) {
-        if (maps[i].p != NULL && maps[i].host0 == peer->host[0] && maps[i].pid == peer->pid &&
-            maps[i].gen == peer->gen) {
-            *p_p = maps[i].p;
-            pthread_mutex_unlock(&ipc_mu);
-            return WEFT_OK;
-        }
-        if (maps[i].p == NULL) {
-            if (slot < 0) {
-                slot = i;
+        if (maps[i].p != NULL && maps[i].nonce == peer->nonce && maps[i].slot == peer->slot) {
+            if (maps[i].gen == peer->gen) {
+                *p_p = maps[i].p;
+                pthread_mutex_unlock(&ipc_mu);
+                return WEFT_OK;
             }
-        } else if (maps[oldest].p == NULL || maps[i].gen < maps[oldest].gen) {
-            oldest = i;
+            (void)cudaIpcCloseMemHandle(maps[i].p); /* the peer grew its buffer */
+            maps[i].p = NULL;
+        }
+        if (maps[i].p == NULL && slot < 0) {
+            slot = i;
         }
     }
     if (slot < 0) {
-        (void)cudaIpcCloseMemHandle(maps[oldest].p);
-        maps[oldest].p = NULL;
-        slot = oldest;
+        pthread_mutex_unlock(&ipc_mu);
+        return weft__set_error(WEFT_ERR_UNSUPPORTED, "cuda: %d peer buffers are mapped already",
+                               MAX_MAPS);
     }
     void *p = NULL;
     WEFT_CUDA_CHECK_GOTO(cudaIpcOpenMemHandle(&p, peer->handle, cudaIpcMemLazyEnablePeerAccess), st,
                          out);
-    maps[slot].host0 = peer->host[0];
-    maps[slot].pid = peer->pid;
+    maps[slot].nonce = peer->nonce;
+    maps[slot].slot = peer->slot;
     maps[slot].gen = peer->gen;
     maps[slot].p = p;
     atomic_fetch_add(&n_ipc_maps, 1);
@@ -470,9 +519,24 @@ static void share(size_t n, size_t esize, int size, int r, size_t *lo_p, size_t 
     *len_p = n - lo < per ? n - lo : per;
 }
 
+/* Whether every member can take the IPC path for the same operation. */
+static bool all_alike(const ipc_desc_t *all, int size, const ipc_desc_t *mine)
+{
+    for (int r = 0; r < size; r++) {
+        const ipc_desc_t *d = &all[r];
+        if (!d->ok || d->host[0] != mine->host[0] || d->host[1] != mine->host[1] ||
+            d->bytes != mine->bytes || d->dtype != mine->dtype || d->rop != mine->rop ||
+            d->root != mine->root || d->bcast != mine->bcast || d->cap < d->bytes) {
+            return false;
+        }
+    }
+    return true;
+}
+
 /*
  * The IPC operation, when every member can take part: *done_p false when it could not (nothing
- * written; every member then takes the staged path, they all saw the same).
+ * written; every member then takes the staged path, they all saw the same). Blocks the caller
+ * through four host collectives; one at a time per group and device in this process.
  */
 static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool bcast, int root,
                              weft_reduce_op_t rop, bool *done_p)
@@ -482,39 +546,53 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
     size_t n = nbytes / esize;
     weft_status_t st = WEFT_OK;
     ipc_desc_t mine, *all = NULL;
-    void *bufs[WEFT_CUDA_MAX_SOURCES], *mybuf = NULL;
+    void *bufs[WEFT_CUDA_MAX_SOURCES];
 
     *done_p = false;
+    pthread_once(&nonce_once, nonce_init);
     memset(&mine, 0, sizeof(mine));
     host_key(mine.host);
-    mine.pid = (int32_t)getpid();
-    mine.ok = 0;
+    mine.nonce = ipc_nonce;
+    mine.slot = -1;
+    mine.bytes = nbytes;
+    mine.dtype = (int32_t)weft_tensor_dtype(t);
+    mine.rop = bcast ? -1 : (int32_t)rop;
+    mine.root = bcast ? root : -1;
+    mine.bcast = bcast ? 1 : 0;
+    int slot = -1;
     if (weft__cfg_bool(WEFT__CFG_CUDA_IPC) && weft_cuda__use(device) == WEFT_OK &&
-        own_buffer(pg, device, nbytes, &mine, &mybuf) == WEFT_OK) {
-        mine.ok = 1;
+        (slot = own_slot(pg, device)) >= 0) {
+        if (own_grow(slot, nbytes, &mine) == WEFT_OK) {
+            mine.ok = 1;
+        } else {
+            WEFT_INFO("cuda: IPC buffer: %s; staging instead", weft_last_error());
+        }
     }
     all = weft_calloc((size_t)size, sizeof(*all));
     if (all == NULL) {
-        return weft__set_error(WEFT_ERR_NO_MEMORY, "cuda: no memory");
+        st = weft__set_error(WEFT_ERR_NO_MEMORY, "cuda: no memory");
+        goto out;
     }
     WEFT_CHECK_GOTO(host_all_gather(pg, &mine, all, sizeof(mine)), st, out);
-    for (int r = 0; r < size; r++) {
-        if (!all[r].ok || all[r].host[0] != mine.host[0] || all[r].host[1] != mine.host[1]) {
-            goto out; /* every member sees the same: all take the staged path */
-        }
+    if (!all_alike(all, size, &mine)) {
+        goto out; /* every member sees the same: all take the staged path */
     }
     /* Map the others' buffers and copy this tensor into this rank's own; then agree. */
     int32_t ok = 1;
     for (int r = 0; r < size && ok; r++) {
         if (r == me) {
-            bufs[r] = mybuf;
+            bufs[r] = own[slot].buf;
         } else if (map_peer(&all[r], &bufs[r]) != WEFT_OK) {
             WEFT_INFO("cuda: IPC refused, staging instead: %s", weft_last_error());
             ok = 0;
         }
     }
     if (ok && (!bcast || me == root)) {
+        /* after the caller's work on the legacy stream; done before the others read it */
         cudaError_t e = cudaMemcpy(bufs[me], weft_tensor_data(t), nbytes, cudaMemcpyDeviceToDevice);
+        if (e == cudaSuccess) {
+            e = cudaStreamSynchronize(0);
+        }
         if (e != cudaSuccess) {
             WEFT_INFO("cuda: IPC copy failed, staging instead: %s", cudaGetErrorString(e));
             (void)cudaGetLastError();
@@ -525,6 +603,11 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
     if (!ok) {
         goto out;
     }
+    if (own[slot].retired != NULL) {
+        /* every member mapped this generation, closing the older one */
+        (void)cudaFree(own[slot].retired);
+        own[slot].retired = NULL;
+    }
     *done_p = true;
     atomic_fetch_add(&n_ipc_ops, 1);
     if (bcast) {
@@ -532,6 +615,7 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
             WEFT_CUDA_CHECK_GOTO(
                 cudaMemcpy(weft_tensor_data(t), bufs[root], nbytes, cudaMemcpyDeviceToDevice), st,
                 fail);
+            WEFT_CUDA_CHECK_GOTO(cudaStreamSynchronize(0), st, fail);
         }
     } else {
         weft_cuda__sources_t srcs;
@@ -562,8 +646,8 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
     goto out;
 
 fail:
-    /* A device failure half-way: the others are (or will be) at a barrier; this rank's own
-     * failing barrier tells them. */
+    /* A device failure half-way: the others are (or will be) at a barrier; this rank's
+     * all_reduce there does not match it, so every member fails the operation. */
     {
         char why[600];
         snprintf(why, sizeof(why), "%s", weft_last_error());
@@ -572,6 +656,9 @@ fail:
         st = weft__set_error(st, "%s", why);
     }
 out:
+    if (slot >= 0) {
+        pthread_mutex_unlock(&own[slot].op_mu);
+    }
     weft_free(all);
     return st;
 }

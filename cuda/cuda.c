@@ -10,10 +10,12 @@
 
 weft_status_t weft_cuda__fail(cudaError_t e, const char *what, const char *file, int line)
 {
-    weft_status_t st =
-        (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || e == cudaErrorInvalidDevice)
-            ? WEFT_ERR_NO_DEVICE
-            : WEFT_ERR_CUDA;
+    /* No device, no driver, a driver too old for this runtime, or the driver's stub library:
+     * nothing here can run on a GPU. */
+    weft_status_t st = (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver ||
+                        e == cudaErrorInvalidDevice || e == cudaErrorStubLibrary)
+                           ? WEFT_ERR_NO_DEVICE
+                           : WEFT_ERR_CUDA;
     const char *base = strrchr(file, '/');
     (void)cudaGetLastError(); /* a non-sticky error must not fail the next call */
     return weft__set_error(st, "cuda: %s: %s: %s (%s:%d)", what, cudaGetErrorName(e),
@@ -76,16 +78,12 @@ weft_status_t weft_cuda_init(void)
 
 /* ---- tensors --------------------------------------------------------------------------------- */
 
+/* Frees device memory (a tensor's release). The device is made current on the releasing
+ * thread: restoring another would create a context there (CUDA 12 and later). */
 static void device_release(void *data, void *arg)
 {
-    int device = (int)(intptr_t)arg;
-    int prev = -1;
-    (void)cudaGetDevice(&prev);
-    if (cudaSetDevice(device) == cudaSuccess) {
+    if (cudaSetDevice((int)(intptr_t)arg) == cudaSuccess) {
         (void)cudaFree(data);
-    }
-    if (prev >= 0 && prev != device) {
-        (void)cudaSetDevice(prev);
     }
 }
 
@@ -116,7 +114,9 @@ static weft_status_t device_tensor(weft_dtype_t dtype, int ndim, const int64_t *
     /* cudaMalloc(0) gives NULL; a tensor wants an address. */
     WEFT_CUDA_CHECK(cudaMalloc(&p, nbytes > 0 ? nbytes : 1));
     if (zero) {
+        /* asynchronous to the host: the tensor is ready when this returns */
         WEFT_CUDA_CHECK_GOTO(cudaMemset(p, 0, nbytes), st, err_free);
+        WEFT_CUDA_CHECK_GOTO(cudaStreamSynchronize(0), st, err_free);
     }
     weft_device_t dev = {WEFT_DEVICE_CUDA, device};
     WEFT_CHECK_GOTO(weft_tensor_wrap(dtype, ndim, shape, p, nbytes, dev, device_release,
@@ -180,7 +180,7 @@ static struct {
     size_t nbytes;
 } pinned_free[PINNED_KEEP];
 
-weft_status_t weft_cuda__pinned_get(size_t nbytes, void **p_p)
+weft_status_t weft_cuda__pinned_get(size_t nbytes, void **p_p, size_t *cap_p)
 {
     pthread_mutex_lock(&pinned_mu);
     int best = -1;
@@ -192,18 +192,21 @@ weft_status_t weft_cuda__pinned_get(size_t nbytes, void **p_p)
     }
     if (best >= 0) {
         *p_p = pinned_free[best].p;
+        *cap_p = pinned_free[best].nbytes;
         pinned_free[best].p = NULL;
         pthread_mutex_unlock(&pinned_mu);
         return WEFT_OK;
     }
     pthread_mutex_unlock(&pinned_mu);
     void *p = NULL;
-    WEFT_CUDA_CHECK(cudaHostAlloc(&p, nbytes > 0 ? nbytes : 1, cudaHostAllocPortable));
+    size_t cap = nbytes > 0 ? nbytes : 1;
+    WEFT_CUDA_CHECK(cudaHostAlloc(&p, cap, cudaHostAllocPortable));
     *p_p = p;
+    *cap_p = cap;
     return WEFT_OK;
 }
 
-void weft_cuda__pinned_put(void *p, size_t nbytes)
+void weft_cuda__pinned_put(void *p, size_t cap)
 {
     void *drop = p;
     pthread_mutex_lock(&pinned_mu);
@@ -217,10 +220,10 @@ void weft_cuda__pinned_put(void *p, size_t nbytes)
             slot = i; /* the smallest kept one makes room for a larger one */
         }
     }
-    if (pinned_free[slot].p == NULL || pinned_free[slot].nbytes < nbytes) {
+    if (pinned_free[slot].p == NULL || pinned_free[slot].nbytes < cap) {
         drop = pinned_free[slot].p;
         pinned_free[slot].p = p;
-        pinned_free[slot].nbytes = nbytes;
+        pinned_free[slot].nbytes = cap;
     }
     pthread_mutex_unlock(&pinned_mu);
     if (drop != NULL) {
@@ -263,6 +266,9 @@ weft_status_t weft_cuda_copy(weft_tensor_t *dst, const weft_tensor_t *src)
     /* Unified addressing: the runtime tells the direction from the pointers. */
     WEFT_CUDA_CHECK(
         cudaMemcpy(weft_tensor_data(dst), weft_tensor_data(src), nbytes, cudaMemcpyDefault));
+    /* A copy from pageable memory returns once the bytes are staged, a device-to-device one at
+     * once: the copy is done only after this. */
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(0));
     return WEFT_OK;
 }
 

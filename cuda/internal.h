@@ -79,14 +79,17 @@ weft_status_t weft_cuda__fail(cudaError_t e, const char *what, const char *file,
         }                                                                                          \
     } while (0)
 
-/* Makes @p device current on this thread (after checking the index). */
+/* Makes @p device current on this thread (after checking the index). weft's CUDA functions
+ * leave their tensor's device current on the calling thread, as cudaSetDevice does: restoring
+ * the previous one would create a context on it. */
 weft_status_t weft_cuda__use(int device);
 /* The device of a CUDA tensor, checked: WEFT_ERR_INVALID_ARG for a CPU tensor. */
 weft_status_t weft_cuda__device_of(const weft_tensor_t *t, const char *what, int *device_p);
 
-/* Pinned host buffers, kept for reuse (the staged collectives take one per operation). */
-weft_status_t weft_cuda__pinned_get(size_t nbytes, void **p_p);
-void weft_cuda__pinned_put(void *p, size_t nbytes);
+/* Pinned host buffers, kept for reuse (the staged collectives take one per operation): at
+ * least @p nbytes, *cap_p its real size, given back with it. */
+weft_status_t weft_cuda__pinned_get(size_t nbytes, void **p_p, size_t *cap_p);
+void weft_cuda__pinned_put(void *p, size_t cap);
 
 /* coll.c: the device collectives' entry, registered by weft_cuda_init. */
 extern const weft_coll_device_ops_t weft_cuda__coll_ops;
