@@ -265,10 +265,19 @@ size_t weft_pg_describe(const weft_pg_t *pg, char *buf, size_t n)
     return len;
 }
 
+/* The device collectives by device type (index WEFT_DEVICE_CPU unused). */
+static _Atomic(const weft_coll_device_ops_t *) device_ops[WEFT_DEVICE_CUDA + 1];
+
 void weft_pg_free(weft_pg_t *pg)
 {
     if (pg == NULL) {
         return;
+    }
+    for (int type = WEFT_DEVICE_CPU + 1; type <= WEFT_DEVICE_CUDA; type++) {
+        const weft_coll_device_ops_t *dev = atomic_load(&device_ops[type]);
+        if (dev != NULL && dev->group_freed != NULL) {
+            dev->group_freed(pg);
+        }
     }
     coll_group_t *g = pg->g;
     coll_ctx_t *ctx = g->ctx;
@@ -575,8 +584,6 @@ weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p)
     return submit(pg, OP_BARRIER, NULL, 0, WEFT_SUM, work_p);
 }
 
-/* The device collectives by device type (index WEFT_DEVICE_CPU unused). */
-static _Atomic(const weft_coll_device_ops_t *) device_ops[WEFT_DEVICE_CUDA + 1];
 
 weft_status_t weft_coll_device_register(weft_device_type_t type, const weft_coll_device_ops_t *ops)
 {

@@ -57,7 +57,7 @@ struct staged {
     int device;
     bool copy_in, copy_out; /* device-to-host before, host-to-device after */
     unsigned char *host;
-    size_t nbytes, host_cap;
+    size_t nbytes, host_cap, chunk;
     cudaStream_t d2h, h2d;
     chunk_t *chunks;
     size_t nchunks;
@@ -187,8 +187,7 @@ static void chunk_done_cb(weft_future_t *f, void *arg)
 static weft_status_t staged_prepare(staged_t *s)
 {
     size_t esize = weft_dtype_size(weft_tensor_dtype(s->t));
-    size_t chunk = (size_t)weft__cfg_int(WEFT__CFG_CUDA_CHUNK_KB) * 1024;
-    chunk -= chunk % esize;
+    size_t chunk = s->chunk - s->chunk % esize; /* the members' smallest, alike everywhere */
     s->nbytes = weft_tensor_nbytes(s->t);
     s->nchunks = s->nbytes == 0 ? 1 : (s->nbytes + chunk - 1) / chunk;
     /* The chunks first: whatever fails after, every chunk still takes its place in the group. */
@@ -204,10 +203,21 @@ static weft_status_t staged_prepare(staged_t *s)
     }
     WEFT_CHECK(weft_cuda__use(s->device));
     WEFT_CHECK(weft_cuda__pinned_get(s->nbytes, (void **)&s->host, &s->host_cap));
-    /* Blocking streams: their copies come after the caller's work on the legacy default
-     * stream (a kernel that wrote the gradients), and that work after them. */
-    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->d2h, cudaStreamDefault));
-    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->h2d, cudaStreamDefault));
+    /* The copies down come after the caller's work queued on the legacy default stream (a
+     * kernel that wrote the gradients); nothing waits for its later work (the caller waits for
+     * the operation). */
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->d2h, cudaStreamNonBlocking));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->h2d, cudaStreamNonBlocking));
+    if (s->copy_in) {
+        cudaEvent_t before;
+        WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&before, cudaEventDisableTiming));
+        cudaError_t e = cudaEventRecord(before, 0);
+        if (e == cudaSuccess) {
+            e = cudaStreamWaitEvent(s->d2h, before, 0);
+        }
+        (void)cudaEventDestroy(before); /* released once the wait is over */
+        WEFT_CUDA_CHECK(e);
+    }
     const unsigned char *dev = weft_tensor_data(s->t);
     for (size_t i = 0; i < s->nchunks; i++) {
         chunk_t *c = &s->chunks[i];
@@ -230,7 +240,7 @@ static weft_status_t staged_prepare(staged_t *s)
  * thread (the copies still overlap them); else asynchronously, the caller's future completing
  * after the last chunk's copy back. */
 static weft_status_t staged_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool bcast, int root,
-                                weft_reduce_op_t rop, weft_future_t **work_p)
+                                weft_reduce_op_t rop, size_t chunk, weft_future_t **work_p)
 {
     staged_t *s = weft_calloc(1, sizeof(*s));
     weft_status_t st;
@@ -240,6 +250,7 @@ static weft_status_t staged_run(weft_pg_t *pg, weft_tensor_t *t, int device, boo
     pthread_mutex_init(&s->mu, NULL);
     s->t = weft_tensor_retain(t);
     s->device = device;
+    s->chunk = chunk;
     s->copy_in = !bcast || weft_pg_rank(pg) == root;
     s->copy_out = !bcast || weft_pg_rank(pg) != root;
     WEFT_CHECK_GOTO(weft_future_create(&s->f), st, err_free);
@@ -312,6 +323,7 @@ typedef struct {
      * host collectives report the mismatch) */
     uint64_t bytes;
     int32_t dtype, rop, root, bcast;
+    uint64_t chunk; /* its WEFT_CUDA_CHUNK_KB in bytes: the staged path takes the smallest */
     cudaIpcMemHandle_t handle;
 } ipc_desc_t;
 
@@ -324,23 +336,28 @@ static pthread_mutex_t ipc_mu = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic uint64_t ipc_gen;
 static uint64_t ipc_nonce;
 static pthread_once_t nonce_once = PTHREAD_ONCE_INIT;
+#define MAX_RETIRED 4
 typedef struct {
-    const weft_pg_t *pg;
+    const weft_pg_t *pg; /* the handle (NULL: the slot is free) */
     int device;
-    bool used;
+    bool inited;
     pthread_mutex_t op_mu; /* held through an operation: one at a time per group and device */
-    void *buf, *retired;
+    void *buf;
+    void *retired[MAX_RETIRED]; /* older generations, freed once every member mapped buf */
+    int nretired;
     size_t cap;
     uint64_t gen;
     cudaIpcMemHandle_t handle;
 } own_t;
 static own_t own[MAX_OWN];
 
-/* Peers' buffers mapped here, by (nonce, slot): a new generation closes the old mapping. */
+/* Peers' buffers mapped here, by (nonce, slot, local device): a new generation closes the old
+ * mapping. */
 #define MAX_MAPS 256
 static struct {
     uint64_t nonce;
     int32_t slot;
+    int device;
     uint64_t gen;
     void *p;
 } maps[MAX_MAPS];
@@ -382,31 +399,72 @@ static void nonce_init(void)
     ipc_nonce = n ^ ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ (uint64_t)ts.tv_sec;
 }
 
-/* The slot of (@p pg, @p device), its op_mu locked: -1 when the table is full. */
+/* The slot of (@p pg, @p device), its op_mu locked: -1 when the table is full or another
+ * thread is in an operation of that group (the members then all stage: never wait here, a
+ * callback on the group's worker may be the caller). */
 static int own_slot(const weft_pg_t *pg, int device)
 {
     int slot = -1;
     pthread_mutex_lock(&ipc_mu);
     for (int i = 0; i < MAX_OWN; i++) {
-        if (own[i].used && own[i].pg == pg && own[i].device == device) {
+        if (own[i].pg == pg && own[i].device == device) {
             slot = i;
             break;
         }
     }
     for (int i = 0; i < MAX_OWN && slot < 0; i++) {
-        if (!own[i].used) {
+        if (own[i].pg == NULL) {
             slot = i;
-            own[i].used = true;
             own[i].pg = pg;
             own[i].device = device;
-            pthread_mutex_init(&own[i].op_mu, NULL);
+            if (!own[i].inited) {
+                pthread_mutex_init(&own[i].op_mu, NULL);
+                own[i].inited = true;
+            }
         }
     }
     pthread_mutex_unlock(&ipc_mu);
-    if (slot >= 0) {
-        pthread_mutex_lock(&own[slot].op_mu);
+    if (slot >= 0 && pthread_mutex_trylock(&own[slot].op_mu) != 0) {
+        slot = -1;
     }
     return slot;
+}
+
+/* Buffers of freed groups: other members may still map them (their mapping closes only when
+ * they see a newer generation of that slot), so they are never freed: kept to the end of the
+ * process, as few as groups that ran IPC operations. */
+#define MAX_GRAVE 256
+static void *grave[MAX_GRAVE];
+static int ngrave;
+
+static void bury(void *p)
+{
+    if (p != NULL && ngrave < MAX_GRAVE) {
+        grave[ngrave++] = p;
+    }
+    /* past that many, the memory is only forgotten: never freed under a mapping */
+}
+
+/* weft_coll_device_ops_t.group_freed: the handle's slots are given up (their buffers kept). */
+static void ipc_group_freed(weft_pg_t *pg)
+{
+    pthread_mutex_lock(&ipc_mu);
+    for (int i = 0; i < MAX_OWN; i++) {
+        if (own[i].pg == pg) {
+            /* no operation of the handle runs (freeing a group while one does is the caller's
+             * error, as for every collective): op_mu is not taken here (it comes before ipc_mu) */
+            bury(own[i].buf);
+            for (int k = 0; k < own[i].nretired; k++) {
+                bury(own[i].retired[k]);
+            }
+            own[i].buf = NULL;
+            own[i].nretired = 0;
+            own[i].cap = 0;
+            own[i].gen = 0;
+            own[i].pg = NULL;
+        }
+    }
+    pthread_mutex_unlock(&ipc_mu);
 }
 
 /* Makes the slot's buffer at least @p bytes (the device current); fills @p d. */
@@ -423,11 +481,16 @@ static weft_status_t own_grow(int slot, size_t bytes, ipc_desc_t *d)
             (void)cudaFree(p);
             return weft_cuda__fail(e, "cudaIpcGetMemHandle", __FILE__, __LINE__);
         }
-        if (o->retired != NULL) {
-            /* grown twice with no operation in between that every member mapped */
-            (void)cudaFree(o->retired);
+        if (o->buf != NULL && o->nretired == MAX_RETIRED) {
+            /* grown that often with no operation in between that every member mapped */
+            (void)cudaFree(p);
+            return weft__set_error(WEFT_ERR_UNSUPPORTED,
+                                   "cuda: %d retired IPC buffers wait for the members",
+                                   MAX_RETIRED);
         }
-        o->retired = o->buf;
+        if (o->buf != NULL) {
+            o->retired[o->nretired++] = o->buf;
+        }
         o->buf = p;
         o->cap = cap;
         o->gen = atomic_fetch_add(&ipc_gen, 1) + 1;
@@ -442,13 +505,14 @@ static weft_status_t own_grow(int slot, size_t bytes, ipc_desc_t *d)
 
 /* The address of @p peer's buffer in this process (mapped once per generation; the older
  * generation's mapping closed first). */
-static weft_status_t map_peer(const ipc_desc_t *peer, void **p_p)
+static weft_status_t map_peer(const ipc_desc_t *peer, int device, void **p_p)
 {
     weft_status_t st = WEFT_OK;
     int slot = -1;
     pthread_mutex_lock(&ipc_mu);
     for (int i = 0; i < MAX_MAPS; i++) {
-        if (maps[i].p != NULL && maps[i].nonce == peer->nonce && maps[i].slot == peer->slot) {
+        if (maps[i].p != NULL && maps[i].nonce == peer->nonce && maps[i].slot == peer->slot &&
+            maps[i].device == device) {
             if (maps[i].gen == peer->gen) {
                 *p_p = maps[i].p;
                 pthread_mutex_unlock(&ipc_mu);
@@ -471,6 +535,7 @@ static weft_status_t map_peer(const ipc_desc_t *peer, void **p_p)
                          out);
     maps[slot].nonce = peer->nonce;
     maps[slot].slot = peer->slot;
+    maps[slot].device = device;
     maps[slot].gen = peer->gen;
     maps[slot].p = p;
     atomic_fetch_add(&n_ipc_maps, 1);
@@ -519,14 +584,25 @@ static void share(size_t n, size_t esize, int size, int r, size_t *lo_p, size_t 
     *len_p = n - lo < per ? n - lo : per;
 }
 
-/* Whether every member can take the IPC path for the same operation. */
-static bool all_alike(const ipc_desc_t *all, int size, const ipc_desc_t *mine)
+/* The first member whose view of the operation differs from group rank 0's (-1: none). */
+static int first_unlike(const ipc_desc_t *all, int size)
+{
+    for (int r = 1; r < size; r++) {
+        if (all[r].bytes != all[0].bytes || all[r].dtype != all[0].dtype ||
+            all[r].rop != all[0].rop || all[r].root != all[0].root ||
+            all[r].bcast != all[0].bcast) {
+            return r;
+        }
+    }
+    return -1;
+}
+
+/* Whether every member can take the IPC path (the same host, buffers made). */
+static bool all_ipc(const ipc_desc_t *all, int size)
 {
     for (int r = 0; r < size; r++) {
-        const ipc_desc_t *d = &all[r];
-        if (!d->ok || d->host[0] != mine->host[0] || d->host[1] != mine->host[1] ||
-            d->bytes != mine->bytes || d->dtype != mine->dtype || d->rop != mine->rop ||
-            d->root != mine->root || d->bcast != mine->bcast || d->cap < d->bytes) {
+        if (!all[r].ok || all[r].host[0] != all[0].host[0] || all[r].host[1] != all[0].host[1] ||
+            all[r].cap < all[r].bytes) {
             return false;
         }
     }
@@ -534,12 +610,15 @@ static bool all_alike(const ipc_desc_t *all, int size, const ipc_desc_t *mine)
 }
 
 /*
- * The IPC operation, when every member can take part: *done_p false when it could not (nothing
- * written; every member then takes the staged path, they all saw the same). Blocks the caller
- * through four host collectives; one at a time per group and device in this process.
+ * Every device operation starts here: the members show each other their view of it (one small
+ * all_gather on the host). Members that see different operations fail it alike
+ * (WEFT_ERR_MISMATCH, nothing issued after). When every member is on this host with a buffer
+ * for it, the operation runs through CUDA IPC here (*done_p); else (*done_p false, WEFT_OK)
+ * every member stages it in chunks of *chunk_p bytes. Blocks the caller through four host
+ * collectives on the IPC path.
  */
 static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool bcast, int root,
-                             weft_reduce_op_t rop, bool *done_p)
+                             weft_reduce_op_t rop, bool *done_p, size_t *chunk_p)
 {
     int size = weft_pg_size(pg), me = weft_pg_rank(pg);
     size_t nbytes = weft_tensor_nbytes(t), esize = weft_dtype_size(weft_tensor_dtype(t));
@@ -559,9 +638,11 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
     mine.rop = bcast ? -1 : (int32_t)rop;
     mine.root = bcast ? root : -1;
     mine.bcast = bcast ? 1 : 0;
+    mine.chunk = (uint64_t)weft__cfg_int(WEFT__CFG_CUDA_CHUNK_KB) * 1024;
     int slot = -1;
-    if (weft__cfg_bool(WEFT__CFG_CUDA_IPC) && weft_cuda__use(device) == WEFT_OK &&
-        (slot = own_slot(pg, device)) >= 0) {
+    if (weft__cfg_bool(WEFT__CFG_CUDA_IPC) && size <= WEFT_CUDA_MAX_SOURCES && nbytes > 0 &&
+        nbytes >= (size_t)weft__cfg_int(WEFT__CFG_CUDA_IPC_MIN_KB) * 1024 &&
+        weft_cuda__use(device) == WEFT_OK && (slot = own_slot(pg, device)) >= 0) {
         if (own_grow(slot, nbytes, &mine) == WEFT_OK) {
             mine.ok = 1;
         } else {
@@ -574,7 +655,24 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
         goto out;
     }
     WEFT_CHECK_GOTO(host_all_gather(pg, &mine, all, sizeof(mine)), st, out);
-    if (!all_alike(all, size, &mine)) {
+    int unlike = first_unlike(all, size);
+    if (unlike >= 0) {
+        st = weft__set_error(
+            WEFT_ERR_MISMATCH,
+            "%s: group ranks 0 and %d called different operations on device "
+            "tensors (%s of %llu bytes of dtype %d, op %d, root %d; %s of %llu "
+            "bytes of dtype %d, op %d, root %d)",
+            bcast ? "broadcast" : "all_reduce", unlike, all[0].bcast ? "broadcast" : "all_reduce",
+            (unsigned long long)all[0].bytes, all[0].dtype, all[0].rop, all[0].root,
+            all[unlike].bcast ? "broadcast" : "all_reduce", (unsigned long long)all[unlike].bytes,
+            all[unlike].dtype, all[unlike].rop, all[unlike].root);
+        goto out;
+    }
+    *chunk_p = (size_t)all[0].chunk;
+    for (int r = 1; r < size; r++) {
+        *chunk_p = (size_t)all[r].chunk < *chunk_p ? (size_t)all[r].chunk : *chunk_p;
+    }
+    if (!all_ipc(all, size)) {
         goto out; /* every member sees the same: all take the staged path */
     }
     /* Map the others' buffers and copy this tensor into this rank's own; then agree. */
@@ -582,7 +680,7 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
     for (int r = 0; r < size && ok; r++) {
         if (r == me) {
             bufs[r] = own[slot].buf;
-        } else if (map_peer(&all[r], &bufs[r]) != WEFT_OK) {
+        } else if (map_peer(&all[r], device, &bufs[r]) != WEFT_OK) {
             WEFT_INFO("cuda: IPC refused, staging instead: %s", weft_last_error());
             ok = 0;
         }
@@ -603,11 +701,11 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
     if (!ok) {
         goto out;
     }
-    if (own[slot].retired != NULL) {
-        /* every member mapped this generation, closing the older one */
-        (void)cudaFree(own[slot].retired);
-        own[slot].retired = NULL;
+    for (int k = 0; k < own[slot].nretired; k++) {
+        /* every member mapped this generation, closing the older ones */
+        (void)cudaFree(own[slot].retired[k]);
     }
+    own[slot].nretired = 0;
     *done_p = true;
     atomic_fetch_add(&n_ipc_ops, 1);
     if (bcast) {
@@ -665,6 +763,20 @@ out:
 
 /* ---- the entry ------------------------------------------------------------------------------- */
 
+static weft_status_t completed(weft_status_t st, weft_future_t **work_p)
+{
+    if (work_p == NULL) {
+        return st;
+    }
+    weft_future_t *f;
+    char why[WEFT__ERROR_MAX];
+    snprintf(why, sizeof(why), "%s", st == WEFT_OK ? "" : weft_last_error());
+    WEFT_CHECK(weft_future_create(&f));
+    weft_future_complete(f, st, st == WEFT_OK ? NULL : why, NULL);
+    *work_p = f;
+    return WEFT_OK;
+}
+
 static weft_status_t run(weft_pg_t *pg, weft_tensor_t *t, bool bcast, int root,
                          weft_reduce_op_t rop, weft_future_t **work_p)
 {
@@ -672,6 +784,10 @@ static weft_status_t run(weft_pg_t *pg, weft_tensor_t *t, bool bcast, int root,
     int device;
     weft_status_t st;
     WEFT_CHECK(weft_cuda__device_of(t, what, &device));
+    if (weft_pg_rank(pg) < 0) {
+        return weft__set_error(WEFT_ERR_INVALID_STATE, "%s: this rank is not a member of the group",
+                               what);
+    }
     if (!bcast) {
         st = weft_reduce_check(rop, weft_tensor_dtype(t));
         if (st != WEFT_OK) {
@@ -681,23 +797,16 @@ static weft_status_t run(weft_pg_t *pg, weft_tensor_t *t, bool bcast, int root,
         return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: root %d is not in the group of %d", what,
                                root, weft_pg_size(pg));
     }
-    size_t nbytes = weft_tensor_nbytes(t);
-    if (weft_pg_size(pg) > 1 && weft_pg_size(pg) <= WEFT_CUDA_MAX_SOURCES &&
-        nbytes >= (size_t)weft__cfg_int(WEFT__CFG_CUDA_IPC_MIN_KB) * 1024 && nbytes > 0) {
-        bool done;
-        st = ipc_run(pg, t, device, bcast, root, rop, &done);
-        if (st != WEFT_OK || done) {
-            if (work_p != NULL) {
-                weft_future_t *f;
-                WEFT_CHECK(weft_future_create(&f));
-                weft_future_complete(f, st, st == WEFT_OK ? NULL : weft_last_error(), NULL);
-                *work_p = f;
-                return WEFT_OK;
-            }
-            return st;
-        }
+    if (weft_pg_size(pg) == 1) {
+        return completed(WEFT_OK, work_p); /* one member: the tensor is the result */
     }
-    return staged_run(pg, t, device, bcast, root, rop, work_p);
+    bool done = false;
+    size_t chunk = 0;
+    st = ipc_run(pg, t, device, bcast, root, rop, &done, &chunk);
+    if (st != WEFT_OK || done) {
+        return completed(st, work_p);
+    }
+    return staged_run(pg, t, device, bcast, root, rop, chunk, work_p);
 }
 
 static weft_status_t device_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
@@ -716,4 +825,5 @@ const weft_coll_device_ops_t weft_cuda__coll_ops = {
     .name = "cuda",
     .all_reduce = device_all_reduce,
     .broadcast = device_broadcast,
+    .group_freed = ipc_group_freed,
 };

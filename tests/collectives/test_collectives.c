@@ -1755,7 +1755,7 @@ Test(collectives, staged_operations_wait_for_their_ready_hook, .timeout = 120)
  * CPU collective on the host memory behind them, counting its calls); CPU tensors never reach
  * it; other operations keep the rules without an entry; removed, reductions of such tensors are
  * refused again. Registration refuses the CPU and incomplete entries. */
-static _Atomic int entry_all_reduce, entry_broadcast;
+static _Atomic int entry_all_reduce, entry_broadcast, entry_freed;
 
 static weft_tensor_t *as_cpu(weft_tensor_t *t)
 {
@@ -1785,13 +1785,19 @@ static weft_status_t entry_bc(weft_pg_t *pg, weft_tensor_t *t, int root, weft_fu
     return st;
 }
 
+static void entry_gone(weft_pg_t *pg)
+{
+    (void)pg;
+    atomic_fetch_add(&entry_freed, 1);
+}
+
 static int body_device_entry(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)arg;
     weft_pg_t *pg;
     RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
-    static const weft_coll_device_ops_t entry = {"fake", entry_ar, entry_bc};
-    static const weft_coll_device_ops_t nameless = {NULL, entry_ar, entry_bc};
+    static const weft_coll_device_ops_t entry = {"fake", entry_ar, entry_bc, entry_gone};
+    static const weft_coll_device_ops_t nameless = {NULL, entry_ar, entry_bc, NULL};
     RANK_CHECK(weft_coll_device_register(WEFT_DEVICE_CPU, &entry) == WEFT_ERR_INVALID_ARG,
                "the CPU");
     RANK_CHECK(weft_coll_device_register(WEFT_DEVICE_CUDA, &nameless) == WEFT_ERR_INVALID_ARG,
@@ -1834,6 +1840,12 @@ static int body_device_entry(weft_agent_t *a, int rank, int world, void *arg)
     st = weft_coll_reduce(pg, t2, 0, WEFT_SUM, NULL);
     RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "reduce of device tensors without reduce ops: %s",
                weft_status_name(st));
+    /* a handle being freed is told to the entry */
+    weft_pg_t *second = NULL;
+    RANK_CHECK(weft_pg_world(a, &second) == WEFT_OK, "second handle");
+    weft_pg_free(second);
+    RANK_CHECK(atomic_load(&entry_freed) == 1, "group_freed ran %d times",
+               atomic_load(&entry_freed));
     /* removed: the reductions are refused again */
     RANK_CHECK(weft_coll_device_register(WEFT_DEVICE_CUDA, NULL) == WEFT_OK, "unregister");
     st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
