@@ -268,16 +268,22 @@ size_t weft_pg_describe(const weft_pg_t *pg, char *buf, size_t n)
 /* The device collectives by device type (index WEFT_DEVICE_CPU unused). */
 static _Atomic(const weft_coll_device_ops_t *) device_ops[WEFT_DEVICE_CUDA + 1];
 
-void weft_pg_free(weft_pg_t *pg)
+/* The device entries drop what they keep for @p pg: once nothing can issue on it any more
+ * (its worker joined, or other handles of the world keep the group). */
+static void tell_freed(weft_pg_t *pg)
 {
-    if (pg == NULL) {
-        return;
-    }
     for (int type = WEFT_DEVICE_CPU + 1; type <= WEFT_DEVICE_CUDA; type++) {
         const weft_coll_device_ops_t *dev = atomic_load(&device_ops[type]);
         if (dev != NULL && dev->group_freed != NULL) {
             dev->group_freed(pg);
         }
+    }
+}
+
+void weft_pg_free(weft_pg_t *pg)
+{
+    if (pg == NULL) {
+        return;
     }
     coll_group_t *g = pg->g;
     coll_ctx_t *ctx = g->ctx;
@@ -285,6 +291,7 @@ void weft_pg_free(weft_pg_t *pg)
     if (ctx->world == g) {
         if (--ctx->world_refs > 0) {
             pthread_mutex_unlock(&ctx->mu);
+            tell_freed(pg);
             weft_free(pg); /* other handles still use the world */
             return;
         }
@@ -312,6 +319,7 @@ void weft_pg_free(weft_pg_t *pg)
     weft_free(g->cma_small_fin);
     weft_free(g->world);
     weft_free(g);
+    tell_freed(pg);
     weft_free(pg);
 }
 

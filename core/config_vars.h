@@ -83,8 +83,9 @@
       "allow collectives (all_reduce, broadcast, all_gather, reduce_scatter, all_to_all) by "        \
       "cross-memory reads between ranks of one host (0 on any rank: never)")  \
     /* cuda (the cuda feature) */                                                                  \
-    X(CUDA_CHUNK_KB, "WEFT_CUDA_CHUNK_KB", INT, "4096", 64, 1048576, "", "", "cuda",                \
-      "KiB per chunk when a collective of device tensors stages them through pinned host memory") \
+    X(CUDA_CHUNKS, "WEFT_CUDA_CHUNKS", INT, "8", 1, 64, "", "", "cuda",                            \
+      "chunks a device tensor of 1 MiB or more is cut into when a collective stages it through "   \
+      "pinned host memory (set it alike on every rank)")                                           \
     X(CUDA_IPC, "WEFT_CUDA_IPC", BOOL, "1", 0, 0, "", "", "cuda",                                  \
       "ranks of one host exchange device memory by CUDA IPC in all_reduce and broadcast "          \
       "(set it alike on every rank)")                                                              \

@@ -57,7 +57,8 @@ struct staged {
     int device;
     bool copy_in, copy_out; /* device-to-host before, host-to-device after */
     unsigned char *host;
-    size_t nbytes, host_cap, chunk;
+    size_t nbytes, host_cap;
+    int parts; /* chunks of a tensor of WEFT_CUDA_SPLIT_MIN bytes or more */
     cudaStream_t d2h, h2d;
     chunk_t *chunks;
     size_t nchunks;
@@ -187,9 +188,16 @@ static void chunk_done_cb(weft_future_t *f, void *arg)
 static weft_status_t staged_prepare(staged_t *s)
 {
     size_t esize = weft_dtype_size(weft_tensor_dtype(s->t));
-    size_t chunk = s->chunk - s->chunk % esize; /* the members' smallest, alike everywhere */
     s->nbytes = weft_tensor_nbytes(s->t);
-    s->nchunks = s->nbytes == 0 ? 1 : (s->nbytes + chunk - 1) / chunk;
+    /* A fixed number of chunks whatever the size: members that called with different sizes
+     * (both under WEFT_CUDA_SPLIT_MIN, or both over it) fail every chunk alike with MISMATCH
+     * and stay in step. */
+    size_t elems = s->nbytes / esize;
+    s->nchunks = s->nbytes >= WEFT_CUDA_SPLIT_MIN ? (size_t)s->parts : 1;
+    size_t align = 16 / esize;
+    size_t per = (elems + s->nchunks - 1) / s->nchunks;
+    per = (per + align - 1) / align * align;
+    size_t chunk = per * esize;
     /* The chunks first: whatever fails after, every chunk still takes its place in the group. */
     s->chunks = weft_calloc(s->nchunks, sizeof(*s->chunks));
     if (s->chunks == NULL) {
@@ -198,8 +206,8 @@ static weft_status_t staged_prepare(staged_t *s)
     for (size_t i = 0; i < s->nchunks; i++) {
         chunk_t *c = &s->chunks[i];
         c->s = s;
-        c->off = i * chunk;
-        c->len = s->nbytes - c->off < chunk ? s->nbytes - c->off : chunk;
+        c->off = i * chunk < s->nbytes ? i * chunk : s->nbytes;
+        c->len = s->nbytes - c->off < chunk ? s->nbytes - c->off : chunk; /* may be 0 */
     }
     WEFT_CHECK(weft_cuda__use(s->device));
     WEFT_CHECK(weft_cuda__pinned_get(s->nbytes, (void **)&s->host, &s->host_cap));
@@ -208,14 +216,19 @@ static weft_status_t staged_prepare(staged_t *s)
      * the operation). */
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->d2h, cudaStreamNonBlocking));
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->h2d, cudaStreamNonBlocking));
-    if (s->copy_in) {
+    {
+        /* both ways: a broadcast's members write the tensor only after the caller's earlier
+         * work on it */
         cudaEvent_t before;
         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&before, cudaEventDisableTiming));
         cudaError_t e = cudaEventRecord(before, 0);
         if (e == cudaSuccess) {
             e = cudaStreamWaitEvent(s->d2h, before, 0);
         }
-        (void)cudaEventDestroy(before); /* released once the wait is over */
+        if (e == cudaSuccess) {
+            e = cudaStreamWaitEvent(s->h2d, before, 0);
+        }
+        (void)cudaEventDestroy(before); /* released once the waits are over */
         WEFT_CUDA_CHECK(e);
     }
     const unsigned char *dev = weft_tensor_data(s->t);
@@ -240,7 +253,7 @@ static weft_status_t staged_prepare(staged_t *s)
  * thread (the copies still overlap them); else asynchronously, the caller's future completing
  * after the last chunk's copy back. */
 static weft_status_t staged_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool bcast, int root,
-                                weft_reduce_op_t rop, size_t chunk, weft_future_t **work_p)
+                                weft_reduce_op_t rop, int parts, weft_future_t **work_p)
 {
     staged_t *s = weft_calloc(1, sizeof(*s));
     weft_status_t st;
@@ -250,7 +263,7 @@ static weft_status_t staged_run(weft_pg_t *pg, weft_tensor_t *t, int device, boo
     pthread_mutex_init(&s->mu, NULL);
     s->t = weft_tensor_retain(t);
     s->device = device;
-    s->chunk = chunk;
+    s->parts = parts;
     s->copy_in = !bcast || weft_pg_rank(pg) == root;
     s->copy_out = !bcast || weft_pg_rank(pg) != root;
     WEFT_CHECK_GOTO(weft_future_create(&s->f), st, err_free);
@@ -319,11 +332,10 @@ typedef struct {
     int32_t ok;       /* IPC allowed here and the buffer exported */
     uint64_t gen;     /* the buffer's generation in the process */
     uint64_t cap;     /* its size */
-    /* the operation as this rank sees it: every member must agree, else all stage (and the
-     * host collectives report the mismatch) */
+    /* the operation as this rank sees it: members that disagree all fail with MISMATCH */
     uint64_t bytes;
     int32_t dtype, rop, root, bcast;
-    uint64_t chunk; /* its WEFT_CUDA_CHUNK_KB in bytes: the staged path takes the smallest */
+    int32_t parts, pad; /* its WEFT_CUDA_CHUNKS: the staged path takes the smallest */
     cudaIpcMemHandle_t handle;
 } ipc_desc_t;
 
@@ -370,8 +382,11 @@ static uint64_t hash_str(const char *s, uint64_t h)
     return h;
 }
 
-static void host_key(uint64_t key[2])
+static uint64_t host_keys[2];
+
+static void host_key_init(void)
 {
+    uint64_t *key = host_keys;
     char name[256] = "", boot[64] = "";
     (void)gethostname(name, sizeof(name) - 1);
     int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
@@ -386,6 +401,7 @@ static void host_key(uint64_t key[2])
 
 static void nonce_init(void)
 {
+    host_key_init();
     uint64_t n = 0;
     int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
     if (fd < 0 || read(fd, &n, sizeof(n)) != (ssize_t)sizeof(n)) {
@@ -511,15 +527,24 @@ static weft_status_t map_peer(const ipc_desc_t *peer, int device, void **p_p)
     int slot = -1;
     pthread_mutex_lock(&ipc_mu);
     for (int i = 0; i < MAX_MAPS; i++) {
-        if (maps[i].p != NULL && maps[i].nonce == peer->nonce && maps[i].slot == peer->slot &&
-            maps[i].device == device) {
-            if (maps[i].gen == peer->gen) {
+        if (maps[i].p != NULL && maps[i].nonce == peer->nonce && maps[i].slot == peer->slot) {
+            if (maps[i].gen == peer->gen && maps[i].device == device) {
                 *p_p = maps[i].p;
                 pthread_mutex_unlock(&ipc_mu);
                 return WEFT_OK;
             }
-            (void)cudaIpcCloseMemHandle(maps[i].p); /* the peer grew its buffer */
-            maps[i].p = NULL;
+            if (maps[i].gen < peer->gen) {
+                /* the peer grew its buffer: every mapping of an older one closes (on whichever
+                 * device it was opened), so that the peer may free it after the agreement */
+                if (maps[i].device != device) {
+                    (void)cudaSetDevice(maps[i].device);
+                }
+                (void)cudaIpcCloseMemHandle(maps[i].p);
+                if (maps[i].device != device) {
+                    (void)cudaSetDevice(device);
+                }
+                maps[i].p = NULL;
+            }
         }
         if (maps[i].p == NULL && slot < 0) {
             slot = i;
@@ -614,11 +639,11 @@ static bool all_ipc(const ipc_desc_t *all, int size)
  * all_gather on the host). Members that see different operations fail it alike
  * (WEFT_ERR_MISMATCH, nothing issued after). When every member is on this host with a buffer
  * for it, the operation runs through CUDA IPC here (*done_p); else (*done_p false, WEFT_OK)
- * every member stages it in chunks of *chunk_p bytes. Blocks the caller through four host
- * collectives on the IPC path.
+ * every member stages it in *parts_p chunks (the members' smallest WEFT_CUDA_CHUNKS). Blocks
+ * the caller through three (broadcast) or four host collectives on the IPC path.
  */
 static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool bcast, int root,
-                             weft_reduce_op_t rop, bool *done_p, size_t *chunk_p)
+                             weft_reduce_op_t rop, bool *done_p, int *parts_p)
 {
     int size = weft_pg_size(pg), me = weft_pg_rank(pg);
     size_t nbytes = weft_tensor_nbytes(t), esize = weft_dtype_size(weft_tensor_dtype(t));
@@ -630,7 +655,8 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
     *done_p = false;
     pthread_once(&nonce_once, nonce_init);
     memset(&mine, 0, sizeof(mine));
-    host_key(mine.host);
+    mine.host[0] = host_keys[0];
+    mine.host[1] = host_keys[1];
     mine.nonce = ipc_nonce;
     mine.slot = -1;
     mine.bytes = nbytes;
@@ -638,7 +664,7 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
     mine.rop = bcast ? -1 : (int32_t)rop;
     mine.root = bcast ? root : -1;
     mine.bcast = bcast ? 1 : 0;
-    mine.chunk = (uint64_t)weft__cfg_int(WEFT__CFG_CUDA_CHUNK_KB) * 1024;
+    mine.parts = (int32_t)weft__cfg_int(WEFT__CFG_CUDA_CHUNKS);
     int slot = -1;
     if (weft__cfg_bool(WEFT__CFG_CUDA_IPC) && size <= WEFT_CUDA_MAX_SOURCES && nbytes > 0 &&
         nbytes >= (size_t)weft__cfg_int(WEFT__CFG_CUDA_IPC_MIN_KB) * 1024 &&
@@ -668,9 +694,9 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
             all[unlike].dtype, all[unlike].rop, all[unlike].root);
         goto out;
     }
-    *chunk_p = (size_t)all[0].chunk;
+    *parts_p = all[0].parts;
     for (int r = 1; r < size; r++) {
-        *chunk_p = (size_t)all[r].chunk < *chunk_p ? (size_t)all[r].chunk : *chunk_p;
+        *parts_p = all[r].parts < *parts_p ? all[r].parts : *parts_p;
     }
     if (!all_ipc(all, size)) {
         goto out; /* every member sees the same: all take the staged path */
@@ -800,13 +826,19 @@ static weft_status_t run(weft_pg_t *pg, weft_tensor_t *t, bool bcast, int root,
     if (weft_pg_size(pg) == 1) {
         return completed(WEFT_OK, work_p); /* one member: the tensor is the result */
     }
-    bool done = false;
-    size_t chunk = 0;
-    st = ipc_run(pg, t, device, bcast, root, rop, &done, &chunk);
-    if (st != WEFT_OK || done) {
-        return completed(st, work_p);
+    /* Only an operation that may go through IPC gathers the members' views first (and blocks
+     * the caller); the others are staged at once, asynchronous as the host collectives. */
+    size_t nbytes = weft_tensor_nbytes(t);
+    int parts = (int)weft__cfg_int(WEFT__CFG_CUDA_CHUNKS);
+    if (weft__cfg_bool(WEFT__CFG_CUDA_IPC) && weft_pg_size(pg) <= WEFT_CUDA_MAX_SOURCES &&
+        nbytes > 0 && nbytes >= (size_t)weft__cfg_int(WEFT__CFG_CUDA_IPC_MIN_KB) * 1024) {
+        bool done = false;
+        st = ipc_run(pg, t, device, bcast, root, rop, &done, &parts);
+        if (st != WEFT_OK || done) {
+            return completed(st, work_p);
+        }
     }
-    return staged_run(pg, t, device, bcast, root, rop, chunk, work_p);
+    return staged_run(pg, t, device, bcast, root, rop, parts, work_p);
 }
 
 static weft_status_t device_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,

@@ -18,6 +18,10 @@ extern "C" {
 /* The most buffers one kernel reduces (members of an all_reduce through CUDA IPC). */
 #define WEFT_CUDA_MAX_SOURCES 16
 
+/* A staged tensor of at least this many bytes goes in WEFT_CUDA_CHUNKS chunks, a smaller one in
+ * one. */
+#define WEFT_CUDA_SPLIT_MIN ((size_t)1 << 20)
+
 /* One part of a batched copy (flatten/unflatten): nbytes from src to dst, device memory. */
 typedef struct {
     const void *src;

@@ -9,15 +9,16 @@
  *
  * Collectives: after weft_cuda_init, weft_coll_all_reduce and weft_coll_broadcast take device
  * tensors. Between ranks of one host whose devices can share memory (CUDA IPC; same or peer
- * devices) the ranks copy their tensors into device buffers the others map, each reduces its
- * share of the elements from every member's buffer on its device, in member order, and gathers
- * the others' shares: no host memory, the summation on the GPU. Elsewhere (other hosts, IPC
- * off or refused) the tensor is staged in chunks (WEFT_CUDA_CHUNK_KB) through pinned host
- * memory: every chunk's device-to-host copy is queued at the call, each chunk's host collective
- * starts when its copy is done and its host-to-device copy when it completes, so copies and
- * transport overlap. Every member gets the same bits either way; f16/bf16 accumulate in f32 and
- * round once, as on the CPU. Other collectives of device tensors fail with WEFT_ERR_UNSUPPORTED:
- * copy to the host first.
+ * devices), for tensors of WEFT_CUDA_IPC_MIN_KB (256 KiB) or more, the ranks copy their tensors
+ * into device buffers the others map, each reduces its share of the elements from every member's
+ * buffer on its device, in member order, and gathers the others' shares: no host memory, the
+ * summation on the GPU; that path blocks the caller. Elsewhere (other hosts, smaller tensors,
+ * IPC off or refused) the tensor is staged through pinned host memory in WEFT_CUDA_CHUNKS (8)
+ * chunks from 1 MiB: every chunk's device-to-host copy is queued at the call, each chunk's host
+ * collective starts when its copy is done and its host-to-device copy when it completes, so
+ * copies and transport overlap. Every member gets the same bits either way; f16/bf16 accumulate
+ * in f32 and round once, as on the CPU. Other collectives of device tensors fail with
+ * WEFT_ERR_UNSUPPORTED: copy to the host first. docs/cuda.md says how streams are ordered.
  *
  * Processes: CUDA does not survive fork(); a process that forks ranks must not call CUDA (any of
  * these functions) before it forks.

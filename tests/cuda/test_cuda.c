@@ -443,8 +443,9 @@ static int device_collectives_body(weft_agent_t *a, int rank, int world, void *a
     RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg: %s", weft_last_error());
     static const weft_dtype_t dts[] = {WEFT_F32, WEFT_F16, WEFT_BF16, WEFT_I64, WEFT_F64};
     static const weft_reduce_op_t ops[] = {WEFT_SUM, WEFT_AVG, WEFT_MAX, WEFT_SUM, WEFT_AVG};
-    /* 300 KiB of f32: five 64 KiB chunks when staged (WEFT_CUDA_CHUNK_KB=64) */
-    static const size_t sizes[] = {1, 1000, 76803};
+    /* the last: 1.2 MB of f32 (2.4 MB of f64, 600 KB of f16), five chunks when staged from
+     * 1 MiB (WEFT_CUDA_CHUNKS=5), one below */
+    static const size_t sizes[] = {1, 1000, 300003};
     weft_cuda_stats_t before, after;
     weft_cuda_stats(&before);
     for (size_t di = 0; di < sizeof(dts) / sizeof(dts[0]); di++) {
@@ -478,9 +479,11 @@ static int device_collectives_body(weft_agent_t *a, int rank, int world, void *a
                     weft_tensor_release(ins[r]);
                 }
             } else {
-                /* staged: the CPU collective on the same data in the same chunks (64 KiB),
-                 * the same bits */
-                size_t chunk = (64u << 10) / es;
+                /* staged: the CPU collective on the same data in the same chunks (five
+                 * 16-byte aligned parts from 1 MiB, cuda/coll.c), the same bits */
+                size_t parts = n * es >= (1u << 20) ? 5 : 1, align = 16 / es;
+                size_t chunk = (n + parts - 1) / parts;
+                chunk = (chunk + align - 1) / align * align;
                 for (size_t off = 0; off < n; off += chunk) {
                     int64_t len = (int64_t)(n - off < chunk ? n - off : chunk);
                     weft_tensor_t *part = NULL;
@@ -504,7 +507,7 @@ static int device_collectives_body(weft_agent_t *a, int rank, int world, void *a
         }
     }
     /* broadcast from the last rank */
-    size_t n = 76803;
+    size_t n = 300003;
     weft_tensor_t *mine = input_of(rank, WEFT_F32, n), *root_in = input_of(world - 1, WEFT_F32, n);
     weft_tensor_t *d = NULL, *out = NULL;
     RANK_CHECK(weft_cuda_to_device(mine, dev, &d) == WEFT_OK, "%s", weft_last_error());
@@ -521,6 +524,17 @@ static int device_collectives_body(weft_agent_t *a, int rank, int world, void *a
     weft_status_t st = weft_coll_all_gather(pg, d, gathered, NULL);
     RANK_CHECK(st == WEFT_ERR_UNSUPPORTED, "all_gather of device tensors gave %s",
                weft_status_name(st));
+    /* members that call with different sizes all fail with MISMATCH, and the group goes on */
+    size_t mism = rank == 0 ? 100 : 101;
+    weft_tensor_t *hm = input_of(rank, WEFT_F32, mism), *dm = NULL;
+    RANK_CHECK(weft_cuda_to_device(hm, dev, &dm) == WEFT_OK, "%s", weft_last_error());
+    st = weft_coll_all_reduce(pg, dm, WEFT_SUM, NULL);
+    RANK_CHECK(st == WEFT_ERR_MISMATCH, "all_reduce of 100 and 101 elements gave %s: %s",
+               weft_status_name(st), weft_last_error());
+    RANK_CHECK(weft_coll_all_reduce(pg, d, WEFT_MAX, NULL) == WEFT_OK, "after the mismatch: %s",
+               weft_last_error());
+    weft_tensor_release(hm);
+    weft_tensor_release(dm);
     weft_cuda_stats(&after);
     if (c->ipc) {
         RANK_CHECK(after.ipc_ops > before.ipc_ops, "no operation took the IPC path");
@@ -549,7 +563,7 @@ static void run_world(int world, bool ipc)
         o.rank_env[r] = ipc ? "WEFT_CUDA_IPC_MIN_KB=0" : "WEFT_CUDA_IPC=0";
     }
     /* one setting per rank: the chunk size goes through the environment of the whole run */
-    setenv("WEFT_CUDA_CHUNK_KB", "64", 1);
+    setenv("WEFT_CUDA_CHUNKS", "5", 1);
     int codes[8];
     cr_assert_eq(ranks_run(&o, codes), 0, "a rank failed (codes %d %d %d)", codes[0], codes[1],
                  world > 2 ? codes[2] : 0);
