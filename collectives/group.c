@@ -307,6 +307,7 @@ void weft_pg_free(weft_pg_t *pg)
     }
     /* Members may still be reading our last oneshot slot: not freed under them. */
     coll__oneshot_drain(g);
+    tell_freed(pg); /* nothing issues on it any more; it is still whole */
     /* Then its posted receives fail, and its pieces go. */
     coll__ctx_drop_group(ctx, g);
     pthread_mutex_destroy(&g->mu);
@@ -319,7 +320,6 @@ void weft_pg_free(weft_pg_t *pg)
     weft_free(g->cma_small_fin);
     weft_free(g->world);
     weft_free(g);
-    tell_freed(pg);
     weft_free(pg);
 }
 

@@ -312,6 +312,7 @@ static weft_status_t staged_run(weft_pg_t *pg, weft_tensor_t *t, int device, boo
         weft__set_error(st, "%s", weft_future_error(f));
     }
     weft_future_release(f);
+    (void)cudaSetDevice(device); /* its chunks may have run other operations' hooks here */
     return st;
 
 err_free:
@@ -335,7 +336,8 @@ typedef struct {
     /* the operation as this rank sees it: members that disagree all fail with MISMATCH */
     uint64_t bytes;
     int32_t dtype, rop, root, bcast;
-    int32_t parts, pad; /* its WEFT_CUDA_CHUNKS: the staged path takes the smallest */
+    int32_t parts;   /* its WEFT_CUDA_CHUNKS: the staged path takes the smallest */
+    int32_t refused; /* its own checks refused its call: this status (every member fails) */
     cudaIpcMemHandle_t handle;
 } ipc_desc_t;
 
@@ -535,13 +537,22 @@ static weft_status_t map_peer(const ipc_desc_t *peer, int device, void **p_p)
             }
             if (maps[i].gen < peer->gen) {
                 /* the peer grew its buffer: every mapping of an older one closes (on whichever
-                 * device it was opened), so that the peer may free it after the agreement */
+                 * device it was opened), so that the peer may free it after the agreement; one
+                 * that does not close fails this rank's agreement (the peer keeps the memory) */
+                cudaError_t e = cudaSuccess;
                 if (maps[i].device != device) {
-                    (void)cudaSetDevice(maps[i].device);
+                    e = cudaSetDevice(maps[i].device);
                 }
-                (void)cudaIpcCloseMemHandle(maps[i].p);
+                if (e == cudaSuccess) {
+                    e = cudaIpcCloseMemHandle(maps[i].p);
+                }
                 if (maps[i].device != device) {
                     (void)cudaSetDevice(device);
+                }
+                if (e != cudaSuccess) {
+                    st = weft_cuda__fail(e, "cudaIpcCloseMemHandle", __FILE__, __LINE__);
+                    pthread_mutex_unlock(&ipc_mu);
+                    return st;
                 }
                 maps[i].p = NULL;
             }
@@ -643,7 +654,8 @@ static bool all_ipc(const ipc_desc_t *all, int size)
  * the caller through three (broadcast) or four host collectives on the IPC path.
  */
 static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool bcast, int root,
-                             weft_reduce_op_t rop, bool *done_p, int *parts_p)
+                             weft_reduce_op_t rop, weft_status_t refused, bool *done_p,
+                             int *parts_p)
 {
     int size = weft_pg_size(pg), me = weft_pg_rank(pg);
     size_t nbytes = weft_tensor_nbytes(t), esize = weft_dtype_size(weft_tensor_dtype(t));
@@ -665,9 +677,12 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
     mine.root = bcast ? root : -1;
     mine.bcast = bcast ? 1 : 0;
     mine.parts = (int32_t)weft__cfg_int(WEFT__CFG_CUDA_CHUNKS);
+    mine.refused = (int32_t)refused;
+    char why_refused[600];
+    snprintf(why_refused, sizeof(why_refused), "%s", refused != WEFT_OK ? weft_last_error() : "");
     int slot = -1;
-    if (weft__cfg_bool(WEFT__CFG_CUDA_IPC) && size <= WEFT_CUDA_MAX_SOURCES && nbytes > 0 &&
-        nbytes >= (size_t)weft__cfg_int(WEFT__CFG_CUDA_IPC_MIN_KB) * 1024 &&
+    if (refused == WEFT_OK && weft__cfg_bool(WEFT__CFG_CUDA_IPC) && size <= WEFT_CUDA_MAX_SOURCES &&
+        nbytes > 0 && nbytes >= (size_t)weft__cfg_int(WEFT__CFG_CUDA_IPC_MIN_KB) * 1024 &&
         weft_cuda__use(device) == WEFT_OK && (slot = own_slot(pg, device)) >= 0) {
         if (own_grow(slot, nbytes, &mine) == WEFT_OK) {
             mine.ok = 1;
@@ -681,6 +696,20 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
         goto out;
     }
     WEFT_CHECK_GOTO(host_all_gather(pg, &mine, all, sizeof(mine)), st, out);
+    (void)cudaSetDevice(device); /* the gather may have run other operations' hooks here */
+    if (refused != WEFT_OK) {
+        st = weft__set_error(refused, "%s", why_refused);
+        goto out;
+    }
+    for (int r = 0; r < size; r++) {
+        if (all[r].refused != WEFT_OK) {
+            st = weft__set_error(WEFT_ERR_INVALID_ARG,
+                                 "%s: group rank %d refused its call (%s): every member fails it",
+                                 bcast ? "broadcast" : "all_reduce", r,
+                                 weft_strerror((weft_status_t)all[r].refused));
+            goto out;
+        }
+    }
     int unlike = first_unlike(all, size);
     if (unlike >= 0) {
         st = weft__set_error(
@@ -724,6 +753,7 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
         }
     }
     WEFT_CHECK_GOTO(agree(pg, &ok), st, out);
+    (void)cudaSetDevice(device);
     if (!ok) {
         goto out;
     }
@@ -753,6 +783,7 @@ static weft_status_t ipc_run(weft_pg_t *pg, weft_tensor_t *t, int device, bool b
                              st, fail);
         WEFT_CUDA_CHECK_GOTO(cudaStreamSynchronize(0), st, fail);
         WEFT_CHECK_GOTO(weft_coll_barrier(pg, NULL), st, out);
+        (void)cudaSetDevice(device);
         for (int r = 0; r < size; r++) {
             share(n, esize, size, r, &lo, &len);
             if (len > 0) {
@@ -814,17 +845,22 @@ static weft_status_t run(weft_pg_t *pg, weft_tensor_t *t, bool bcast, int root,
         return weft__set_error(WEFT_ERR_INVALID_STATE, "%s: this rank is not a member of the group",
                                what);
     }
+    /* A call refused here still takes its place in the group, so that the others fail it at
+     * once rather than at their deadline: through the gather (IPC sizes), or through the host
+     * collectives, which refuse each chunk alike and tell the others. */
+    weft_status_t refused = WEFT_OK;
     if (!bcast) {
-        st = weft_reduce_check(rop, weft_tensor_dtype(t));
-        if (st != WEFT_OK) {
-            return weft__set_error(st, "%s: %s", what, weft_last_error());
+        refused = weft_reduce_check(rop, weft_tensor_dtype(t));
+        if (refused != WEFT_OK) {
+            weft__set_error(refused, "%s: %s", what, weft_last_error());
         }
     } else if (root < 0 || root >= weft_pg_size(pg)) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: root %d is not in the group of %d", what,
-                               root, weft_pg_size(pg));
+        refused = weft__set_error(WEFT_ERR_INVALID_ARG, "%s: root %d is not in the group of %d",
+                                  what, root, weft_pg_size(pg));
     }
     if (weft_pg_size(pg) == 1) {
-        return completed(WEFT_OK, work_p); /* one member: the tensor is the result */
+        /* one member: the tensor is the result */
+        return refused != WEFT_OK ? refused : completed(WEFT_OK, work_p);
     }
     /* Only an operation that may go through IPC gathers the members' views first (and blocks
      * the caller); the others are staged at once, asynchronous as the host collectives. */
@@ -833,7 +869,7 @@ static weft_status_t run(weft_pg_t *pg, weft_tensor_t *t, bool bcast, int root,
     if (weft__cfg_bool(WEFT__CFG_CUDA_IPC) && weft_pg_size(pg) <= WEFT_CUDA_MAX_SOURCES &&
         nbytes > 0 && nbytes >= (size_t)weft__cfg_int(WEFT__CFG_CUDA_IPC_MIN_KB) * 1024) {
         bool done = false;
-        st = ipc_run(pg, t, device, bcast, root, rop, &done, &parts);
+        st = ipc_run(pg, t, device, bcast, root, rop, refused, &done, &parts);
         if (st != WEFT_OK || done) {
             return completed(st, work_p);
         }

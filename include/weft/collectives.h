@@ -290,8 +290,8 @@ typedef struct {
     weft_status_t (*all_reduce)(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_op_t op,
                                 weft_future_t **work_p);
     weft_status_t (*broadcast)(weft_pg_t *pg, weft_tensor_t *t, int root, weft_future_t **work_p);
-    /** Optional (may be NULL): @p pg is being freed (weft_pg_free, before anything of it goes):
-     * drop what the entry keeps for that handle. */
+    /** Optional (may be NULL): @p pg is being freed (weft_pg_free, once no operation of it runs
+     * any more, before anything of it goes): drop what the entry keeps for that handle. */
     void (*group_freed)(weft_pg_t *pg);
 } weft_coll_device_ops_t;
 
