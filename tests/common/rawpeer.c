@@ -577,15 +577,38 @@ int rawpeer_garbage_tcp(const char *address, size_t n)
     return 0;
 }
 
+/* Milliseconds since @p t0 (CLOCK_MONOTONIC). */
+static long ms_since(const struct timespec *t0)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (t.tv_sec - t0->tv_sec) * 1000 + (t.tv_nsec - t0->tv_nsec) / 1000000;
+}
+
+/* Reads @p n bytes within @p ms. A signal (libFuzzer's timer, a profiler's) interrupting the
+ * wait or the read is not the peer's doing: both go on until the deadline. */
 static bool read_ms(int fd, void *buf, size_t n, int ms)
 {
     uint8_t *p = buf;
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     while (n > 0) {
+        long left = ms - ms_since(&t0);
+        if (left <= 0) {
+            return false;
+        }
         struct pollfd pfd = {fd, POLLIN, 0};
-        if (poll(&pfd, 1, ms) <= 0) {
+        int r = poll(&pfd, 1, (int)left);
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
             return false;
         }
         ssize_t k = recv(fd, p, n, 0);
+        if (k < 0 && errno == EINTR) {
+            continue;
+        }
         if (k <= 0) {
             return false;
         }
@@ -616,6 +639,9 @@ int rawpeer_write(int fd, const void *bytes, size_t len)
     const uint8_t *p = bytes;
     while (len > 0) {
         ssize_t k = send(fd, p, len, MSG_NOSIGNAL);
+        if (k < 0 && errno == EINTR) {
+            continue; /* a signal, not the peer */
+        }
         if (k <= 0) {
             return -1;
         }

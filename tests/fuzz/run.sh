@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 all=(frames hello join stream direct rref collectives ps dist_autograd)
 # Iterations per harness in the test suite: the pure decoders run thousands a second, the live
 # ones (a world of in-process agents behind each input) hundreds.
-declare -A runs=([frames]=300000 [hello]=500000 [join]=5000 [stream]=2000 [direct]=1000
+declare -A runs=([frames]=300000 [hello]=500000 [join]=5000 [stream]=2000 [direct]=3000
                  [rref]=20000 [collectives]=20000 [ps]=20000 [dist_autograd]=20000)
 declare -A pure=([frames]=1 [hello]=1)
 
