@@ -12,7 +12,9 @@ value is TLS's median; tls_over_plain is TLS's figure over plaintext's (for time
 TLS is slower; for bandwidth: < 1 means TLS is slower).
 
 Measurements:
-  latency_p50_64B, latency_p99_64B   bench_rpc pingpong of 64 bytes (BENCH_TLS=1 for TLS)
+  latency_p50_64B, latency_p99_64B   bench_rpc pingpong of 64 bytes (BENCH_TLS=1 for TLS), with
+                                     WEFT_SHM=0 (the network path, as between hosts: the
+                                     shared-memory rings of one host carry no TLS)
   bandwidth_16MiB, bandwidth_64MiB   bench_rpc stream, one-way tensors, 4 calls in flight (on the
                                      direct connection, TLS through OpenSSL)
   join_w4, ready_w4, join_w8, ready_w8
@@ -50,8 +52,12 @@ def main():
     jobs = [["pingpong", "64", iters], ["stream", "16M", "64", "4"], ["stream", "64M", "16", "4"]]
     groups = []
     for job in jobs:
-        groups.append([("plain", ["/usr/bin/env", "BENCH_TLS=0", rpc] + job, " ".join(job), as_tls(False)),
-                       ("tls", ["/usr/bin/env", "BENCH_TLS=1", rpc] + job, " ".join(job), as_tls(True))])
+        # WEFT_SHM=0: the network path, where TLS applies (ranks of one host otherwise talk
+        # through the shared-memory rings, which TLS does not wrap: they never leave the host)
+        groups.append([("plain", ["/usr/bin/env", "WEFT_SHM=0", "BENCH_TLS=0", rpc] + job, " ".join(job),
+                        as_tls(False)),
+                       ("tls", ["/usr/bin/env", "WEFT_SHM=0", "BENCH_TLS=1", rpc] + job, " ".join(job),
+                        as_tls(True))])
     # bench_tls alternates plaintext and TLS itself, in one program per world size.
     for world in (4, 8):
         groups.append([("both", [ready, "ready", str(world), "2" if a.quick else "3"], "ready %d" % world,
