@@ -7,6 +7,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <weft/reduce.h>
+
 #include "internal.h"
 
 /* ------------------------------------------------------------------ the module */
@@ -927,9 +929,7 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
         if (g != NULL) {
             float *dstrow = srows[s] + (size_t)p * (size_t)d;
             const float *src = g + i * (size_t)d;
-            for (int64_t j = 0; j < d; j++) {
-                dstrow[j] += src[j];
-            }
+            weft_reduce_into(dstrow, src, (size_t)d, WEFT_F32, WEFT_SUM);
         }
     }
     for (uint32_t s = 0; s < ns && st == WEFT_OK; s++) {

@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+
+#include <weft/reduce.h>
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
@@ -752,9 +754,7 @@ static weft_status_t acc_add(ps_stable_t *t, ps_cell_t *c, const float *g, int64
         t->acc_list = c;
         return WEFT_OK;
     }
-    for (int64_t i = 0; i < n; i++) {
-        c->acc[i] += g[i];
-    }
+    weft_reduce_into(c->acc, g, (size_t)n, WEFT_F32, WEFT_SUM);
     return WEFT_OK;
 }
 
@@ -967,9 +967,7 @@ static void sync_advance(ps_stable_t *t, done_t **done)
             t->acc_list = c->next_acc;
             if (st == WEFT_OK) {
                 if (scale != 1.0f) { /* the mean, in the step's own buffer */
-                    for (int64_t i = 0; i < c->n; i++) {
-                        c->acc[i] *= scale;
-                    }
+                    weft__ps_scale(c->acc, c->acc, scale, c->n);
                 }
                 st = weft__ps_cell_apply(&t->l, c, c->acc, 1.0f);
             }

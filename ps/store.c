@@ -533,9 +533,7 @@ weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const floa
         if ((scaled = scratch(gstack, 1024, n)) == NULL) {
             return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory to apply a gradient");
         }
-        for (int64_t i = 0; i < n; i++) {
-            scaled[i] = grad[i] * scale;
-        }
+        weft__ps_scale(scaled, grad, scale, n);
         grad = scaled;
     }
     float *p = c->vdata;
@@ -565,9 +563,7 @@ weft_status_t weft__ps_cell_apply(const ps_layout_t *l, ps_cell_t *c, const floa
         if (s->consistency == WEFT_PS_SYNC) {
             memcpy(p, grad, (size_t)n * sizeof(float)); /* the step's sum is the value */
         } else {
-            for (int64_t i = 0; i < n; i++) {
-                p[i] += grad[i];
-            }
+            weft_reduce_into(p, grad, (size_t)n, WEFT_F32, WEFT_SUM); /* core's SIMD kernel */
         }
         break;
     default:
