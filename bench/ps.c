@@ -453,6 +453,21 @@ static void wait_one(weft_future_t *f, const char *what)
     weft_future_release(f);
 }
 
+/* d = s * x, the model's part of a batch: restrict and fixed blocks, so that -O2 vectorises it
+ * as torch's `rows * 0.01` is. */
+static void scale_rows(float *restrict d, const float *restrict x, float s, size_t n)
+{
+    size_t nb = n / 64;
+    for (size_t b = 0; b < nb; b++) {
+        for (size_t i = b * 64; i < b * 64 + 64; i++) {
+            d[i] = s * x[i];
+        }
+    }
+    for (size_t i = nb * 64; i < n; i++) {
+        d[i] = s * x[i];
+    }
+}
+
 static void p2_worker(weft_ps_table_t *t, const args_t *a, int widx, result_t *r)
 {
     size_t batches = a->warmup + a->iters;
@@ -479,9 +494,7 @@ static void p2_worker(weft_ps_table_t *t, const args_t *a, int widx, result_t *r
         check(weft_ps_pull_rows_async(t, bid, a->ids, rows, 0, &f), "weft_ps_pull_rows_async");
         wait_one(f, "pull_rows");
         uint64_t tp = bench_now_ns() - tb;
-        for (size_t i = 0; i < elems; i++) {
-            gp[i] = 0.01f * rp[i];
-        }
+        scale_rows(gp, rp, 0.01f, elems);
         check(weft_ps_push_rows_async(t, bid, a->ids, grads, 0, &f), "weft_ps_push_rows_async");
         wait_one(f, "push_rows");
         if (b >= a->warmup) {

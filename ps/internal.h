@@ -43,19 +43,41 @@ typedef struct {
     size_t n;
 } ps_map_t;
 
-/* d[i] = x[i] * s (d may be x), in fixed blocks so that GCC's -O2 vectoriser takes the loop. */
-static inline void weft__ps_scale(float *d, const float *x, float s, int64_t n)
+/* d[i] = x[i] * s; d and x the same or disjoint. restrict and fixed blocks, so that GCC's -O2
+ * vectoriser takes the loops (it takes no loop that needs a runtime overlap check or a tail). */
+static inline void weft__ps_scale_to(float *restrict d, const float *restrict x, float s, size_t n)
 {
-    int64_t nb = n / 16;
-    for (int64_t b = 0; b < nb; b++) {
-        for (int64_t i = b * 16; i < b * 16 + 16; i++) {
+    size_t nb = n / 16;
+    for (size_t b = 0; b < nb; b++) {
+        for (size_t i = b * 16; i < b * 16 + 16; i++) {
             d[i] = x[i] * s;
         }
     }
-    for (int64_t i = nb * 16; i < n; i++) {
+    for (size_t i = nb * 16; i < n; i++) {
         d[i] = x[i] * s;
     }
 }
+static inline void weft__ps_scale_in(float *restrict d, float s, size_t n)
+{
+    size_t nb = n / 16;
+    for (size_t b = 0; b < nb; b++) {
+        for (size_t i = b * 16; i < b * 16 + 16; i++) {
+            d[i] *= s;
+        }
+    }
+    for (size_t i = nb * 16; i < n; i++) {
+        d[i] *= s;
+    }
+}
+static inline void weft__ps_scale(float *d, const float *x, float s, int64_t n)
+{
+    if (d == x) {
+        weft__ps_scale_in(d, s, (size_t)n);
+    } else {
+        weft__ps_scale_to(d, x, s, (size_t)n);
+    }
+}
+
 static inline size_t weft__ps_map_home(uint64_t key, size_t cap)
 {
     return (size_t)((key * UINT64_C(0xff51afd7ed558ccd)) >> 17) & (cap - 1);
