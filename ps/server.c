@@ -649,15 +649,20 @@ typedef weft_status_t (*row_fn_t)(ps_stable_t *t, ps_stripe_t *s, uint64_t id, i
 
 /* Runs @p fn on each of @p k ids, grouped by lock stripe (positions sorted stably by stripe): one
  * lock per stripe and request, not one per row. Stops at the first error. */
+static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64_t i, void *arg);
+
 #define PF_SLOT 16
 #define PF_ROW  6
 
 static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row_fn_t fn, void *arg)
 {
-    /* a row's header, value and state, as far as it is worth asking for ahead */
-    size_t row_bytes = sizeof(ps_cell_t) + weft__ps_cell_bytes(&t->l, t->l.spec.dim);
-    if (row_bytes > 512) {
-        row_bytes = 512;
+    /* What @p fn touches of a row, as far as it is worth asking for ahead: a read its header and
+     * value, an apply or a gather its state too (a row is one block: header, value, state). */
+    size_t row_bytes = fn == row_read ? sizeof(ps_cell_t) + weft_dtype_size(t->l.spec.dtype) *
+                                                                 (size_t)t->l.spec.dim
+                                      : sizeof(ps_cell_t) + weft__ps_cell_bytes(&t->l, t->l.spec.dim);
+    if (row_bytes > 1024) {
+        row_bytes = 1024;
     }
     uint32_t start[PS_STRIPES + 1] = {0}, stack[4096];
     uint32_t *order = k <= 4096 ? stack : weft_alloc((size_t)k * sizeof(*order));
