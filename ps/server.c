@@ -501,10 +501,10 @@ static void evict_one(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
 /* The row @p id of stripe @p s (held): made when missing if @p make (counting a push toward
  * admission when @p push). NULL with *st_p OK: not admitted yet. */
 static ps_cell_t *row_get(ps_stable_t *t, ps_stripe_t *s, uint64_t id, bool make, bool push,
-                          weft_status_t *st_p)
+                          ps_cell_t *known, weft_status_t *st_p)
 {
     *st_p = WEFT_OK;
-    ps_cell_t *c = weft__ps_map_get(&s->rows, id);
+    ps_cell_t *c = known != NULL ? known : weft__ps_map_get(&s->rows, id);
     if (c != NULL || !make) {
         if (c != NULL) {
             c->touch = atomic_fetch_add(&t->tick, 1);
@@ -644,15 +644,17 @@ static weft_status_t check_body(ps_stable_t *t, const Weft__V1__PsRequest *r,
 
 /* ------------------------------------------------------------------ rows of a request */
 
-typedef weft_status_t (*row_fn_t)(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64_t i,
-                                  void *arg);
+typedef weft_status_t (*row_fn_t)(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *known,
+                                  int64_t i, void *arg);
 
 /* Runs @p fn on each of @p k ids, grouped by lock stripe (positions sorted stably by stripe): one
  * lock per stripe and request, not one per row. Stops at the first error. */
-static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64_t i, void *arg);
+static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *known,
+                             int64_t i, void *arg);
 
 #define PF_SLOT 16
 #define PF_ROW  6
+#define PF_AHEAD 8 /* > PF_ROW: the rows found ahead, by position */
 
 static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row_fn_t fn, void *arg)
 {
@@ -665,6 +667,8 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
         row_bytes = 1024;
     }
     uint32_t start[PS_STRIPES + 1] = {0}, stack[4096];
+    ps_cell_t *ahead[PF_AHEAD] = {0};
+    bool evicts = t->l.spec.capacity > 0;
     uint32_t *order = k <= 4096 ? stack : weft_alloc((size_t)k * sizeof(*order));
     weft_status_t st = WEFT_OK;
     if (order == NULL) {
@@ -698,12 +702,16 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
                 weft__ps_map_prefetch(&s->rows, id[order[j + PF_SLOT]]);
             }
             if (j + PF_ROW < hi) {
-                const char *c = weft__ps_map_get(&s->rows, id[order[j + PF_ROW]]);
+                ps_cell_t *c = weft__ps_map_get(&s->rows, id[order[j + PF_ROW]]);
                 for (size_t off = 0; c != NULL && off < row_bytes; off += 64) {
-                    __builtin_prefetch(c + off, 1);
+                    __builtin_prefetch((const char *)c + off, 1);
                 }
+                ahead[(j + PF_ROW) % PF_AHEAD] = c;
             }
-            st = fn(t, s, id[order[j]], order[j], arg);
+            /* The row found when it was asked for ahead, unless rows of the stripe may have gone
+             * since (eviction) or it was not there then (fn makes it). */
+            ps_cell_t *known = j >= lo + PF_ROW && !evicts ? ahead[j % PF_AHEAD] : NULL;
+            st = fn(t, s, id[order[j]], known, order[j], arg);
         }
         pthread_mutex_unlock(&s->mu);
     }
@@ -713,28 +721,31 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
     return st;
 }
 
-static weft_status_t row_apply(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64_t i, void *arg)
+static weft_status_t row_apply(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *known,
+                               int64_t i, void *arg)
 {
     weft_status_t st;
-    ps_cell_t *c = row_get(t, s, id, true, true, &st);
+    ps_cell_t *c = row_get(t, s, id, true, true, known, &st);
     return c == NULL ? st
                      : weft__ps_cell_apply(&t->l, c, (const float *)arg + i * t->l.spec.dim, 1.0f);
 }
 
 static weft_status_t acc_add(ps_stable_t *t, ps_cell_t *c, const float *g, int64_t n);
 
-static weft_status_t row_gather(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64_t i, void *arg)
+static weft_status_t row_gather(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *known,
+                                int64_t i, void *arg)
 {
     weft_status_t st;
-    ps_cell_t *c = row_get(t, s, id, true, true, &st);
+    ps_cell_t *c = row_get(t, s, id, true, true, known, &st);
     return c == NULL ? st : acc_add(t, c, (const float *)arg + i * t->l.spec.dim, t->l.spec.dim);
 }
 
-static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, int64_t i, void *arg)
+static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *known,
+                             int64_t i, void *arg)
 {
     weft_status_t st;
     float *o = (float *)arg + i * t->l.spec.dim;
-    ps_cell_t *c = row_get(t, s, id, true, false, &st);
+    ps_cell_t *c = row_get(t, s, id, true, false, known, &st);
     if (c != NULL) {
         weft__ps_cell_read(c, o);
     } else if (st == WEFT_OK) {
