@@ -505,8 +505,11 @@ static ps_cell_t *row_get(ps_stable_t *t, ps_stripe_t *s, uint64_t id, bool make
 {
     *st_p = WEFT_OK;
     ps_cell_t *c = known != NULL ? known : weft__ps_map_get(&s->rows, id);
+    /* The last use, for eviction only: without a capacity no row is evicted, and the shared
+     * counter would be one more contended line per row between the threads serving workers. */
+    bool lru = t->l.spec.capacity > 0;
     if (c != NULL || !make) {
-        if (c != NULL) {
+        if (c != NULL && lru) {
             c->touch = atomic_fetch_add(&t->tick, 1);
         }
         return c;
@@ -536,7 +539,9 @@ static ps_cell_t *row_get(ps_stable_t *t, ps_stripe_t *s, uint64_t id, bool make
         return NULL;
     }
     atomic_fetch_add(&t->n_rows, 1);
-    c->touch = atomic_fetch_add(&t->tick, 1);
+    if (lru) {
+        c->touch = atomic_fetch_add(&t->tick, 1);
+    }
     return c;
 }
 
