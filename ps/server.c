@@ -470,11 +470,12 @@ static seq_t seq_check(ps_server_t *srv, int w, uint64_t seq)
 
 /* ------------------------------------------------------------------ rows */
 
-/* Evicts the least recently used of a few rows of @p s (held), not @p keep. */
-static void evict_one(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
+/* Evicts the least recently used of a sample of up to 16 rows of @p s (held), not @p keep and not
+ * one in a SYNC step's sums (Redis's approximated LRU). False when @p s has no such row. */
+static bool evict_one(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
 {
     if (s->rows.n == 0) {
-        return;
+        return false;
     }
     uint64_t best_key = 0, best_touch = UINT64_MAX;
     size_t start = (size_t)(atomic_load(&t->tick) * UINT64_C(0x9E3779B97F4A7C15) >> 40);
@@ -491,10 +492,35 @@ static void evict_one(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
             best_key = c->id;
         }
     }
-    if (best_touch != UINT64_MAX) {
-        weft__ps_cell_free(weft__ps_map_del(&s->rows, best_key));
-        atomic_fetch_sub(&t->n_rows, 1);
-        atomic_fetch_add(&t->evicted, 1);
+    if (best_touch == UINT64_MAX) {
+        return false;
+    }
+    weft__ps_cell_free(weft__ps_map_del(&s->rows, best_key));
+    atomic_fetch_sub(&t->n_rows, 1);
+    atomic_fetch_add(&t->evicted, 1);
+    return true;
+}
+
+/* Makes room for one row of stripe @p s (held) in a table at its capacity: a row of @p s if it
+ * has one to give, else of the next stripe that has one and is free now (trylock: a thread holds
+ * one stripe at a time, so waiting here could deadlock). Only while every other stripe is busy
+ * does the table go past its capacity, by the rows made meanwhile. */
+static void make_room(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
+{
+    if (evict_one(t, s, keep)) {
+        return;
+    }
+    size_t b = (size_t)(s - t->stripes);
+    for (size_t k = 1; k < PS_STRIPES; k++) {
+        ps_stripe_t *o = &t->stripes[(b + k) % PS_STRIPES];
+        if (pthread_mutex_trylock(&o->mu) != 0) {
+            continue;
+        }
+        bool done = evict_one(t, o, keep);
+        pthread_mutex_unlock(&o->mu);
+        if (done) {
+            return;
+        }
     }
 }
 
@@ -527,7 +553,7 @@ static ps_cell_t *row_get(ps_stable_t *t, ps_stripe_t *s, uint64_t id, bool make
         weft__ps_map_del(&s->admit, id);
     }
     if (t->l.spec.capacity > 0 && atomic_load(&t->n_rows) >= t->l.spec.capacity) {
-        evict_one(t, s, id);
+        make_room(t, s, id);
     }
     *st_p = weft__ps_cell_new(&t->l, id, t->l.spec.dim, &c);
     if (*st_p != WEFT_OK) {

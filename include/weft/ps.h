@@ -114,8 +114,8 @@ typedef struct {
     uint64_t id_bound;    /**< sparse: ids must be < id_bound; 0: any */
     uint64_t admit_after; /**< sparse: a row is made by its k-th push (pulls before that read the
                                initial values); 0 or 1: made on first use */
-    uint64_t capacity;    /**< sparse: rows per server; beyond, the least recently used row is
-                               evicted (forgotten); 0: no bound */
+    uint64_t capacity;    /**< sparse: rows per server; beyond, a least recently used row (of a
+                               sample, docs/ps.md) is evicted (forgotten); 0: no bound */
     weft_ps_init_t init;
     double init_a, init_b;
     uint64_t seed;

@@ -1,8 +1,8 @@
 /* The parameter server: every consistency guarantee with exact values (a slow worker in the way),
  * exactly-once pushes under duplication and reordering, sparse rows against core's optimizer
  * kernels bit for bit, bad input (a clear status, nothing applied), tables created differently,
- * checkpoints restored into 1, 2 and 3 servers, a save killed half-way, lost servers and
- * workers. Ranks are forked processes on 127.0.0.1. */
+ * a capacity that evicts, checkpoints restored into 1, 2 and 3 servers, a save killed half-way,
+ * lost servers and workers. Ranks are forked processes on 127.0.0.1. */
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <math.h>
@@ -401,6 +401,84 @@ Test(ps, sparse_rows_follow_cores_adagrad_bit_for_bit, .timeout = 120)
 {
     roles(2, 2);
     run_world(sparse_body, 100000);
+}
+
+/* ------------------------------------------------------------------ capacity */
+
+#define CAP_ROWS 8
+#define CAP_NEW  2000
+
+/* A table of at most CAP_ROWS rows per server: rows past it evict others, so the server holds
+ * exactly CAP_ROWS after CAP_NEW new ids; an evicted row comes back with its initial value, the
+ * push it had forgotten; and a row made again is pushed to as any other. */
+static int capacity_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *t;
+    weft_ps_table_spec_init(&s, "lru", WEFT_PS_SPARSE);
+    s.dim = 4;
+    s.init = WEFT_PS_CONSTANT;
+    s.init_a = 0.5;
+    s.optimizer = WEFT_PS_SUM;
+    s.consistency = WEFT_PS_ASYNC;
+    s.capacity = CAP_ROWS;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &t) == WEFT_OK, "create: %s", weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        return 0;
+    }
+    int64_t one[2] = {1, 4}, many[2] = {CAP_NEW, 4};
+    weft_tensor_t *row = NULL, *g = NULL, *rows = NULL;
+    weft_tensor_create(WEFT_F32, 2, one, &row);
+    weft_tensor_create(WEFT_F32, 2, one, &g);
+    weft_tensor_create(WEFT_F32, 2, many, &rows);
+    float *gp = weft_tensor_data(g), *rp = weft_tensor_data(row);
+    for (int j = 0; j < 4; j++) {
+        gp[j] = 2.0f;
+    }
+    uint64_t x = 5, *ids = malloc(CAP_NEW * sizeof(*ids));
+    for (int i = 0; i < CAP_NEW; i++) {
+        ids[i] = 1000 + (uint64_t)i;
+    }
+    RANK_CHECK(weft_ps_push_rows(t, &x, 1, g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull_rows(t, &x, 1, row, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+    RANK_CHECK(rp[0] == 2.5f && rp[3] == 2.5f, "row 5 is %g, not 0.5 + 2", (double)rp[0]);
+    /* CAP_NEW rows made by one pull: every one past the capacity evicts one (row 5, the oldest of
+     * its stripe, among them). */
+    RANK_CHECK(weft_ps_pull_rows(t, ids, CAP_NEW, rows, 20000) == WEFT_OK, "pull: %s",
+               weft_last_error());
+    const float *all = weft_tensor_data(rows);
+    for (int i = 0; i < CAP_NEW * 4; i++) {
+        RANK_CHECK(all[i] == 0.5f, "a new row's element %d is %g, not its initial 0.5", i,
+                   (double)all[i]);
+    }
+    weft_ps_load_t load;
+    RANK_CHECK(weft_ps_table_stats(t, &load, 20000) == WEFT_OK, "stats: %s", weft_last_error());
+    RANK_CHECK(load.rows == CAP_ROWS, "the server holds %llu rows, not its capacity %d",
+               (unsigned long long)load.rows, CAP_ROWS);
+    RANK_CHECK(load.evicted == 1 + CAP_NEW - CAP_ROWS, "%llu rows evicted, not %d",
+               (unsigned long long)load.evicted, 1 + CAP_NEW - CAP_ROWS);
+    /* Row 5 was forgotten with its push: made again from its initial value. */
+    RANK_CHECK(weft_ps_pull_rows(t, &x, 1, row, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+    RANK_CHECK(rp[0] == 0.5f && rp[3] == 0.5f, "evicted row 5 came back as %g, not 0.5",
+               (double)rp[0]);
+    RANK_CHECK(weft_ps_push_rows(t, &x, 1, g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull_rows(t, &x, 1, row, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+    RANK_CHECK(rp[0] == 2.5f, "row 5 made again is %g after a push, not 2.5", (double)rp[0]);
+    RANK_CHECK(weft_ps_table_stats(t, &load, 20000) == WEFT_OK, "stats: %s", weft_last_error());
+    RANK_CHECK(load.rows == CAP_ROWS, "%llu rows held, not %d", (unsigned long long)load.rows,
+               CAP_ROWS);
+    free(ids);
+    weft_tensor_release(rows);
+    weft_tensor_release(g);
+    weft_tensor_release(row);
+    return 0;
+}
+
+Test(ps, a_table_at_its_capacity_evicts_rows_and_forgets_them, .timeout = 120)
+{
+    roles(1, 1);
+    run_world(capacity_body, 100000);
 }
 
 /* ------------------------------------------------------------------ bad input */
