@@ -24,10 +24,12 @@ static weft_status_t ps_module_create(weft_agent_t *a, void **state_p)
     ps->world = weft_agent_world_size(a);
     ps->server_index = ps->worker_index = -1;
     pthread_mutex_init(&ps->mu, NULL);
+    pthread_mutex_init(&ps->seq_mu, NULL);
     ps->fault_dup = weft__cfg_bool(WEFT__CFG_PS_FAULT_DUP);
     ps->fault_delay_us = weft__cfg_int(WEFT__CFG_PS_FAULT_DELAY_US);
     weft_status_t st = weft_rpc_register(a, PS_FN, weft__ps_handle, ps);
     if (st != WEFT_OK) {
+        pthread_mutex_destroy(&ps->seq_mu);
         pthread_mutex_destroy(&ps->mu);
         weft_free(ps);
         return st;
@@ -49,7 +51,10 @@ static void ps_module_destroy(void *state)
     weft_free(ps->servers);
     weft_free(ps->workers);
     weft_free((void *)ps->seq);
+    weft_free((void *)ps->n_seq_free);
+    weft_free(ps->seq_free);
     weft_free((void *)ps->server_lost);
+    pthread_mutex_destroy(&ps->seq_mu);
     pthread_mutex_destroy(&ps->mu);
     weft_free(ps);
 }
@@ -241,8 +246,11 @@ weft_status_t weft_ps_create(weft_agent_t *a, const weft_ps_opts_t *opts, weft_p
         }
     }
     ps->seq = weft_calloc(ps->n_servers, sizeof(*ps->seq));
+    ps->n_seq_free = weft_calloc(ps->n_servers, sizeof(*ps->n_seq_free));
+    ps->seq_free = weft_calloc(ps->n_servers, sizeof(*ps->seq_free));
     ps->server_lost = weft_calloc(ps->n_servers, sizeof(*ps->server_lost));
-    st = ps->seq == NULL || ps->server_lost == NULL
+    st = ps->seq == NULL || ps->n_seq_free == NULL || ps->seq_free == NULL ||
+                 ps->server_lost == NULL
              ? weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory")
              : WEFT_OK;
     if (st == WEFT_OK && ps->server_index >= 0) {
@@ -339,7 +347,11 @@ typedef struct {
     int64_t timeout_ms;
     weft_future_t *f; /* its call, while it may land bytes in the caller's memory */
     bool over;        /* its sub_done ran (under op->mu) */
+    uint64_t seq;     /* a push's number (0: not a push) */
 } ps_sub_t;
+
+/* What a request or reply carries besides its tensors' bytes, at most (envelope, header). */
+#define PS_HEADROOM ((uint64_t)4096)
 
 /* A dense operation's bytes per request: a server applies one request while the next arrives. */
 #define PS_REQUEST_BYTES ((size_t)4 << 20)
@@ -550,6 +562,43 @@ static void sub_done(weft_future_t *f, void *arg)
     op_part_done(op);
 }
 
+/* A push's number for server @p s: one of a push that never left, else the next. */
+static uint64_t seq_take(weft_ps_t *ps, uint32_t s)
+{
+    uint64_t seq = 0;
+    if (atomic_load(&ps->n_seq_free[s]) > 0) {
+        pthread_mutex_lock(&ps->seq_mu);
+        uint32_t n = atomic_load(&ps->n_seq_free[s]);
+        if (n > 0) {
+            seq = ps->seq_free[s][n - 1];
+            atomic_store(&ps->n_seq_free[s], n - 1);
+        }
+        pthread_mutex_unlock(&ps->seq_mu);
+    }
+    return seq != 0 ? seq : atomic_fetch_add(&ps->seq[s], 1) + 1;
+}
+
+/* A push to server @p s numbered @p seq was refused before it left this process: it is not
+ * counted among the table's pushes, and its number goes to the next push (a number never sent
+ * would stay a hole in the server's window, and 4096 pushes later every push would be refused).
+ */
+static void push_unsent(weft_ps_table_t *t, uint32_t s, uint64_t seq)
+{
+    weft_ps_t *ps = t->ps;
+    atomic_fetch_sub(&t->pushes[s], 1);
+    pthread_mutex_lock(&ps->seq_mu);
+    uint32_t n = atomic_load(&ps->n_seq_free[s]);
+    if (n < PS_SEQ_FREE) {
+        ps->seq_free[s][n] = seq;
+        atomic_store(&ps->n_seq_free[s], n + 1);
+    } else {
+        WEFT_WARN("ps: %u pushes to server %u refused before they left: push number %llu is lost "
+                  "to the server's window",
+                  PS_SEQ_FREE, s, (unsigned long long)seq);
+    }
+    pthread_mutex_unlock(&ps->seq_mu);
+}
+
 static void sub_send(ps_sub_t *sub, weft_value_t *msg)
 {
     ps_op_t *op = sub->op;
@@ -587,6 +636,9 @@ static void sub_send(ps_sub_t *sub, weft_value_t *msg)
     if (st != WEFT_OK) {
         op_fail(op, st, "ps: table '%s', server %u (rank %d): %s", op->t->l.name, sub->s,
                 ps->servers[sub->s], weft_last_error());
+        if (sub->seq != 0) {
+            push_unsent(op->t, sub->s, sub->seq);
+        }
         op_part_done(op);
         return;
     }
@@ -610,6 +662,9 @@ static void delayed_drop(void *arg, uint64_t data)
     weft_value_free(sub->delayed);
     sub->delayed = NULL;
     op_fail(sub->op, WEFT_ERR_SHUTDOWN, "ps: the agent closed");
+    if (sub->seq != 0) {
+        push_unsent(sub->op->t, sub->s, sub->seq);
+    }
     op_part_done(sub->op);
 }
 
@@ -641,6 +696,7 @@ static weft_status_t op_send(ps_op_t *op, ps_sub_t *sub, const Weft__V1__PsReque
         weft_future_t *dup = NULL;
         if (weft_rpc_async(ps->agent, ps->servers[s], PS_FN, msg, timeout_ms, &dup) == WEFT_OK) {
             weft_future_release(dup);
+            sub->seq = 0; /* the push has left (as its duplicate), whatever happens to it now */
         }
     }
     if (push && ps->fault_delay_us > 0) {
@@ -795,14 +851,14 @@ static weft_status_t dense_op(weft_ps_table_t *t, op_kind_t kind, const weft_ten
             r.chunks = (uint32_t *)sub->chunks;
             if (st == WEFT_OK) {
                 if (grad != NULL) {
-                    r.seq = atomic_fetch_add(&ps->seq[s], 1) + 1;
+                    r.seq = sub->seq = seq_take(ps, s);
                     r.pushes = atomic_fetch_add(&t->pushes[s], 1) + 1;
                 } else {
                     r.pushes = atomic_load(&t->pushes[s]);
                 }
                 st = op_send(op, sub, &r, views, grad != NULL ? n : 0, timeout_ms);
                 if (st != WEFT_OK && grad != NULL) {
-                    atomic_fetch_sub(&t->pushes[s], 1); /* not sent: not counted */
+                    push_unsent(t, s, r.seq);
                 }
             }
             for (size_t i = 0; i < n; i++) {
@@ -908,6 +964,24 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
         op->srv_of[i] = s;
         op->pos_of[i] = (uint32_t)(v - 1);
     }
+    /* A part over its receiver's message limit is refused here, before anything is sent or
+     * numbered: the operation applies nothing. */
+    for (uint32_t s = 0; s < ns && st == WEFT_OK; s++) {
+        /* a push: ids and rows to the server; a pull: the rows back to this rank */
+        int to = kind == OP_PUSH ? ps->servers[s] : ps->rank;
+        uint64_t per_row = (uint64_t)d * sizeof(float) + (kind == OP_PUSH ? sizeof(uint64_t) : 0);
+        uint64_t bytes = (uint64_t)count[s] * per_row + PS_HEADROOM;
+        uint64_t limit = weft_agent_max_message_bytes(ps->agent, to);
+        if (count[s] > 0 && limit > 0 && bytes > limit) {
+            st = weft__set_error(WEFT_ERR_TOO_LARGE,
+                                 "ps: table '%s': a %s of %zu distinct rows makes %llu bytes "
+                                 "for server %u (rank %d), over rank %d's message limit of %llu; "
+                                 "%s fewer ids at a time",
+                                 l->name, kind == OP_PUSH ? "push" : "pull", count[s],
+                                 (unsigned long long)bytes, s, ps->servers[s], to,
+                                 (unsigned long long)limit, kind == OP_PUSH ? "push" : "pull");
+        }
+    }
     for (uint32_t s = 0; s < ns && st == WEFT_OK; s++) {
         if (count[s] == 0) {
             continue;
@@ -940,14 +1014,14 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
         request_init(t, &r, kind == OP_PUSH ? WEFT__V1__PS_OP__PS_PUSH : WEFT__V1__PS_OP__PS_PULL);
         weft_tensor_t *ts[2] = {tid[s], trow[s]};
         if (kind == OP_PUSH) {
-            r.seq = atomic_fetch_add(&ps->seq[s], 1) + 1;
+            r.seq = op->subs[s].seq = seq_take(ps, s);
             r.pushes = atomic_fetch_add(&t->pushes[s], 1) + 1;
         } else {
             r.pushes = atomic_load(&t->pushes[s]);
         }
         st = op_send(op, &op->subs[s], &r, ts, kind == OP_PUSH ? 2 : 1, timeout_ms);
         if (st != WEFT_OK && kind == OP_PUSH) {
-            atomic_fetch_sub(&t->pushes[s], 1);
+            push_unsent(t, s, r.seq);
         }
     }
 

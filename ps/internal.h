@@ -25,6 +25,7 @@
 #define PS_STRIPES       64 /* lock stripes of a sparse table on a server */
 #define PS_MAX_TABLES    1024
 #define PS_DEDUP_WINDOW  4096 /* pushes of one worker that may overtake each other */
+#define PS_SEQ_FREE      64   /* per server: numbers of unsent pushes kept to be used again */
 #define PS_SYNC_AHEAD    64   /* steps a worker's clock may run ahead of a SYNC table */
 #define PS_NAME_MAX      127
 #define PS_DEFAULT_CHUNK ((uint64_t)4 << 20)
@@ -285,6 +286,11 @@ struct weft_ps {
     weft_ps_table_t *tables[PS_MAX_TABLES];
     _Atomic uint32_t n_tables;
     _Atomic uint64_t *seq; /* per server: pushes sent (exactly-once numbering) */
+    /* Per server, numbers taken by pushes that never left this process (a send refused at once):
+     * the next pushes take them again, so the server's window of numbers has no hole. */
+    pthread_mutex_t seq_mu;
+    _Atomic uint32_t *n_seq_free;
+    uint64_t (*seq_free)[PS_SEQ_FREE];
     _Atomic int64_t clock;
     _Atomic bool *server_lost; /* per server */
     bool fault_dup;

@@ -504,11 +504,12 @@ static bool evict_one(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
 /* Makes room for one row of stripe @p s (held) in a table at its capacity: a row of @p s if it
  * has one to give, else of the next stripe that has one and is free now (trylock: a thread holds
  * one stripe at a time, so waiting here could deadlock). Only while every other stripe is busy
- * does the table go past its capacity, by the rows made meanwhile. */
-static void make_room(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
+ * does the table go past its capacity, by the rows made meanwhile (the next rows made evict them).
+ * False when no row could be evicted. */
+static bool make_room(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
 {
     if (evict_one(t, s, keep)) {
-        return;
+        return true;
     }
     size_t b = (size_t)(s - t->stripes);
     for (size_t k = 1; k < PS_STRIPES; k++) {
@@ -519,9 +520,10 @@ static void make_room(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
         bool done = evict_one(t, o, keep);
         pthread_mutex_unlock(&o->mu);
         if (done) {
-            return;
+            return true;
         }
     }
+    return false;
 }
 
 /* The row @p id of stripe @p s (held): made when missing if @p make (counting a push toward
@@ -552,8 +554,10 @@ static ps_cell_t *row_get(ps_stable_t *t, ps_stripe_t *s, uint64_t id, bool make
         }
         weft__ps_map_del(&s->admit, id);
     }
-    if (t->l.spec.capacity > 0 && atomic_load(&t->n_rows) >= t->l.spec.capacity) {
-        make_room(t, s, id);
+    /* Down to one below the capacity: rows made past it meanwhile by another thread, or loaded
+     * from a checkpoint of more servers, go at the next rows made. */
+    while (t->l.spec.capacity > 0 && atomic_load(&t->n_rows) >= t->l.spec.capacity &&
+           make_room(t, s, id)) {
     }
     *st_p = weft__ps_cell_new(&t->l, id, t->l.spec.dim, &c);
     if (*st_p != WEFT_OK) {

@@ -481,6 +481,120 @@ Test(ps, a_table_at_its_capacity_evicts_rows_and_forgets_them, .timeout = 120)
     run_world(capacity_body, 100000);
 }
 
+/* ------------------------------------------------------------------ refused sends */
+
+#define SMALL_LIMIT  (32 << 10) /* the server's message limit */
+#define REFUSED_IDS  1000       /* x (8 + 16 * 4) bytes: over it */
+#define AFTER_PUSHES 4200       /* more than the server's window of push numbers (4096) */
+
+/* Pushes refused before they leave the worker apply nothing and leave nothing behind: a sparse
+ * push over the server's message limit is refused whole, up front; a dense push whose one chunk
+ * is over it is refused by the transport after it was numbered, and its number and count are
+ * given back, so a pull right after does not wait for it and more than a window of pushes later
+ * every push still counts once. */
+static int refused_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *sp, *d;
+    weft_ps_table_spec_init(&s, "rows", WEFT_PS_SPARSE);
+    s.dim = 16;
+    s.init = WEFT_PS_ZEROS;
+    s.optimizer = WEFT_PS_SUM;
+    s.consistency = WEFT_PS_ASYNC;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &sp) == WEFT_OK, "create: %s",
+               weft_last_error());
+    dense_spec(&s, "one_chunk", 16384);
+    s.chunk_bytes = 65536; /* one chunk, over the limit */
+    s.optimizer = WEFT_PS_SUM;
+    s.consistency = WEFT_PS_ASYNC;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &d) == WEFT_OK, "create: %s",
+               weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        return 0;
+    }
+    uint64_t *ids = malloc(REFUSED_IDS * sizeof(*ids));
+    for (int i = 0; i < REFUSED_IDS; i++) {
+        ids[i] = 7 + (uint64_t)i;
+    }
+    int64_t shape[2] = {REFUSED_IDS, 16}, one[2] = {1, 16};
+    weft_tensor_t *rows = NULL, *row = NULL;
+    weft_tensor_create(WEFT_F32, 2, shape, &rows);
+    weft_tensor_create(WEFT_F32, 2, one, &row);
+    float *rp = weft_tensor_data(rows);
+    for (int i = 0; i < REFUSED_IDS * 16; i++) {
+        rp[i] = 1.0f;
+    }
+    weft_status_t st = weft_ps_push_rows(sp, ids, REFUSED_IDS, rows, 20000);
+    RANK_CHECK(st == WEFT_ERR_TOO_LARGE, "an oversized sparse push gave %s: %s",
+               weft_status_name(st), weft_last_error());
+    RANK_CHECK(strstr(weft_last_error(), "message limit") != NULL &&
+                   strstr(weft_last_error(), "'rows'") != NULL,
+               "the refusal does not say why: %s", weft_last_error());
+    weft_tensor_t *grad = filled(16384, 1.0f), *val = zeros(16384);
+    st = weft_ps_push(d, grad, 20000);
+    RANK_CHECK(st == WEFT_ERR_TOO_LARGE, "an oversized dense push gave %s: %s",
+               weft_status_name(st), weft_last_error());
+    /* Not waited for: the pull is answered at once, with nothing applied. */
+    RANK_CHECK(weft_ps_pull(d, val, 20000) == WEFT_OK, "pull after a refused push: %s",
+               weft_last_error());
+    RANK_CHECK(((float *)weft_tensor_data(val))[0] == 0.0f &&
+                   ((float *)weft_tensor_data(val))[16383] == 0.0f,
+               "a refused dense push was applied");
+    /* Nothing of the sparse push either, in pulls small enough to come back. */
+    for (int i = 0; i < REFUSED_IDS; i += 100) {
+        int64_t sh[2] = {100, 16};
+        weft_tensor_t *part = NULL;
+        weft_tensor_create(WEFT_F32, 2, sh, &part);
+        RANK_CHECK(weft_ps_pull_rows(sp, ids + i, 100, part, 20000) == WEFT_OK, "pull: %s",
+                   weft_last_error());
+        const float *pp = weft_tensor_data(part);
+        for (int j = 0; j < 100 * 16; j++) {
+            RANK_CHECK(pp[j] == 0.0f, "a refused sparse push was applied to id %d",
+                       7 + i + j / 16);
+        }
+        weft_tensor_release(part);
+    }
+    /* More than a window of pushes after the dense one's number was given back: each counts. */
+    float *op = weft_tensor_data(row);
+    for (int j = 0; j < 16; j++) {
+        op[j] = 1.0f;
+    }
+    for (int k = 0; k < AFTER_PUSHES; k++) {
+        st = weft_ps_push_rows(sp, ids, 1, row, 20000);
+        RANK_CHECK(st == WEFT_OK, "push %d after the refused ones: %s", k, weft_last_error());
+    }
+    RANK_CHECK(weft_ps_pull_rows(sp, ids, 1, row, 20000) == WEFT_OK, "pull: %s",
+               weft_last_error());
+    RANK_CHECK(op[0] == (float)AFTER_PUSHES && op[15] == (float)AFTER_PUSHES,
+               "id 7 is %g after %d pushes of 1", (double)op[0], AFTER_PUSHES);
+    weft_ps_load_t load;
+    RANK_CHECK(weft_ps_table_stats(sp, &load, 20000) == WEFT_OK, "stats: %s", weft_last_error());
+    RANK_CHECK(load.pushes == AFTER_PUSHES && load.duplicates == 0,
+               "the server counted %llu pushes, %llu duplicates", (unsigned long long)load.pushes,
+               (unsigned long long)load.duplicates);
+    free(ids);
+    weft_tensor_release(grad);
+    weft_tensor_release(val);
+    weft_tensor_release(rows);
+    weft_tensor_release(row);
+    return 0;
+}
+
+Test(ps, pushes_refused_before_they_leave_apply_nothing_and_leave_nothing_behind,
+     .timeout = 120)
+{
+    roles(1, 1);
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, refused_body);
+    o.setup = ps_setup;
+    o.deadline_ms = 100000;
+    o.max_message_bytes = SMALL_LIMIT;
+    o.max_message_bytes_rank1 = (uint64_t)64 << 20; /* the worker's own */
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 /* ------------------------------------------------------------------ bad input */
 
 /* A request as a raw caller would send it. */
