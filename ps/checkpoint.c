@@ -3,13 +3,14 @@
  * weft_ps_save: every worker sends SAVE (its clock and its pushes so far per table) to every
  * server. A server gathers all of them, then a thread of its own waits for the fence (every push
  * the workers announced is applied; SYNC: the step is applied), writes each table's shard to
- * "<name>.s<server>.v<version>.tmp", renames it to ".bin" and answers with the files, their row
- * counts and CRC32C. The first worker then writes MANIFEST.tmp and renames it to MANIFEST, and
- * removes the files of other versions: until that rename the previous MANIFEST and its files are
- * whole. The other workers' answers wait on each server until the first worker's COMMIT says the
+ * "<name>.s<server>.v<version>[.r<k>].bin.tmp" (the first such name no file has), renames it to
+ * ".bin" and answers with the files, their row counts and CRC32C. The first worker then writes
+ * MANIFEST.tmp and renames it to MANIFEST, and removes the shard files it does not name: until
+ * that rename the previous MANIFEST and its files are whole. The other workers' answers wait on each server until the first worker's COMMIT says the
  * MANIFEST is written (or why not): a save returns OK only once the checkpoint exists, and fails
- * with PEER_LOST if the first worker is lost before it commits. weft_ps_load: every worker sends LOAD; each server reads the MANIFEST and every file of
- * its tables, checks their CRC32C, and keeps the chunks and rows it holds under today's map.
+ * with PEER_LOST if the first worker is lost before it commits. weft_ps_load: every worker sends
+ * LOAD; each server reads the MANIFEST and every file of its tables, checks their CRC32C, and
+ * keeps the chunks and rows it holds under today's map.
  *
  * A shard file, little-endian: "WEFTPSS1", u32 format (1), u32 kind, u32 dtype, u32 n_state,
  * i64 elements per record (dense: the chunk's length varies: see the record), u64 records, then
@@ -113,18 +114,38 @@ static void put_cell(wfile_t *w, const ps_layout_t *l, const ps_cell_t *c)
 }
 
 /* Writes this server's shard of @p t; fills @p sf. */
-static weft_status_t write_shard(ps_stable_t *t, const char *dir, uint64_t version,
+static weft_status_t write_shard(ps_stable_t *t, const char *dir, uint64_t version, bool die,
                                  Weft__V1__PsShardFile *sf, char *why, size_t n)
 {
     const ps_layout_t *l = &t->l;
     char name[PS_NAME_MAX + 64], tmp[4096], fin[4096];
-    snprintf(name, sizeof(name), "%s.s%u.v%llu.bin", l->name, t->me, (unsigned long long)version);
+    /* A name no file has: a second save at the same clock (an ASYNC table saved with no clock in
+     * between) must not rename over the files the current MANIFEST names before the new one is
+     * written. */
+    for (unsigned k = 0;; k++) {
+        if (k == 0) {
+            snprintf(name, sizeof(name), "%s.s%u.v%llu.bin", l->name, t->me,
+                     (unsigned long long)version);
+        } else {
+            snprintf(name, sizeof(name), "%s.s%u.v%llu.r%u.bin", l->name, t->me,
+                     (unsigned long long)version, k);
+        }
+        snprintf(fin, sizeof(fin), "%s/%s", dir, name);
+        if (access(fin, F_OK) != 0) {
+            break;
+        }
+    }
     snprintf(tmp, sizeof(tmp), "%s/%s.tmp", dir, name);
-    snprintf(fin, sizeof(fin), "%s/%s", dir, name);
     wfile_t w = {fopen(tmp, "wb"), 0, 0, true};
     if (w.f == NULL) {
         snprintf(why, n, "ps: cannot write %.300s: %s", tmp, strerror(errno));
         return WEFT_ERR_IO;
+    }
+    /* Every stripe held while the shard is written (t->mu is): the counts in the header are the
+     * records that follow, and a pull or push from another thread of a worker meanwhile (one
+     * that makes a row, or replaces a dense chunk's value) waits for the file. */
+    for (int i = 0; i < PS_STRIPES; i++) {
+        pthread_mutex_lock(&t->stripes[i].mu);
     }
     uint64_t records = 0;
     if (l->spec.kind == WEFT_PS_DENSE) {
@@ -153,7 +174,6 @@ static weft_status_t write_shard(ps_stable_t *t, const char *dir, uint64_t versi
     } else {
         for (int i = 0; i < PS_STRIPES; i++) {
             ps_stripe_t *s = &t->stripes[i];
-            pthread_mutex_lock(&s->mu);
             size_t pos = 0;
             uint64_t key;
             void *val;
@@ -161,18 +181,17 @@ static weft_status_t write_shard(ps_stable_t *t, const char *dir, uint64_t versi
                 put_cell(&w, l, val);
             }
             admits += s->admit.n;
-            pthread_mutex_unlock(&s->mu);
         }
     }
-    if (weft__cfg_int(WEFT__CFG_PS_FAULT_SAVE_EXIT) == (int64_t)version) {
-        /* A server killed half-way through a save: the file stays a .tmp, the MANIFEST old. */
+    if (die) {
+        /* A server killed half-way through a save: the files of the tables before are written,
+         * this one stays a .tmp, the MANIFEST old. */
         fflush(w.f);
         _exit(9);
     }
     put_u64(&w, admits);
     for (int i = 0; i < PS_STRIPES && admits > 0; i++) {
         ps_stripe_t *s = &t->stripes[i];
-        pthread_mutex_lock(&s->mu);
         size_t pos = 0;
         uint64_t key;
         void *val;
@@ -180,7 +199,9 @@ static weft_status_t write_shard(ps_stable_t *t, const char *dir, uint64_t versi
             put_u64(&w, key);
             put_u64(&w, (uint64_t)(uintptr_t)val);
         }
-        pthread_mutex_unlock(&s->mu);
+    }
+    for (int i = PS_STRIPES - 1; i >= 0; i--) {
+        pthread_mutex_unlock(&t->stripes[i].mu);
     }
     bool ok = w.ok && fflush(w.f) == 0 && fsync(fileno(w.f)) == 0;
     ok = fclose(w.f) == 0 && ok;
@@ -440,6 +461,7 @@ static weft_status_t do_save(ps_server_t *srv, Weft__V1__PsRequest **reqs, uint3
         snprintf(why, n, "ps: cannot make %.300s: %s", dir, strerror(errno));
         return WEFT_ERR_IO;
     }
+    srv->saves++; /* only this thread saves */
     /* The fence: every push announced by the workers is applied. Workers wait in their save. */
     int64_t deadline = weft__now_ns() + (int64_t)600 * 1000000000;
     while (!fence_reached(srv, reqs, n_tables)) {
@@ -473,7 +495,9 @@ static weft_status_t do_save(ps_server_t *srv, Weft__V1__PsRequest **reqs, uint3
         rep->files[rep->n_files++] = sf;
         ps_stable_t *t = srv->tables[i];
         pthread_mutex_lock(&t->mu);
-        weft_status_t st = write_shard(t, dir, reqs[0]->version, sf, why, n);
+        bool die = i + 1 == n_tables &&
+                   weft__cfg_int(WEFT__CFG_PS_FAULT_SAVE_EXIT) == srv->saves; /* test hook */
+        weft_status_t st = write_shard(t, dir, reqs[0]->version, die, sf, why, n);
         pthread_mutex_unlock(&t->mu);
         if (st != WEFT_OK) {
             return st;
@@ -499,17 +523,18 @@ static weft_status_t do_load(ps_server_t *srv, Weft__V1__PsRequest **reqs, uint3
                 mid = (int64_t)k;
             }
         }
-        if (mid < 0) {
-            continue; /* a table the checkpoint does not have keeps its initial values */
-        }
         pthread_mutex_lock(&t->mu);
-        weft__ps_stable_drop_rows(t);
-        for (size_t k = 0; k < m->n_files && st == WEFT_OK; k++) {
-            if (m->files[k]->table == (uint32_t)mid) {
-                st = load_file(t, reqs[0]->dir, m->files[k], why, n);
+        if (mid >= 0) { /* a table the checkpoint does not have keeps its values */
+            weft__ps_stable_drop_rows(t);
+            for (size_t k = 0; k < m->n_files && st == WEFT_OK; k++) {
+                if (m->files[k]->table == (uint32_t)mid) {
+                    st = load_file(t, reqs[0]->dir, m->files[k], why, n);
+                }
             }
         }
-        /* The workers resume at the checkpoint's clock; what they send from now is counted. */
+        /* The workers resume at the checkpoint's clock, in every table (one the checkpoint does
+         * not have too: its SYNC steps and BOUNDED pulls follow the workers' clocks); what they
+         * send from now is counted. */
         for (uint32_t w = 0; w < t->l.n_workers; w++) {
             t->clock[w] = m->clock;
             t->ann[w] = t->recv[w];
@@ -880,20 +905,25 @@ static weft_status_t ckpt_all(weft_ps_t *ps, Weft__V1__PsOp op, const char *dir,
     return st;
 }
 
-static void remove_other_versions(const char *dir, uint64_t version)
+/* Removes the shard files (".bin" with a ".v" in the name) the MANIFEST just written does not
+ * name, and every ".tmp": earlier checkpoints and saves that did not finish. */
+static void remove_unlisted(const char *dir, Weft__V1__PsShardFile *const *files, size_t nf)
 {
-    char keep[64];
-    snprintf(keep, sizeof(keep), ".v%llu.bin", (unsigned long long)version);
     DIR *d = opendir(dir);
     if (d == NULL) {
         return;
     }
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
-        size_t n = strlen(e->d_name), k = strlen(keep);
+        size_t n = strlen(e->d_name);
         bool shard = n > 4 && strcmp(e->d_name + n - 4, ".bin") == 0 && strstr(e->d_name, ".v");
         bool tmp = n > 4 && strcmp(e->d_name + n - 4, ".tmp") == 0;
-        if ((shard && (n < k || strcmp(e->d_name + n - k, keep) != 0)) || tmp) {
+        for (size_t k = 0; shard && k < nf; k++) {
+            if (strcmp(files[k]->file, e->d_name) == 0) {
+                shard = false; /* the checkpoint's own */
+            }
+        }
+        if (shard || tmp) {
             char path[4096];
             snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
             unlink(path);
@@ -1009,7 +1039,7 @@ weft_status_t weft_ps_save(weft_ps_t *ps, const char *dir, int64_t timeout_ms)
                     st = weft__set_error(WEFT_ERR_IO, "ps: writing %s failed: %s", fin,
                                          strerror(errno));
                 } else {
-                    remove_other_versions(dir, m.version);
+                    remove_unlisted(dir, files, nf);
                 }
             }
             weft_free(buf);

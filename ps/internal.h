@@ -253,6 +253,7 @@ typedef struct ps_server {
     bool ckpt_running;
     pthread_t ckpt_thread;
     bool ckpt_joinable;
+    int64_t saves; /* saves this server began (WEFT_PS_FAULT_SAVE_EXIT counts them) */
 } ps_server_t;
 
 weft_status_t weft__ps_server_new(weft_ps_t *ps, ps_server_t **srv_p);

@@ -993,7 +993,7 @@ Test(ps, a_server_killed_during_a_save_leaves_the_previous_checkpoint_loadable, 
 {
     tmpdir("kill");
     roles(2, 2);
-    setenv("WEFT_PS_FAULT_SAVE_EXIT", "4", 1);
+    setenv("WEFT_PS_FAULT_SAVE_EXIT", "2", 1); /* the save at clock 4, the servers' second */
     ranks_opts_t o;
     int codes[4];
     ranks_opts_init(&o, 4, kill_save_body);
@@ -1007,6 +1007,161 @@ Test(ps, a_server_killed_during_a_save_leaves_the_previous_checkpoint_loadable, 
     cr_assert(codes[2] == 0 && codes[3] == 0, "workers: %d %d", codes[2], codes[3]);
     unsetenv("WEFT_PS_FAULT_SAVE_EXIT");
     run_world(after_kill_body, 100000);
+    rmdir_all();
+}
+
+/* Two ASYNC tables saved twice at the same clock (no clock in between, as an ASYNC job does),
+ * the second save killed on the server after the first table's file is written: the first
+ * checkpoint must still load, bit for bit (its files must not have been renamed over). */
+#define SC_N 3000
+
+static void sc_tables(weft_ps_table_t **t1, weft_ps_table_t **t2)
+{
+    weft_ps_table_spec_t s;
+    dense_spec(&s, "first", SC_N);
+    s.consistency = WEFT_PS_ASYNC;
+    s.optimizer = WEFT_PS_SUM;
+    cr_assert_eq(weft_ps_table_create(PS, &s, 20000, t1), WEFT_OK, "%s", weft_last_error());
+    dense_spec(&s, "second", SC_N);
+    s.consistency = WEFT_PS_ASYNC;
+    s.optimizer = WEFT_PS_SUM;
+    cr_assert_eq(weft_ps_table_create(PS, &s, 20000, t2), WEFT_OK, "%s", weft_last_error());
+}
+
+static int same_clock_kill_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_t *t1, *t2;
+    sc_tables(&t1, &t2);
+    if (!weft_ps_is_worker(PS)) {
+        (void)weft_ps_finish(PS, 60000);
+        return 0;
+    }
+    weft_tensor_t *g = filled(SC_N, 1.5f);
+    RANK_CHECK(weft_ps_push(t1, g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+    RANK_CHECK(weft_ps_push(t2, g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+    RANK_CHECK(weft_ps_save(PS, g_dir, 30000) == WEFT_OK, "save: %s", weft_last_error());
+    /* Other values, the same clock: the server dies writing "second", after "first". */
+    RANK_CHECK(weft_ps_push(t1, g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+    RANK_CHECK(weft_ps_push(t2, g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+    weft_status_t st = weft_ps_save(PS, g_dir, 30000);
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "a save whose server died: %s: %s", weft_strerror(st),
+               weft_last_error());
+    weft_tensor_release(g);
+    (void)weft_ps_finish(PS, 10000);
+    return 0;
+}
+
+static int same_clock_load_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_t *t1, *t2;
+    sc_tables(&t1, &t2);
+    if (!weft_ps_is_worker(PS)) {
+        return weft_ps_finish(PS, 60000) == WEFT_OK ? 0 : 1;
+    }
+    RANK_CHECK(weft_ps_load(PS, g_dir, 30000) == WEFT_OK, "the first checkpoint: %s",
+               weft_last_error());
+    weft_tensor_t *v = zeros(SC_N);
+    weft_ps_table_t *ts[2] = {t1, t2};
+    for (int k = 0; k < 2; k++) {
+        RANK_CHECK(weft_ps_pull(ts[k], v, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+        const float *p = weft_tensor_data(v);
+        for (int i = 0; i < SC_N; i++) {
+            RANK_CHECK(p[i] == 1.5f, "table %d, element %d: %g, not the first save's 1.5", k, i,
+                       (double)p[i]);
+        }
+    }
+    weft_tensor_release(v);
+    RANK_CHECK(weft_ps_finish(PS, 30000) == WEFT_OK, "finish: %s", weft_last_error());
+    return 0;
+}
+
+Test(ps, a_save_killed_at_the_clock_of_the_last_leaves_that_checkpoint_loadable, .timeout = 240)
+{
+    tmpdir("same_clock");
+    roles(1, 1);
+    setenv("WEFT_PS_FAULT_SAVE_EXIT", "2", 1);
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, same_clock_kill_body);
+    o.setup = ps_setup;
+    o.deadline_ms = 100000;
+    o.no_shutdown = 1;
+    ranks_run(&o, codes);
+    cr_assert(codes[0] == 9, "the server exits 9 in the second save: %d", codes[0]);
+    cr_assert(codes[1] == 0, "worker: %d", codes[1]);
+    unsetenv("WEFT_PS_FAULT_SAVE_EXIT");
+    run_world(same_clock_load_body, 100000);
+    rmdir_all();
+}
+
+/* A checkpoint loaded into a job with a SYNC table it does not have: that table keeps its values
+ * and its steps go on from the checkpoint's clock, as the loaded table's do. */
+static void nt_table(const char *name, weft_ps_table_t **t)
+{
+    weft_ps_table_spec_t s;
+    dense_spec(&s, name, 64);
+    s.consistency = WEFT_PS_SYNC;
+    s.optimizer = WEFT_PS_SUM;
+    cr_assert_eq(weft_ps_table_create(PS, &s, 20000, t), WEFT_OK, "%s", weft_last_error());
+}
+
+/* One SYNC step of SUM on @p t: push @p g, clock, pull; the value must be @p want everywhere. */
+static int nt_step(weft_ps_table_t *t, float g, float want)
+{
+    weft_tensor_t *gt = filled(64, g), *v = zeros(64);
+    RANK_CHECK(weft_ps_push(t, gt, 20000) == WEFT_OK, "push: %s", weft_last_error());
+    RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull(t, v, 20000) == WEFT_OK, "pull at clock %lld: %s",
+               (long long)weft_ps_worker_clock(PS), weft_last_error());
+    RANK_CHECK(((float *)weft_tensor_data(v))[63] == want, "%g, not %g",
+               (double)((float *)weft_tensor_data(v))[63], (double)want);
+    weft_tensor_release(gt);
+    weft_tensor_release(v);
+    return 0;
+}
+
+static int nt_save_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_t *t;
+    nt_table("saved", &t);
+    if (!weft_ps_is_worker(PS)) {
+        return weft_ps_finish(PS, 60000) == WEFT_OK ? 0 : 1;
+    }
+    for (int k = 0; k < 3; k++) {
+        RANK_CHECK(nt_step(t, 2.0f, 2.0f) == 0, "step %d", k); /* a SYNC SUM's value: the sum */
+    }
+    RANK_CHECK(weft_ps_save(PS, g_dir, 30000) == WEFT_OK, "save: %s", weft_last_error());
+    RANK_CHECK(weft_ps_finish(PS, 30000) == WEFT_OK, "finish: %s", weft_last_error());
+    return 0;
+}
+
+static int nt_load_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_t *t, *fresh;
+    nt_table("saved", &t);
+    nt_table("fresh", &fresh);
+    if (!weft_ps_is_worker(PS)) {
+        return weft_ps_finish(PS, 60000) == WEFT_OK ? 0 : 1;
+    }
+    RANK_CHECK(weft_ps_load(PS, g_dir, 30000) == WEFT_OK, "load: %s", weft_last_error());
+    RANK_CHECK(weft_ps_worker_clock(PS) == 3, "clock %lld after the load",
+               (long long)weft_ps_worker_clock(PS));
+    RANK_CHECK(nt_step(fresh, 5.0f, 5.0f) == 0, "a step of the table the checkpoint lacks");
+    RANK_CHECK(nt_step(t, 1.0f, 1.0f) == 0, "a step of the loaded table");
+    RANK_CHECK(weft_ps_finish(PS, 30000) == WEFT_OK, "finish: %s", weft_last_error());
+    return 0;
+}
+
+Test(ps, a_table_a_checkpoint_lacks_steps_on_from_its_clock, .timeout = 120)
+{
+    tmpdir("new_table");
+    roles(1, 1);
+    run_world(nt_save_body, 60000);
+    run_world(nt_load_body, 60000);
     rmdir_all();
 }
 
