@@ -1148,6 +1148,17 @@ static void handle_data(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest
         atomic_fetch_add(&t->pushes, 1);
     }
     if (push && t->l.spec.consistency != WEFT_PS_SYNC) {
+        /* A failed table (a BOUNDED one that lost a worker) applies nothing more: checked before
+         * the push is applied, which is done outside t->mu (stripes only, in parallel). */
+        pthread_mutex_lock(&t->mu);
+        st = t->failed;
+        if (st != WEFT_OK) {
+            snprintf(why, sizeof(why), "%s", t->failed_why);
+        }
+        pthread_mutex_unlock(&t->mu);
+        if (st != WEFT_OK) {
+            goto fail;
+        }
         st = take_push(t, req, args, false);
         if (st != WEFT_OK) {
             snprintf(why, sizeof(why), "%s", weft_last_error());

@@ -1304,12 +1304,16 @@ Test(ps, a_lost_server_fails_every_workers_operations_naming_the_table, .timeout
 
 /* SYNC with a worker that dies after a step: the other worker's next step fails with PEER_LOST
  * naming the lost worker (never a hang), and the server's finish reports it. */
+/* @p arg: the table's consistency (NULL: SYNC); BOUNDED with a staleness of 1. */
 static int lost_worker_body(weft_agent_t *a, int rank, int world, void *arg)
 {
-    (void)a, (void)world, (void)arg;
+    (void)a, (void)world;
     weft_ps_table_spec_t s;
     weft_ps_table_t *t;
+    weft_ps_consistency_t mode = arg != NULL ? *(const weft_ps_consistency_t *)arg : WEFT_PS_SYNC;
     dense_spec(&s, "w", 500);
+    s.consistency = mode;
+    s.staleness = 1;
     RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &t) == WEFT_OK, "create: %s", weft_last_error());
     if (!weft_ps_is_worker(PS)) {
         weft_status_t st = weft_ps_finish(PS, 60000);
@@ -1336,15 +1340,22 @@ static int lost_worker_body(weft_agent_t *a, int rank, int world, void *arg)
             st = weft_ps_clock(PS, 60000);
         }
     }
-    RANK_CHECK(st == WEFT_ERR_PEER_LOST && strstr(weft_last_error(), "worker 1 (rank 2)") != NULL,
-               "%s: %s", weft_strerror(st), weft_last_error());
+    if (mode == WEFT_PS_ASYNC) {
+        /* ASYNC goes on without it. */
+        RANK_CHECK(st == WEFT_OK, "an ASYNC table after a lost worker: %s: %s", weft_strerror(st),
+                   weft_last_error());
+    } else {
+        RANK_CHECK(st == WEFT_ERR_PEER_LOST &&
+                       strstr(weft_last_error(), "worker 1 (rank 2)") != NULL,
+                   "%s: %s", weft_strerror(st), weft_last_error());
+    }
     RANK_CHECK(weft_ps_finish(PS, 20000) == WEFT_OK, "finish: %s", weft_last_error());
     weft_tensor_release(v);
     weft_tensor_release(g);
     return 0;
 }
 
-Test(ps, a_lost_worker_fails_the_sync_step_for_the_others, .timeout = 120)
+static void lost_worker_world(weft_ps_consistency_t mode)
 {
     roles(1, 2);
     ranks_opts_t o;
@@ -1354,9 +1365,25 @@ Test(ps, a_lost_worker_fails_the_sync_step_for_the_others, .timeout = 120)
     o.deadline_ms = 100000;
     o.handler_threads = 2;
     o.no_shutdown = 1;
+    o.arg = &mode;
     ranks_run(&o, codes);
     cr_assert(codes[0] == 0 && codes[1] == 0 && codes[2] == 5, "codes %d %d %d", codes[0], codes[1],
               codes[2]);
+}
+
+Test(ps, a_lost_worker_fails_the_sync_step_for_the_others, .timeout = 120)
+{
+    lost_worker_world(WEFT_PS_SYNC);
+}
+
+Test(ps, a_lost_worker_fails_a_bounded_table_for_the_others, .timeout = 120)
+{
+    lost_worker_world(WEFT_PS_BOUNDED);
+}
+
+Test(ps, an_async_table_goes_on_without_a_lost_worker, .timeout = 120)
+{
+    lost_worker_world(WEFT_PS_ASYNC);
 }
 
 /* ------------------------------------------------------------------ pulls never torn */
