@@ -917,6 +917,10 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
         return weft__set_error(WEFT_ERR_DTYPE, "ps: table '%s': rows are %s, not f32", l->name,
                                weft_dtype_name(weft_tensor_dtype(x)));
     }
+    if (weft_tensor_device(x).type != WEFT_DEVICE_CPU) {
+        return weft__set_error(WEFT_ERR_UNSUPPORTED, "ps: table '%s': the rows are not on the CPU",
+                               l->name);
+    }
     if (weft_tensor_ndim(x) != 2 || weft_tensor_shape(x)[0] != (int64_t)n ||
         weft_tensor_shape(x)[1] != d) {
         return weft__set_error(WEFT_ERR_SHAPE, "ps: table '%s': rows must be [%zu, %lld]", l->name,

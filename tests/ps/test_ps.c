@@ -657,6 +657,25 @@ static int bad_body(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(weft_ps_push_rows(d, ok_ids, 2, rows, 1000) == WEFT_ERR_INVALID_ARG,
                "rows to a dense table");
     RANK_CHECK(weft_ps_push(sp, g, 1000) == WEFT_ERR_INVALID_ARG, "a tensor to a sparse table");
+    /* Tensors that say they live on a device (host bytes here, never read). */
+    weft_device_t gpu = {WEFT_DEVICE_CUDA, 0};
+    weft_tensor_t *on_gpu = NULL, *rows_gpu = NULL;
+    int64_t n300 = 300;
+    RANK_CHECK(weft_tensor_wrap(WEFT_F32, 1, &n300, weft_tensor_data(g), 300 * 4, gpu, NULL, NULL,
+                                &on_gpu) == WEFT_OK &&
+                   weft_tensor_wrap(WEFT_F32, 2, sh, weft_tensor_data(rows), 6 * 4, gpu, NULL,
+                                    NULL, &rows_gpu) == WEFT_OK,
+               "wrap: %s", weft_last_error());
+    RANK_CHECK(weft_ps_push(d, on_gpu, 1000) == WEFT_ERR_UNSUPPORTED &&
+                   strstr(weft_last_error(), "CPU") != NULL,
+               "a device gradient: %s", weft_last_error());
+    RANK_CHECK(weft_ps_push_rows(sp, ok_ids, 2, rows_gpu, 1000) == WEFT_ERR_UNSUPPORTED &&
+                   strstr(weft_last_error(), "CPU") != NULL,
+               "device rows: %s", weft_last_error());
+    RANK_CHECK(weft_ps_pull_rows(sp, ok_ids, 2, rows_gpu, 1000) == WEFT_ERR_UNSUPPORTED,
+               "a pull into device rows: %s", weft_last_error());
+    weft_tensor_release(on_gpu);
+    weft_tensor_release(rows_gpu);
     /* Server-side checks of raw requests. */
     Weft__V1__PsRequest r = WEFT__V1__PS_REQUEST__INIT;
     r.op = WEFT__V1__PS_OP__PS_PUSH;
