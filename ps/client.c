@@ -1095,6 +1095,15 @@ weft_status_t weft_ps_pull(weft_ps_table_t *t, weft_tensor_t *dst, int64_t timeo
 weft_status_t weft_ps_push_pull(weft_ps_table_t *t, const weft_tensor_t *grad, weft_tensor_t *dst,
                                 int64_t timeout_ms)
 {
+    if (t != NULL && t->l.spec.consistency == WEFT_PS_SYNC) {
+        /* Its pull waits for the step the push is in, which this worker's clock ends: a clock
+         * that would come only after the wait. */
+        return weft__set_error(WEFT_ERR_INVALID_STATE,
+                               "ps: table '%s' is SYNC: its push_pull's pull waits for the step "
+                               "to end, which this worker's clock does; call "
+                               "weft_ps_push_pull_async, then weft_ps_clock, then wait",
+                               t->l.name);
+    }
     weft_future_t *f = NULL;
     weft_status_t st = weft_ps_push_pull_async(t, grad, dst, timeout_ms, &f);
     return wait_op(st, &f);

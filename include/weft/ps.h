@@ -187,7 +187,9 @@ WEFT_API weft_status_t weft_ps_pull_rows_async(weft_ps_table_t *t, const uint64_
                                                weft_tensor_t *rows, int64_t timeout_ms,
                                                weft_future_t **f_p);
 
-/** Blocking forms: wait for the future; the error text is in weft_last_error(). */
+/** Blocking forms: wait for the future; the error text is in weft_last_error(). weft_ps_push_pull
+ * on a SYNC table is WEFT_ERR_INVALID_STATE: its pull waits for the step the caller's own clock
+ * ends (use the async form, weft_ps_clock, then wait). */
 WEFT_API weft_status_t weft_ps_push(weft_ps_table_t *t, const weft_tensor_t *grad,
                                     int64_t timeout_ms);
 WEFT_API weft_status_t weft_ps_pull(weft_ps_table_t *t, weft_tensor_t *dst, int64_t timeout_ms);

@@ -403,6 +403,62 @@ Test(ps, sparse_rows_follow_cores_adagrad_bit_for_bit, .timeout = 120)
     run_world(sparse_body, 100000);
 }
 
+/* ------------------------------------------------------------------ push_pull */
+
+/* push_pull answers with the value its push is part of: ASYNC at once (blocking form), SYNC once
+ * the step ends (async form, then the clock, then the wait). */
+static int push_pull_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    weft_ps_table_spec_t s;
+    weft_ps_table_t *as, *sy;
+    dense_spec(&s, "as", 700);
+    s.consistency = WEFT_PS_ASYNC;
+    s.optimizer = WEFT_PS_SUM;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &as) == WEFT_OK, "create: %s",
+               weft_last_error());
+    dense_spec(&s, "sy", 700);
+    s.consistency = WEFT_PS_SYNC;
+    s.optimizer = WEFT_PS_SGD;
+    s.sgd.lr = 0.5;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &sy) == WEFT_OK, "create: %s",
+               weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        return weft_ps_finish(PS, 60000) == WEFT_OK ? 0 : 1;
+    }
+    int w = weft_ps_worker_index(PS);
+    weft_tensor_t *g = filled(700, 1.0f + (float)w), *v = zeros(700);
+    const float *p = weft_tensor_data(v);
+    /* ASYNC SUM: the value after this worker's push includes it (the other's may or may not). */
+    RANK_CHECK(weft_ps_push_pull(as, g, v, 20000) == WEFT_OK, "push_pull: %s", weft_last_error());
+    RANK_CHECK(p[0] == 1.0f + (float)w || p[0] == 3.0f, "ASYNC push_pull gave %g", (double)p[0]);
+    RANK_CHECK(p[699] == p[0], "a torn answer: %g and %g", (double)p[0], (double)p[699]);
+    /* SYNC SGD lr 0.5 on the mean of 1 and 2: each step subtracts 0.75. */
+    for (int k = 1; k <= 3; k++) {
+        weft_future_t *f = NULL;
+        RANK_CHECK(weft_ps_push_pull_async(sy, g, v, 20000, &f) == WEFT_OK, "push_pull: %s",
+                   weft_last_error());
+        RANK_CHECK(weft_ps_clock(PS, 20000) == WEFT_OK, "clock: %s", weft_last_error());
+        RANK_CHECK(weft_future_wait(f, -1) == WEFT_OK && weft_future_status(f) == WEFT_OK,
+                   "step %d: %s", k, weft_future_error(f));
+        weft_future_release(f);
+        for (int i = 0; i < 700; i++) {
+            RANK_CHECK(p[i] == -0.75f * (float)k, "step %d, element %d: %g, not %g", k, i,
+                       (double)p[i], -0.75 * k);
+        }
+    }
+    weft_tensor_release(g);
+    weft_tensor_release(v);
+    RANK_CHECK(weft_ps_finish(PS, 30000) == WEFT_OK, "finish: %s", weft_last_error());
+    return 0;
+}
+
+Test(ps, push_pull_answers_with_the_value_its_push_is_part_of, .timeout = 120)
+{
+    roles(1, 2);
+    run_world(push_pull_body, 100000);
+}
+
 /* ------------------------------------------------------------------ capacity */
 
 #define CAP_ROWS 8
@@ -633,6 +689,11 @@ static int bad_body(weft_agent_t *a, int rank, int world, void *arg)
                weft_last_error());
     /* A second table of the same name. */
     RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &sp) == WEFT_ERR_ALREADY_EXISTS, "twice");
+    weft_ps_table_t *sy;
+    dense_spec(&s, "sy", 300);
+    s.consistency = WEFT_PS_SYNC;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &sy) == WEFT_OK, "create: %s",
+               weft_last_error());
     if (!weft_ps_is_worker(PS)) {
         /* A server is not a worker. */
         weft_tensor_t *v = zeros(300);
@@ -657,6 +718,10 @@ static int bad_body(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(weft_ps_push_rows(d, ok_ids, 2, rows, 1000) == WEFT_ERR_INVALID_ARG,
                "rows to a dense table");
     RANK_CHECK(weft_ps_push(sp, g, 1000) == WEFT_ERR_INVALID_ARG, "a tensor to a sparse table");
+    /* A blocking push_pull on a SYNC table would wait for its own clock: refused at once. */
+    RANK_CHECK(weft_ps_push_pull(sy, g, v, 60000) == WEFT_ERR_INVALID_STATE &&
+                   strstr(weft_last_error(), "weft_ps_push_pull_async") != NULL,
+               "a blocking SYNC push_pull: %s", weft_last_error());
     /* Tensors that say they live on a device (host bytes here, never read). */
     weft_device_t gpu = {WEFT_DEVICE_CUDA, 0};
     weft_tensor_t *on_gpu = NULL, *rows_gpu = NULL;
