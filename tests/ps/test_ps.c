@@ -403,6 +403,195 @@ Test(ps, sparse_rows_follow_cores_adagrad_bit_for_bit, .timeout = 120)
     run_world(sparse_body, 100000);
 }
 
+/* ------------------------------------------------------------------ optimizers */
+
+#define OPT_N     300
+#define OPT_DIM   8
+#define OPT_STEPS 5
+
+typedef struct {
+    const char *name;
+    weft_ps_optimizer_t opt;
+    weft_dtype_t dtype;
+    weft_optim_sgd_config_t sgd;
+    weft_optim_adam_config_t adam;
+} opt_case_t;
+
+static float opt_grad(int k, int i)
+{
+    return sinf((float)(i * 3 + k * 17)) * 0.5f + (float)(k % 3) * 0.125f;
+}
+
+/* Rounds @p p through the table's storage dtype, as the server stores it. */
+static void opt_store(float *p, int64_t n, weft_dtype_t dt)
+{
+    for (int64_t i = 0; dt == WEFT_F16 && i < n; i++) {
+        p[i] = weft_f16_to_f32(weft_f32_to_f16(p[i]));
+    }
+}
+
+/* One reference step of core's kernel for case @p c on [n] values. */
+static int opt_ref_step(const opt_case_t *c, weft_tensor_t *p, weft_tensor_t *g, weft_tensor_t **st,
+                        int64_t step)
+{
+    switch (c->opt) {
+    case WEFT_PS_SGD:
+        return weft_optim_sgd_step(&c->sgd, p, g, st[0], step) == WEFT_OK ? 0 : 1;
+    case WEFT_PS_ADAM:
+        return weft_optim_adam_step(&c->adam, p, g, st[0], st[1], st[2], step) == WEFT_OK ? 0 : 1;
+    case WEFT_PS_ADAMW:
+        return weft_optim_adamw_step(&c->adam, p, g, st[0], st[1], st[2], step) == WEFT_OK ? 0 : 1;
+    default:
+        return 1;
+    }
+}
+
+/* Every server-side optimizer configuration the tests did not reach: dense SGD with Nesterov
+ * momentum and weight decay, SGD with dampening, Adam with AMSGrad, AdamW, Adam on f16 storage,
+ * and sparse rows under lazy row-wise Adam (each row its own step count: rows pushed at different
+ * rates). Each equals core's kernels applied in the same order, bit for bit. */
+static int optimizers_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)a, (void)rank, (void)world, (void)arg;
+    opt_case_t cases[5];
+    memset(cases, 0, sizeof(cases));
+    const char *names[5] = {"sgd_nesterov", "sgd_dampening", "adam_ams", "adamw", "adam_f16"};
+    for (int c = 0; c < 5; c++) {
+        cases[c].name = names[c];
+        cases[c].dtype = c == 4 ? WEFT_F16 : WEFT_F32;
+        cases[c].opt = c < 2 ? WEFT_PS_SGD : c == 3 ? WEFT_PS_ADAMW : WEFT_PS_ADAM;
+        cases[c].sgd = weft_optim_sgd_defaults();
+        cases[c].adam = c == 3 ? weft_optim_adamw_defaults() : weft_optim_adam_defaults();
+        cases[c].adam.lr = 0.01;
+    }
+    cases[0].sgd.lr = 0.1;
+    cases[0].sgd.momentum = 0.9;
+    cases[0].sgd.weight_decay = 0.01;
+    cases[0].sgd.nesterov = 1;
+    cases[1].sgd.lr = 0.05;
+    cases[1].sgd.momentum = 0.8;
+    cases[1].sgd.dampening = 0.3;
+    cases[1].sgd.weight_decay = 0.02;
+    cases[2].adam.weight_decay = 0.01;
+    cases[2].adam.amsgrad = 1;
+    cases[3].adam.weight_decay = 0.1;
+    weft_ps_table_t *t[5], *rows_t;
+    weft_ps_table_spec_t s;
+    for (int c = 0; c < 5; c++) {
+        dense_spec(&s, cases[c].name, OPT_N);
+        s.consistency = WEFT_PS_ASYNC;
+        s.dtype = cases[c].dtype;
+        s.init = WEFT_PS_UNIFORM;
+        s.init_a = -1;
+        s.init_b = 1;
+        s.seed = 11 + (uint64_t)c;
+        s.optimizer = cases[c].opt;
+        s.sgd = cases[c].sgd;
+        s.adam = cases[c].adam;
+        RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &t[c]) == WEFT_OK, "create %s: %s",
+                   cases[c].name, weft_last_error());
+    }
+    weft_ps_table_spec_init(&s, "lazy_adam", WEFT_PS_SPARSE);
+    s.dim = OPT_DIM;
+    s.consistency = WEFT_PS_ASYNC;
+    s.init = WEFT_PS_NORMAL;
+    s.init_b = 0.5;
+    s.seed = 5;
+    s.optimizer = WEFT_PS_ADAM;
+    s.adam = weft_optim_adam_defaults();
+    s.adam.lr = 0.02;
+    weft_optim_adam_config_t row_cfg = s.adam;
+    RANK_CHECK(weft_ps_table_create(PS, &s, 20000, &rows_t) == WEFT_OK, "create: %s",
+               weft_last_error());
+    if (!weft_ps_is_worker(PS)) {
+        return weft_ps_finish(PS, 60000) == WEFT_OK ? 0 : 1;
+    }
+    weft_tensor_t *got = zeros(OPT_N), *g = zeros(OPT_N);
+    float *gp = weft_tensor_data(g);
+    for (int c = 0; c < 5; c++) {
+        weft_tensor_t *ref = zeros(OPT_N), *st[3] = {zeros(OPT_N), zeros(OPT_N), zeros(OPT_N)};
+        RANK_CHECK(weft_ps_pull(t[c], ref, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+        for (int k = 1; k <= OPT_STEPS; k++) {
+            for (int i = 0; i < OPT_N; i++) {
+                gp[i] = opt_grad(k, i);
+            }
+            RANK_CHECK(weft_ps_push(t[c], g, 20000) == WEFT_OK, "push: %s", weft_last_error());
+            RANK_CHECK(opt_ref_step(&cases[c], ref, g, st, k) == 0, "reference %s: %s",
+                       cases[c].name, weft_last_error());
+            opt_store(weft_tensor_data(ref), OPT_N, cases[c].dtype);
+            RANK_CHECK(weft_ps_pull(t[c], got, 20000) == WEFT_OK, "pull: %s", weft_last_error());
+            const float *r = weft_tensor_data(ref), *q = weft_tensor_data(got);
+            for (int i = 0; i < OPT_N; i++) {
+                RANK_CHECK(memcmp(&r[i], &q[i], 4) == 0, "%s, step %d, element %d: %.9g, not %.9g",
+                           cases[c].name, k, i, (double)q[i], (double)r[i]);
+            }
+        }
+        weft_tensor_release(ref);
+        for (int j = 0; j < 3; j++) {
+            weft_tensor_release(st[j]);
+        }
+    }
+    /* Lazy Adam: row 4 pushed every step, row 9 every other one, row 30 once. */
+    uint64_t ids[3] = {4, 9, 30};
+    int64_t one[2] = {1, OPT_DIM}, dim1 = OPT_DIM;
+    weft_tensor_t *rg = NULL, *rv = NULL, *ref[3], *m[3], *v2[3];
+    weft_tensor_create(WEFT_F32, 2, one, &rg);
+    weft_tensor_create(WEFT_F32, 2, one, &rv);
+    int64_t steps[3] = {0, 0, 0};
+    for (int r = 0; r < 3; r++) {
+        weft_tensor_create(WEFT_F32, 1, &dim1, &ref[r]);
+        weft_tensor_create(WEFT_F32, 1, &dim1, &m[r]);
+        weft_tensor_create(WEFT_F32, 1, &dim1, &v2[r]);
+        RANK_CHECK(weft_ps_pull_rows(rows_t, &ids[r], 1, rv, 20000) == WEFT_OK, "pull: %s",
+                   weft_last_error());
+        memcpy(weft_tensor_data(ref[r]), weft_tensor_data(rv), OPT_DIM * 4);
+    }
+    for (int k = 1; k <= 6; k++) {
+        for (int r = 0; r < 3; r++) {
+            if (!(r == 0 || (r == 1 && k % 2 == 0) || (r == 2 && k == 3))) {
+                continue;
+            }
+            float *rgp = weft_tensor_data(rg);
+            for (int j = 0; j < OPT_DIM; j++) {
+                rgp[j] = opt_grad(k, j + 10 * r);
+            }
+            RANK_CHECK(weft_ps_push_rows(rows_t, &ids[r], 1, rg, 20000) == WEFT_OK, "push: %s",
+                       weft_last_error());
+            weft_tensor_t *g1 = NULL;
+            weft_tensor_create(WEFT_F32, 1, &dim1, &g1);
+            memcpy(weft_tensor_data(g1), rgp, OPT_DIM * 4);
+            RANK_CHECK(weft_optim_adam_step(&row_cfg, ref[r], g1, m[r], v2[r], NULL,
+                                            ++steps[r]) == WEFT_OK,
+                       "reference: %s", weft_last_error());
+            weft_tensor_release(g1);
+        }
+        for (int r = 0; r < 3; r++) {
+            RANK_CHECK(weft_ps_pull_rows(rows_t, &ids[r], 1, rv, 20000) == WEFT_OK, "pull: %s",
+                       weft_last_error());
+            RANK_CHECK(memcmp(weft_tensor_data(rv), weft_tensor_data(ref[r]), OPT_DIM * 4) == 0,
+                       "lazy Adam, step %d: row %llu (its step %lld) differs from core's", k,
+                       (unsigned long long)ids[r], (long long)steps[r]);
+        }
+    }
+    for (int r = 0; r < 3; r++) {
+        weft_tensor_release(ref[r]);
+        weft_tensor_release(m[r]);
+        weft_tensor_release(v2[r]);
+    }
+    weft_tensor_release(rg);
+    weft_tensor_release(rv);
+    weft_tensor_release(got);
+    weft_tensor_release(g);
+    RANK_CHECK(weft_ps_finish(PS, 30000) == WEFT_OK, "finish: %s", weft_last_error());
+    return 0;
+}
+
+Test(ps, every_optimizer_follows_cores_kernels_bit_for_bit, .timeout = 120)
+{
+    roles(1, 1);
+    run_world(optimizers_body, 100000);
+}
+
 /* ------------------------------------------------------------------ push_pull */
 
 /* push_pull answers with the value its push is part of: ASYNC at once (blocking form), SYNC once
