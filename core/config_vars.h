@@ -103,7 +103,7 @@
     X(PS_FAULT_COMMIT_EXIT, "WEFT_PS_FAULT_COMMIT_EXIT", INT, "-1", -1, INT64_MAX, "", "", "ps",   \
       "test hook: worker 0 exits (8) in the save of this checkpoint, before its MANIFEST")         \
     X(PS_FAULT_SAVE_EXIT, "WEFT_PS_FAULT_SAVE_EXIT", INT, "-1", -1, INT64_MAX, "", "", "ps",       \
-      "tests: a server exits at once (as if killed) in its N-th save, writing its last table") \
+      "tests: a server exits at once (as if killed) in its N-th save, writing its last table")     \
     /* examples */                                                                                 \
     X(DATA_DIR, "WEFT_DATA_DIR", STR, "/usr/share/datasets/fashion-mnist", 0, 0, "", "",            \
       "examples", "where the examples read Fashion-MNIST")

@@ -6,11 +6,12 @@
  * "<name>.s<server>.v<version>[.r<k>].bin.tmp" (the first such name no file has), renames it to
  * ".bin" and answers with the files, their row counts and CRC32C. The first worker then writes
  * MANIFEST.tmp and renames it to MANIFEST, and removes the shard files it does not name: until
- * that rename the previous MANIFEST and its files are whole. The other workers' answers wait on each server until the first worker's COMMIT says the
- * MANIFEST is written (or why not): a save returns OK only once the checkpoint exists, and fails
- * with PEER_LOST if the first worker is lost before it commits. weft_ps_load: every worker sends
- * LOAD; each server reads the MANIFEST and every file of its tables, checks their CRC32C, and
- * keeps the chunks and rows it holds under today's map.
+ * that rename the previous MANIFEST and its files are whole. The other workers' answers wait on
+ * each server until the first worker's COMMIT says the MANIFEST is written (or why not): a save
+ * returns OK only once the checkpoint exists, and fails with PEER_LOST if the first worker is
+ * lost before it commits. weft_ps_load: every worker sends LOAD; each server reads the MANIFEST
+ * and every file of its tables, checks their CRC32C, and keeps the chunks and rows it holds under
+ * today's map.
  *
  * A shard file, little-endian: "WEFTPSS1", u32 format (1), u32 kind, u32 dtype, u32 n_state,
  * i64 elements per record (dense: the chunk's length varies: see the record), u64 records, then
@@ -905,9 +906,42 @@ static weft_status_t ckpt_all(weft_ps_t *ps, Weft__V1__PsOp op, const char *dir,
     return st;
 }
 
-/* Removes the shard files (".bin" with a ".v" in the name) the MANIFEST just written does not
- * name, and every ".tmp": earlier checkpoints and saves that did not finish. */
-static void remove_unlisted(const char *dir, Weft__V1__PsShardFile *const *files, size_t nf)
+/* Whether @p p starts with decimal digits; *end_p after them. */
+static bool digits(const char *p, const char **end_p)
+{
+    const char *q = p;
+    while (*q >= '0' && *q <= '9') {
+        q++;
+    }
+    *end_p = q;
+    return q != p;
+}
+
+/* Whether @p f is a shard file of one of @p ps's tables, as write_shard names them:
+ * "<table>.s<N>.v<N>[.r<N>].bin", or that with ".tmp" after it. */
+static bool shard_name(const weft_ps_t *ps, const char *f)
+{
+    for (uint32_t i = 0; i < atomic_load(&ps->n_tables); i++) {
+        const char *name = ps->tables[i]->l.name, *p;
+        size_t k = strlen(name);
+        if (strncmp(f, name, k) != 0 || strncmp(f + k, ".s", 2) != 0 || !digits(f + k + 2, &p) ||
+            strncmp(p, ".v", 2) != 0 || !digits(p + 2, &p)) {
+            continue;
+        }
+        if (strncmp(p, ".r", 2) == 0 && !digits(p + 2, &p)) {
+            continue;
+        }
+        if (strcmp(p, ".bin") == 0 || strcmp(p, ".bin.tmp") == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Removes the shard files of this job's tables that the MANIFEST just written does not name:
+ * earlier checkpoints' and saves' that did not finish. Other files are left alone. */
+static void remove_unlisted(const weft_ps_t *ps, const char *dir,
+                            Weft__V1__PsShardFile *const *files, size_t nf)
 {
     DIR *d = opendir(dir);
     if (d == NULL) {
@@ -915,15 +949,13 @@ static void remove_unlisted(const char *dir, Weft__V1__PsShardFile *const *files
     }
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
-        size_t n = strlen(e->d_name);
-        bool shard = n > 4 && strcmp(e->d_name + n - 4, ".bin") == 0 && strstr(e->d_name, ".v");
-        bool tmp = n > 4 && strcmp(e->d_name + n - 4, ".tmp") == 0;
-        for (size_t k = 0; shard && k < nf; k++) {
+        bool gone = shard_name(ps, e->d_name);
+        for (size_t k = 0; gone && k < nf; k++) {
             if (strcmp(files[k]->file, e->d_name) == 0) {
-                shard = false; /* the checkpoint's own */
+                gone = false; /* the checkpoint's own */
             }
         }
-        if (shard || tmp) {
+        if (gone) {
             char path[4096];
             snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
             unlink(path);
@@ -1039,7 +1071,7 @@ weft_status_t weft_ps_save(weft_ps_t *ps, const char *dir, int64_t timeout_ms)
                     st = weft__set_error(WEFT_ERR_IO, "ps: writing %s failed: %s", fin,
                                          strerror(errno));
                 } else {
-                    remove_unlisted(dir, files, nf);
+                    remove_unlisted(ps, dir, files, nf);
                 }
             }
             weft_free(buf);

@@ -970,19 +970,23 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
     }
     /* A part over its receiver's message limit is refused here, before anything is sent or
      * numbered: the operation applies nothing. */
-    for (uint32_t s = 0; s < ns && st == WEFT_OK; s++) {
-        /* a push: ids and rows to the server; a pull: the rows back to this rank */
-        int to = kind == OP_PUSH ? ps->servers[s] : ps->rank;
-        uint64_t per_row = (uint64_t)d * sizeof(float) + (kind == OP_PUSH ? sizeof(uint64_t) : 0);
-        uint64_t bytes = (uint64_t)count[s] * per_row + PS_HEADROOM;
+    for (uint32_t s = 0; s < 2 * ns && st == WEFT_OK; s++) {
+        /* Each server's part twice: what goes to it (a push: ids and rows; a pull: ids), then
+         * what comes back to this rank (a pull: the rows). */
+        bool back = s >= ns;
+        uint32_t sv = s % ns;
+        int to = back ? ps->rank : ps->servers[sv];
+        uint64_t per_row = kind == OP_PUSH ? sizeof(uint64_t) + (uint64_t)d * sizeof(float)
+                                           : back ? (uint64_t)d * sizeof(float) : sizeof(uint64_t);
+        uint64_t bytes = (uint64_t)count[sv] * per_row + PS_HEADROOM;
         uint64_t limit = weft_agent_max_message_bytes(ps->agent, to);
-        if (count[s] > 0 && limit > 0 && bytes > limit) {
+        if (count[sv] > 0 && limit > 0 && bytes > limit && !(back && kind == OP_PUSH)) {
             st = weft__set_error(WEFT_ERR_TOO_LARGE,
                                  "ps: table '%s': a %s of %zu distinct rows makes %llu bytes "
                                  "for server %u (rank %d), over rank %d's message limit of %llu; "
                                  "%s fewer ids at a time",
-                                 l->name, kind == OP_PUSH ? "push" : "pull", count[s],
-                                 (unsigned long long)bytes, s, ps->servers[s], to,
+                                 l->name, kind == OP_PUSH ? "push" : "pull", count[sv],
+                                 (unsigned long long)bytes, sv, ps->servers[sv], to,
                                  (unsigned long long)limit, kind == OP_PUSH ? "push" : "pull");
         }
     }

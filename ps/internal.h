@@ -44,8 +44,9 @@ typedef struct {
     size_t n;
 } ps_map_t;
 
-/* d[i] = x[i] * s; d and x the same or disjoint. restrict and fixed blocks, so that GCC's -O2
- * vectoriser takes the loops (it takes no loop that needs a runtime overlap check or a tail). */
+/* d[i] = x[i] * s, d and x disjoint (weft__ps_scale_in: in place; weft__ps_scale: either).
+ * restrict and fixed blocks, so that GCC's -O2 vectoriser takes the loops (it takes no loop that
+ * needs a runtime overlap check or a tail). */
 static inline void weft__ps_scale_to(float *restrict d, const float *restrict x, float s, size_t n)
 {
     size_t nb = n / 16;

@@ -682,8 +682,6 @@ static weft_status_t check_body(ps_stable_t *t, const Weft__V1__PsRequest *r,
 typedef weft_status_t (*row_fn_t)(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *known,
                                   int64_t i, void *arg);
 
-/* Runs @p fn on each of @p k ids, grouped by lock stripe (positions sorted stably by stripe): one
- * lock per stripe and request, not one per row. Stops at the first error. */
 static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *known,
                              int64_t i, void *arg);
 
@@ -691,13 +689,17 @@ static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_ce
 #define PF_ROW  6
 #define PF_AHEAD 8 /* > PF_ROW: the rows found ahead, by position */
 
+/* Runs @p fn on each of @p k ids, grouped by lock stripe (positions sorted stably by stripe): one
+ * lock per stripe and request, not one per row. Stops at the first error. */
+
 static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row_fn_t fn, void *arg)
 {
     /* What @p fn touches of a row, as far as it is worth asking for ahead: a read its header and
      * value, an apply or a gather its state too (a row is one block: header, value, state). */
-    size_t row_bytes = fn == row_read ? sizeof(ps_cell_t) + weft_dtype_size(t->l.spec.dtype) *
-                                                                 (size_t)t->l.spec.dim
-                                      : sizeof(ps_cell_t) + weft__ps_cell_bytes(&t->l, t->l.spec.dim);
+    size_t data_bytes = fn == row_read
+                            ? weft_dtype_size(t->l.spec.dtype) * (size_t)t->l.spec.dim
+                            : weft__ps_cell_bytes(&t->l, t->l.spec.dim);
+    size_t row_bytes = sizeof(ps_cell_t) + data_bytes;
     if (row_bytes > 1024) {
         row_bytes = 1024;
     }
@@ -1147,9 +1149,9 @@ static void handle_data(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest
         atomic_fetch_add(&t->bytes_in, tensor_bytes(args));
         atomic_fetch_add(&t->pushes, 1);
     }
-    if (push && t->l.spec.consistency != WEFT_PS_SYNC) {
-        /* A failed table (a BOUNDED one that lost a worker) applies nothing more: checked before
-         * the push is applied, which is done outside t->mu (stripes only, in parallel). */
+    if (push && t->l.spec.consistency == WEFT_PS_BOUNDED) {
+        /* A failed table (a BOUNDED one that lost a worker; an ASYNC one never fails) applies
+         * nothing more: checked before the push is applied, which is done outside t->mu. */
         pthread_mutex_lock(&t->mu);
         st = t->failed;
         if (st != WEFT_OK) {
@@ -1159,6 +1161,8 @@ static void handle_data(ps_server_t *srv, weft_call_t *call, Weft__V1__PsRequest
         if (st != WEFT_OK) {
             goto fail;
         }
+    }
+    if (push && t->l.spec.consistency != WEFT_PS_SYNC) {
         st = take_push(t, req, args, false);
         if (st != WEFT_OK) {
             snprintf(why, sizeof(why), "%s", weft_last_error());
