@@ -890,14 +890,22 @@ weft_status_t weft__tls_diagnose(weft_agent_t *a, const char *address, int peer,
     char host[32];
     snprintf(host, sizeof(host), RANK_PREFIX "%d", peer);
     ssl = ssl_new(a->tls, false, fd);
-    if (ssl == NULL || SSL_set1_host(ssl, host) != 1) {
+    /* As gRPC's own client: it offers "h2", and a gRPC server closes a connection that does not
+     * (which must not read as a refusal). */
+    if (ssl == NULL || SSL_set1_host(ssl, host) != 1 ||
+        SSL_set_alpn_protos(ssl, (const unsigned char *)"\x02h2", 3) != 0) {
         goto out;
     }
     int r = SSL_connect(ssl);
     int err_no = errno;
     if (r == 1) {
         /* TLS 1.3: the server judges this rank's certificate after the client's last flight;
-         * its verdict, if it refuses, is an alert before any data. */
+         * its verdict, if it refuses, is an alert or a close before any data. The HTTP/2
+         * preface and an empty SETTINGS frame make a server that accepts answer with its own
+         * SETTINGS: data back is the acceptance. */
+        static const char preface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                                      "\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+        (void)SSL_write(ssl, preface, (int)sizeof(preface) - 1);
         struct pollfd pfd = {fd, POLLIN, 0};
         if (poll(&pfd, 1, PROBE_READ_MS) == 1) {
             char b;

@@ -399,6 +399,29 @@ Test(tls, master_certificate_of_another_rank, .timeout = 60)
     teardown_job();
 }
 
+/* The join's own handshake, which diagnoses a master the channel cannot reach, finds nothing
+ * wrong with a healthy one: it speaks HTTP/2 as gRPC wants (a server closes a connection that
+ * offers no "h2"), so a close is a refusal and an answer an acceptance. A false verdict here
+ * would cancel a join that was about to succeed (the master came up during the channel's
+ * reconnect wait). */
+Test(tls, the_join_probe_accepts_a_healthy_master, .timeout = 60)
+{
+    make_job(2);
+    weft_agent_t *m, *a;
+    cr_assert_eq(create_rank(0, 2, 0, &m), WEFT_OK, "%s", weft_last_error());
+    cr_assert_eq(create_rank(1, 2, weft_agent_port(m), &a), WEFT_OK, "%s", weft_last_error());
+    char target[64];
+    snprintf(target, sizeof(target), "127.0.0.1:%d", weft_agent_port(m));
+    for (int i = 0; i < 3; i++) {
+        weft_status_t st = weft__tls_diagnose(a, target, 0, weft__now_ns() + 2000000000LL);
+        cr_expect_eq(st, WEFT_OK, "probe %d of a healthy master: %s: %s", i, weft_strerror(st),
+                     weft_last_error());
+    }
+    weft_agent_free(a);
+    weft_agent_free(m);
+    teardown_job();
+}
+
 /* A raw TLS client's handshake with a rank's gRPC port; the reason the server gave, or 0. */
 static int raw_client_reason(int port, const char *cert, const char *key, X509 **peer_p)
 {
