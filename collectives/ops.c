@@ -127,6 +127,13 @@ static int choose(const coll_group_t *g, coll_kind_t kind, size_t bytes, int exc
 static weft_status_t run_algo(coll_group_t *g, const coll_args_t *a, size_t bytes, int64_t deadline)
 {
     coll_kind_t kind = a->op->kind;
+    if (kind == OP_ALL_TO_ALL) {
+        /* Members of an uneven all_to_all hold tensors of other sizes, and no member knows the
+         * others': a choice by size could differ between them, each then waiting for the
+         * other's algorithm until the deadline. So every member takes the best algorithm
+         * of all, whatever its size (the same one, as long as they share the table). */
+        bytes = SIZE_MAX / 2;
+    }
     int i = a->op->algo >= 0 ? a->op->algo : choose(g, kind, bytes, -1);
     bool declined = false;
 

@@ -931,9 +931,10 @@ Test(collectives, cma_every_collective, .timeout = 240)
     worlds_2_to_4(check_cma_moves);
 }
 
-/* By size: each of the four reads the others' memory from 64 KiB per member (the tensor of
- * broadcast, the input of all_gather and all_to_all, the output part of reduce_scatter), and
- * not below (f32: 16384 elements). */
+/* By size: broadcast, all_gather and reduce_scatter read the others' memory from 64 KiB per
+ * member (the tensor of broadcast, the input of all_gather, the output part of reduce_scatter),
+ * and not below (f32: 16384 elements); all_to_all at every size (its members' sizes may differ:
+ * a choice by size could differ between them). */
 static int body_cma_moves_by_size(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)rank;
@@ -946,9 +947,7 @@ static int body_cma_moves_by_size(weft_agent_t *a, int rank, int world, void *ar
     RANK_CHECK(check_broadcast(pg, min - 1, WEFT_F32, world - 1) == 0, "broadcast below");
     RANK_CHECK(check_others(pg, world, WEFT_F32, min - 1) == 0, "others below");
     cma_runs(after);
-    /* all_to_all counts its whole input: the even and in-place calls move (min - 1) * world
-     * elements, above. */
-    long below[4] = {0, 0, 0, 2};
+    long below[4] = {0, 0, 0, 3}; /* all_to_all: even, uneven and in place */
     for (int k = 0; k < 4; k++) {
         RANK_CHECK(after[k] - before[k] == below[k],
                    "%s: %ld calls below 64 KiB read the "
@@ -957,7 +956,7 @@ static int body_cma_moves_by_size(weft_agent_t *a, int rank, int world, void *ar
     }
     RANK_CHECK(check_broadcast(pg, min, WEFT_F32, world - 1) == 0, "broadcast at");
     RANK_CHECK(check_others(pg, world, WEFT_F32, min) == 0, "others at");
-    long want[4] = {1, 3, 1, 2}; /* uneven all_to_all moves a few elements */
+    long want[4] = {1, 3, 1, 3};
     cma_runs(before);
     for (int k = 0; k < 4; k++) {
         RANK_CHECK(before[k] - after[k] == want[k],
@@ -967,6 +966,58 @@ static int body_cma_moves_by_size(weft_agent_t *a, int rank, int world, void *ar
     }
     weft_pg_free(pg);
     return 0;
+}
+
+/* An uneven all_to_all whose members' tensors lie on both sides of every size threshold (rank
+ * 0 sends a few elements, the others 100000 each way): every member must run the same
+ * algorithm, whatever its own size, and the results are exact. */
+static int body_all_to_all_sizes_differ(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    int64_t ins[4], outs[4], tin = 0, tout = 0;
+    for (int r = 0; r < world; r++) {
+        ins[r] = rank == 0 ? 3 : 100000; /* what this rank sends to r */
+        outs[r] = r == 0 ? 3 : 100000;   /* what r sends to this rank */
+        tin += ins[r];
+        tout += outs[r];
+    }
+    weft_tensor_t *in = NULL, *out = NULL;
+    weft_tensor_create(WEFT_F32, 1, &tin, &in);
+    weft_tensor_create(WEFT_F32, 1, &tout, &out);
+    float *ip = weft_tensor_data(in);
+    for (int64_t i = 0; i < tin; i++) {
+        ip[i] = (float)(rank * 1000000 + i);
+    }
+    weft_status_t st = weft_coll_all_to_all(pg, in, out, ins, outs, NULL);
+    RANK_CHECK(st == WEFT_OK, "all_to_all: %s: %s", weft_strerror(st), weft_last_error());
+    const float *op = weft_tensor_data(out);
+    int64_t off = 0;
+    for (int s = 0; s < world; s++) {
+        int64_t from = (int64_t)rank * (s == 0 ? 3 : 100000); /* where s's part for me starts */
+        for (int64_t i = 0; i < outs[s]; i++) {
+            RANK_CHECK(op[off + i] == (float)(s * 1000000 + from + i),
+                       "element %lld from rank %d", (long long)i, s);
+        }
+        off += outs[s];
+    }
+    weft_tensor_release(in);
+    weft_tensor_release(out);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, uneven_all_to_all_with_sizes_on_both_sides_of_the_thresholds, .timeout = 120)
+{
+    for (int world = 2; world <= 4; world += 2) {
+        ranks_opts_t o;
+        int codes[4];
+        ranks_opts_init(&o, world, body_all_to_all_sizes_differ);
+        o.deadline_ms = 50000;
+        o.call_timeout_ms = 20000;
+        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
+    }
 }
 
 Test(collectives, cma_every_collective_by_size, .timeout = 120)
@@ -1043,7 +1094,7 @@ static int body_cma_moves_mismatch(weft_agent_t *a, int rank, int world, void *a
     long ops = coll__cma_ops();
     RANK_CHECK(check_broadcast(pg, n, WEFT_F32, world - 1) == 0, "after");
     RANK_CHECK(check_others(pg, world, WEFT_F32, n) == 0, "others after");
-    RANK_CHECK(coll__cma_ops() == ops + 7, "%ld of 7 calls after read the others' memory",
+    RANK_CHECK(coll__cma_ops() == ops + 8, "%ld of 8 calls after read the others' memory",
                coll__cma_ops() - ops);
     weft_pg_free(pg);
     return 0;
