@@ -1314,6 +1314,11 @@ static void write_out(shm_out_t *o, weft__outmsg_t *m)
         pthread_mutex_lock(&o->write_mu);
     }
     bool ok = !atomic_load(&o->cut) && out_frame(o, m->bb);
+    if (!ok) {
+        /* Part of the frame may be in the ring: nothing may follow it there (the reader would
+         * take the next frame's bytes for the rest of this one's body). */
+        atomic_store(&o->cut, true);
+    }
     pthread_mutex_unlock(&o->write_mu);
     if (ok) {
         atomic_fetch_add_explicit(&o->frames, 1, memory_order_relaxed);
