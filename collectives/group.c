@@ -430,6 +430,14 @@ static weft_status_t reject(coll_group_t *g, weft_status_t st)
     return weft__set_error(st, "%s", why);
 }
 
+/* A NULL tensor: refused here, and (through reject) on the other members at once, instead of
+ * their waiting for this one until the deadline. */
+static weft_status_t null_tensor(weft_pg_t *pg, const char *what)
+{
+    weft_status_t st = weft__set_error(WEFT_ERR_INVALID_ARG, "%s", what);
+    return pg != NULL && pg->g != NULL ? reject(pg->g, st) : st;
+}
+
 /* A blocking call from a callback of one of the group's futures, running on its worker
  * while it completes an operation: the worker cannot run @p op for it. This thread runs
  * the operations queued before it, then it, in order (as the worker would have). */
@@ -634,7 +642,7 @@ static weft_status_t submit_staged(weft_pg_t *pg, coll_kind_t kind, weft_tensor_
 weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root, weft_future_t **work_p)
 {
     if (t == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "broadcast: NULL tensor");
+        return null_tensor(pg, "broadcast: NULL tensor");
     }
     const weft_coll_device_ops_t *dev = device_entry(t);
     if (dev != NULL && pg != NULL) {
@@ -647,7 +655,7 @@ weft_status_t weft_coll_all_reduce(weft_pg_t *pg, weft_tensor_t *t, weft_reduce_
                                    weft_future_t **work_p)
 {
     if (t == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "all_reduce: NULL tensor");
+        return null_tensor(pg, "all_reduce: NULL tensor");
     }
     const weft_coll_device_ops_t *dev = device_entry(t);
     if (dev != NULL && pg != NULL) {
@@ -661,7 +669,7 @@ weft_status_t weft_coll_all_reduce_staged(weft_pg_t *pg, weft_tensor_t *t, weft_
                                           weft_future_t **work_p)
 {
     if (t == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "all_reduce: NULL tensor");
+        return null_tensor(pg, "all_reduce: NULL tensor");
     }
     return submit_staged(pg, OP_ALL_REDUCE, t, 0, op, ready, ready_arg, work_p);
 }
@@ -671,7 +679,7 @@ weft_status_t weft_coll_broadcast_staged(weft_pg_t *pg, weft_tensor_t *t, int ro
                                          weft_future_t **work_p)
 {
     if (t == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "broadcast: NULL tensor");
+        return null_tensor(pg, "broadcast: NULL tensor");
     }
     return submit_staged(pg, OP_BROADCAST, t, root, WEFT_SUM, ready, ready_arg, work_p);
 }
@@ -680,7 +688,7 @@ weft_status_t weft_coll_reduce(weft_pg_t *pg, weft_tensor_t *t, int root, weft_r
                                weft_future_t **work_p)
 {
     if (t == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "reduce: NULL tensor");
+        return null_tensor(pg, "reduce: NULL tensor");
     }
     return submit(pg, OP_REDUCE, t, root, op, work_p);
 }
@@ -733,7 +741,7 @@ weft_status_t weft_coll_all_gather(weft_pg_t *pg, const weft_tensor_t *in, weft_
                                    weft_future_t **work_p)
 {
     if (in == NULL || out == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "all_gather: NULL tensor");
+        return null_tensor(pg, "all_gather: NULL tensor");
     }
     weft_status_t cst = check_parts("all_gather", out, pg->g->size, weft_tensor_numel(in));
     if (cst != WEFT_OK) {
@@ -748,7 +756,7 @@ weft_status_t weft_coll_all_gather_list(weft_pg_t *pg, const weft_tensor_t *in,
 {
     int n = pg->g->size;
     if (in == NULL || outs == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "all_gather: NULL tensor or list");
+        return null_tensor(pg, "all_gather: NULL tensor or list");
     }
     for (int r = 0; r < n; r++) {
         if (outs[r] == NULL || weft_tensor_numel(outs[r]) != weft_tensor_numel(in) ||
@@ -779,7 +787,7 @@ weft_status_t weft_coll_reduce_scatter(weft_pg_t *pg, const weft_tensor_t *in, w
                                        weft_reduce_op_t rop, weft_future_t **work_p)
 {
     if (in == NULL || out == NULL) {
-        return weft__set_error(WEFT_ERR_INVALID_ARG, "reduce_scatter: NULL tensor");
+        return null_tensor(pg, "reduce_scatter: NULL tensor");
     }
     weft_status_t cst = check_parts("reduce_scatter", in, pg->g->size, weft_tensor_numel(out));
     if (cst != WEFT_OK) {

@@ -2105,6 +2105,20 @@ static int body_mismatch(weft_agent_t *a, int rank, int world, void *arg)
         weft_tensor_release(gin);
         weft_tensor_release(gout);
     }
+    {
+        /* One rank passes no tensor: it is refused there, and the others fail now with its
+         * reason, not at the deadline. */
+        int64_t one = 1, all = world;
+        weft_tensor_t *gin = NULL, *gout = NULL;
+        weft_tensor_create(WEFT_F32, 1, &one, &gin);
+        weft_tensor_create(WEFT_F32, 1, &all, &gout);
+        st = weft_coll_all_gather(pg, rank == 2 ? NULL : gin, gout, NULL);
+        RANK_CHECK(st == WEFT_ERR_INVALID_ARG && strstr(weft_last_error(), "NULL tensor") != NULL,
+                   "all_gather with a NULL tensor on rank 2 gave %s: %s", weft_strerror(st),
+                   weft_last_error());
+        weft_tensor_release(gin);
+        weft_tensor_release(gout);
+    }
     /* Half the ranks name another root: caught, not waited out. */
     st = weft_coll_broadcast(pg, t, rank % 2, NULL);
     RANK_CHECK(st == WEFT_ERR_MISMATCH, "split-root broadcast gave %s", weft_strerror(st));
