@@ -20,6 +20,7 @@
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -484,6 +485,59 @@ grpc_server_credentials *weft__tls_server_credentials(weft_agent_t *a)
             GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY, fetch_config, a->tls);
     return o != NULL ? grpc_ssl_server_credentials_create_with_options(o) : NULL;
 }
+/* gRPC's check of the server a channel reaches, after its own (CA, then the target name, which
+ * accepts a certificate that names this rank among others, or names it only in its common
+ * name): the certificate must name the rank in @p userdata, and no other (the rule the
+ * accepting side and the Hello apply). 0 accepts. */
+static int names_rank(const char *target_name, const char *peer_pem, void *userdata)
+{
+    (void)target_name;
+    int want = (int)(intptr_t)userdata;
+    BIO *b = peer_pem != NULL ? BIO_new_mem_buf(peer_pem, -1) : NULL;
+    X509 *x = b != NULL ? PEM_read_bio_X509(b, NULL, NULL, NULL) : NULL;
+    weft__tls_id_t id = {0};
+    id.rank = -1;
+    if (x != NULL) {
+        weft__tls_id_of_x509(x, &id);
+        X509_free(x);
+    }
+    BIO_free(b);
+    ERR_clear_error();
+    if (id.rank != want) {
+        WEFT_WARN("TLS: the server reached as rank %d presented a certificate that names %s",
+                  want, id.rank == -2 ? "several ranks" : "another rank or none");
+        return 1;
+    }
+    return 0;
+}
+
+/* Whether the peer of @p ssl presented a certificate that names rank @p peer and no other; else
+ * @p why says what it names. */
+static bool names_peer(SSL *ssl, int peer, char *why, size_t n)
+{
+    X509 *x = SSL_get1_peer_certificate(ssl);
+    weft__tls_id_t id = {0};
+    id.rank = -1;
+    if (x != NULL) {
+        weft__tls_id_of_x509(x, &id);
+        X509_free(x);
+    }
+    if (id.rank == peer) {
+        return true;
+    }
+    if (id.rank == -2) {
+        snprintf(why, n, "the certificate presented for rank %d names several ranks", peer);
+    } else if (id.rank >= 0) {
+        snprintf(why, n, "the certificate presented for rank %d names rank %d", peer, id.rank);
+    } else {
+        snprintf(why, n,
+                 "the certificate presented for rank %d names no rank (no subjectAltName "
+                 "DNS:" RANK_PREFIX "%d; a common name alone does not count)",
+                 peer, peer);
+    }
+    return false;
+}
+
 
 grpc_channel *weft__channel_create(weft_agent_t *a, const char *target, int peer)
 {
@@ -497,8 +551,9 @@ grpc_channel *weft__channel_create(weft_agent_t *a, const char *target, int peer
     pthread_mutex_lock(&t->mu);
     refresh_locked(t);
     grpc_ssl_pem_key_cert_pair pair = {t->cur.key_pem, t->cur.cert_pem};
-    grpc_channel_credentials *creds = grpc_ssl_credentials_create_ex(t->cur.ca_pem, &pair, NULL,
-                                                                     NULL);
+    grpc_ssl_verify_peer_options verify = {names_rank, (void *)(intptr_t)peer, NULL};
+    grpc_channel_credentials *creds = grpc_ssl_credentials_create_ex(t->cur.ca_pem, &pair,
+                                                                     &verify, NULL);
     pthread_mutex_unlock(&t->mu);
     if (creds == NULL) {
         return NULL;
@@ -701,6 +756,12 @@ void *weft__tls_connect(weft_agent_t *a, int fd, int peer, int64_t deadline_ns, 
         SSL_free(ssl);
         return NULL;
     }
+    /* SSL_set1_host accepts a certificate that names this rank among others, or only in its
+     * common name: the peer's must name exactly the rank this one means to reach. */
+    if (!names_peer(ssl, peer, why, n)) {
+        SSL_free(ssl);
+        return NULL;
+    }
     return ssl;
 }
 
@@ -898,6 +959,13 @@ weft_status_t weft__tls_diagnose(weft_agent_t *a, const char *address, int peer,
     }
     int r = SSL_connect(ssl);
     int err_no = errno;
+    char idwhy[200];
+    if (r == 1 && !names_peer(ssl, peer, idwhy, sizeof(idwhy))) {
+        st = weft__set_error(WEFT_ERR_AUTH, "rpc: %s at %s: it is not the rank this one means to "
+                                            "reach",
+                             idwhy, address);
+        goto out;
+    }
     if (r == 1) {
         /* TLS 1.3: the server judges this rank's certificate after the client's last flight;
          * its verdict, if it refuses, is an alert or a close before any data. The HTTP/2

@@ -399,6 +399,29 @@ Test(tls, master_certificate_of_another_rank, .timeout = 60)
     teardown_job();
 }
 
+/* A certificate of the job's CA that names rank 0 only in its common name (no subjectAltName):
+ * hostname checks fall back to the common name when there is no DNS name, but a rank's
+ * identity is its subjectAltName alone (as the accepting side reads it), so the join refuses
+ * it. */
+Test(tls, master_certificate_naming_its_rank_in_the_common_name_only, .timeout = 60)
+{
+    make_job(2);
+    make_leaf_in(&g_ca, "cn0", "weft-rank-0", -1, -60, DAY);
+    char cert[512], key[512];
+    path_of(cert, sizeof(cert), "cn0.pem");
+    path_of(key, sizeof(key), "cn0.key");
+    raw_server_t s;
+    raw_server_start(&s, cert, key);
+    weft_agent_t *a;
+    cr_assert_eq(create_rank(1, 2, s.port, &a), WEFT_OK, "%s", weft_last_error());
+    weft_status_t st = weft_agent_join(a);
+    cr_expect_eq(st, WEFT_ERR_AUTH, "%s: %s", weft_strerror(st), weft_last_error());
+    cr_expect_not_null(strstr(weft_last_error(), "names no rank"), "%s", weft_last_error());
+    weft_agent_free(a);
+    raw_server_stop(&s);
+    teardown_job();
+}
+
 /* The join's own handshake, which diagnoses a master the channel cannot reach, finds nothing
  * wrong with a healthy one: it speaks HTTP/2 as gRPC wants (a server closes a connection that
  * offers no "h2"), so a close is a refusal and an answer an acceptance. A false verdict here
