@@ -203,28 +203,12 @@ static bool read_all(conn_in_t *c, void *buf, size_t n)
 }
 
 /* read_all that gives up at @p deadline_ns (one deadline for a whole exchange, however the bytes
- * trickle in). Under TLS, the socket's timeouts (set for the handshake) bound it. */
+ * trickle in: under TLS too, where one record may come a byte at a time). */
 static bool read_until(int fd, SSL *ssl, void *buf, size_t n, int64_t deadline_ns)
 {
     uint8_t *p = buf;
-    while (ssl != NULL && n > 0) {
-        /* Each read may wait only what is left of the deadline. */
-        if (weft__now_ns() >= deadline_ns) {
-            return false;
-        }
-        weft__tls_deadline(fd, deadline_ns);
-        int k = SSL_read(ssl, p, n > (1u << 30) ? (1 << 30) : (int)n);
-        if (k <= 0 && ssl_interrupted(ssl, k)) {
-            continue;
-        }
-        if (k <= 0) {
-            return false;
-        }
-        p += k;
-        n -= (size_t)k;
-    }
     if (ssl != NULL) {
-        return true;
+        return weft__tls_read_until(ssl, fd, buf, n, deadline_ns);
     }
     while (n > 0) {
         int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;

@@ -285,8 +285,10 @@ void weft__tls_after_handshake(int fd);
 /* A sending connection: records are gathered into writes of up to 256 KiB (one system call and
  * one pass of TCP for 16 of them); BIO_flush after each frame sends the rest. */
 bool weft__tls_buffer_writes(void *ssl);
-/* Bounds each blocking read or write on @p fd by what is left until @p deadline_ns. */
-void weft__tls_deadline(int fd, int64_t deadline_ns);
+/* Reads exactly @p n bytes from TLS session @p ssl on @p fd by @p deadline_ns, however slowly
+ * they come (non-blocking, waiting in poll; a record trickled in a byte at a time cannot hold
+ * it past the deadline). */
+bool weft__tls_read_until(void *ssl, int fd, void *buf, size_t n, int64_t deadline_ns);
 /* OpenSSL writes with write(2), so a peer gone raises SIGPIPE: a thread that may write through
  * it blocks SIGPIPE for the time (begin/end: a SIGPIPE it caused is taken back) or for good
  * (weft's own threads). */

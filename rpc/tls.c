@@ -667,9 +667,38 @@ static void set_timeouts(int fd, int64_t deadline_ns)
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
-void weft__tls_deadline(int fd, int64_t deadline_ns)
+bool weft__tls_read_until(void *ssl_p, int fd, void *buf, size_t n, int64_t deadline_ns)
 {
-    set_timeouts(fd, deadline_ns);
+    SSL *ssl = ssl_p;
+    uint8_t *p = buf;
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) {
+        return false;
+    }
+    bool ok = true;
+    while (n > 0) {
+        int k = SSL_read(ssl, p, n > (1u << 30) ? (1 << 30) : (int)n);
+        if (k > 0) {
+            p += k;
+            n -= (size_t)k;
+            continue;
+        }
+        int e = SSL_get_error(ssl, k);
+        int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;
+        if ((e != SSL_ERROR_WANT_READ && e != SSL_ERROR_WANT_WRITE) || left_ms <= 0) {
+            ok = false;
+            break;
+        }
+        struct pollfd pfd = {fd, e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT, 0};
+        if (poll(&pfd, 1, (int)(left_ms < 1000 ? left_ms : 1000)) < 0 && errno != EINTR) {
+            ok = false;
+            break;
+        }
+    }
+    int saved = errno;
+    (void)fcntl(fd, F_SETFL, flags);
+    errno = saved;
+    return ok;
 }
 
 /* The TLS handshake within one deadline however slowly the bytes come: non-blocking, waiting in

@@ -23,6 +23,7 @@
 #include "../../rpc/internal.h"
 #include "certs.h"
 #include "ranks.h"
+#include "rawpeer.h"
 
 #define DAY (24L * 3600)
 
@@ -521,6 +522,51 @@ Test(tls, plaintext_on_the_direct_port, .timeout = 60)
         total += k;
     }
     cr_expect_eq(k, 0, "the connection was not closed (read %zd: %s)", k, strerror(errno));
+    close(fd);
+    weft_agent_free(a);
+    teardown_job();
+}
+
+/* A rank (a valid certificate: the TLS handshake passes) that then sends the direct
+ * connection's Hello record a byte every 50 ms: the handshake's deadline (500 ms here) is for
+ * the whole exchange, so the connection is closed while the record still trickles (each read
+ * of the record used to wait up to the deadline afresh: about 90 bytes x 50 ms). */
+Test(tls, a_hello_trickled_over_tls_meets_the_handshake_deadline, .timeout = 60)
+{
+    setenv("WEFT_HANDSHAKE_TIMEOUT_MS", "500", 1);
+    make_job(2);
+    weft_agent_t *a;
+    cr_assert_eq(create_rank(0, 2, 0, &a), WEFT_OK, "%s", weft_last_error());
+    unsetenv("WEFT_HANDSHAKE_TIMEOUT_MS");
+    const char *addr = weft__direct_address(a);
+    cr_assert(addr != NULL && addr[0] != '\0');
+    int fd = tcp_connect(atoi(strrchr(addr, ':') + 1));
+    char ca[512], cert[512], key[512];
+    path_of(ca, sizeof(ca), "ca.pem");
+    path_of(cert, sizeof(cert), "rank1.pem");
+    path_of(key, sizeof(key), "rank1.key");
+    SSL_CTX *ctx = ctx_from(false, cert, key, ca);
+    SSL *ssl = SSL_new(ctx);
+    cr_assert_eq(SSL_set_fd(ssl, fd), 1);
+    cr_assert_eq(SSL_connect(ssl), 1, "TLS handshake");
+    /* The record of a 64-byte Hello, made into memory, then sent a byte at a time. */
+    BIO *mem = BIO_new(BIO_s_mem());
+    SSL_set0_wbio(ssl, mem);
+    uint8_t hello[64];
+    memset(hello, 0x57, sizeof(hello));
+    cr_assert_eq(SSL_write(ssl, hello, sizeof(hello)), (int)sizeof(hello));
+    uint8_t rec[512];
+    int len = BIO_read(mem, rec, sizeof(rec));
+    cr_assert(len > 64, "record of %d bytes", len);
+    bool closed = false;
+    int sent = 0;
+    for (; sent < len && !closed; sent++) {
+        closed = write(fd, rec + sent, 1) != 1 || rawpeer_closed_within(fd, 50);
+    }
+    cr_expect(closed && sent < len, "the connection was %s after %d of the record's %d bytes",
+              closed ? "closed" : "still open", sent, len);
+    SSL_free(ssl);
+    SSL_CTX_free(ctx);
     close(fd);
     weft_agent_free(a);
     teardown_job();
