@@ -63,6 +63,10 @@ struct weft__tls {
     tls_set_t cur;
     uint64_t served; /* the generation gRPC's server was given last */
     bool warned;     /* a change that did not load was reported */
+    /* The files as they were when they last failed to load: not read again until they change
+     * (each handshake, an unauthenticated one too, would re-read and re-check them). */
+    file_stamp_t bad[3];
+    bool bad_set;
     int rank;
     char name[WEFT__MAX_NAME + 1];
 };
@@ -366,12 +370,14 @@ out:
  * only when it loads and checks. Called with t->mu held. */
 static void refresh_locked(weft__tls_t *t)
 {
-    bool same = true;
-    for (int i = 0; i < 3 && same; i++) {
-        file_stamp_t s;
-        same = stamp_of(t->path[i], &s) && stamp_equal(&s, &t->cur.stamp[i]);
+    file_stamp_t now[3];
+    bool same = true, known_bad = t->bad_set, readable = true;
+    for (int i = 0; i < 3; i++) {
+        readable = stamp_of(t->path[i], &now[i]) && readable;
+        same = same && readable && stamp_equal(&now[i], &t->cur.stamp[i]);
+        known_bad = known_bad && readable && stamp_equal(&now[i], &t->bad[i]);
     }
-    if (same) {
+    if (same || known_bad) {
         return;
     }
     tls_set_t next;
@@ -381,8 +387,13 @@ static void refresh_locked(weft__tls_t *t)
             WEFT_WARN("TLS files changed but do not load (%s); keeping the previous ones", why);
             t->warned = true;
         }
+        if (readable) {
+            memcpy(t->bad, now, sizeof(t->bad));
+            t->bad_set = true;
+        }
         return;
     }
+    t->bad_set = false;
     next.generation = t->cur.generation + 1;
     set_free(&t->cur);
     t->cur = next;
