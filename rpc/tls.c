@@ -163,10 +163,13 @@ void weft__tls_id_of_x509(void *x509, weft__tls_id_t *id)
     if (id->rank < -1) {
         id->rank = -2;
     }
-    char cn[WEFT__MAX_NAME + 1];
+    char cn[WEFT__MAX_NAME + 2];
     int k = X509_NAME_get_text_by_NID(X509_get_subject_name(x), NID_commonName, cn, sizeof(cn));
-    if (k > 0 && strncmp(cn, RANK_PREFIX, strlen(RANK_PREFIX)) != 0) {
-        snprintf(id->name, sizeof(id->name), "%s", cn);
+    if (k > WEFT__MAX_NAME) {
+        /* Longer than any name: cut short it could equal another's; it names nobody. */
+        id->rank = -2;
+    } else if (k > 0 && strncmp(cn, RANK_PREFIX, strlen(RANK_PREFIX)) != 0) {
+        memcpy(id->name, cn, (size_t)k + 1 <= sizeof(id->name) ? (size_t)k + 1 : 0);
     }
 }
 
@@ -480,7 +483,9 @@ static grpc_ssl_certificate_config_reload_status fetch_config(
     }
     grpc_ssl_pem_key_cert_pair pair = {t->cur.key_pem, t->cur.cert_pem};
     *config = grpc_ssl_server_certificate_config_create(t->cur.ca_pem, &pair, 1);
-    t->served = t->cur.generation;
+    if (*config != NULL) {
+        t->served = t->cur.generation; /* else the next handshake asks again */
+    }
     pthread_mutex_unlock(&t->mu);
     return *config != NULL ? GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_NEW
                            : GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_FAIL;
