@@ -160,10 +160,19 @@ static void deliver_p2p(coll_precv_t *p, coll_msg_t *m)
     coll__msg_free(m);
 }
 
-static bool p2p_matches(const coll_precv_t *p, const Weft__V1__CollHeader *h)
+/* Whether group rank @p src of @p g is world rank @p src_world: a piece's header names the
+ * member that sent it, and only that member's own messages may say so. */
+static bool sent_by(const coll_group_t *g, uint32_t src, int src_world)
 {
+    return src < (uint32_t)g->size && g->world[src] == src_world;
+}
+
+static bool p2p_matches(const coll_precv_t *p, const coll_msg_t *m)
+{
+    const Weft__V1__CollHeader *h = m->hdr;
     return h->op == WEFT__V1__COLL_OP__COLL_OP_P2P && h->group == p->group &&
-           (p->src == WEFT_ANY_SOURCE || (uint32_t)p->src == h->src) && h->tag == p->tag;
+           (p->src == WEFT_ANY_SOURCE || (uint32_t)p->src == h->src) && h->tag == p->tag &&
+           sent_by(p->g, h->src, m->src_world);
 }
 
 /* Whether operation @p seq of group @p id has finished on this rank. Called with ctx->mu. */
@@ -234,13 +243,14 @@ static void on_message(void *state, int src_world, weft_value_t *msg)
     }
     m->hdr = h;
     m->value = msg;
+    m->src_world = src_world;
     pthread_mutex_lock(&ctx->mu);
     if (h->op == WEFT__V1__COLL_OP__COLL_OP_P2P) {
         /* The oldest matching posted receive takes it. */
         coll_precv_t **pp = &ctx->precvs;
         coll_precv_t *hit = NULL;
         while (*pp != NULL) {
-            if (p2p_matches(*pp, h)) {
+            if (p2p_matches(*pp, m)) {
                 hit = *pp;
                 *pp = hit->next;
                 break;
@@ -758,7 +768,8 @@ static weft_status_t recv_wait(coll_group_t *g, const coll_desc_t *d, uint32_t s
         for (; *pp != NULL; pp = &(*pp)->next) {
             const Weft__V1__CollHeader *h = (*pp)->hdr;
             if (h->group == g->id && h->seq == d->seq && h->step == step &&
-                h->src == (uint32_t)src && h->op != WEFT__V1__COLL_OP__COLL_OP_P2P) {
+                h->src == (uint32_t)src && h->op != WEFT__V1__COLL_OP__COLL_OP_P2P &&
+                sent_by(g, h->src, (*pp)->src_world)) {
                 break;
             }
         }
@@ -977,8 +988,7 @@ weft_status_t coll__p2p_recv(coll_group_t *g, weft_tensor_t *t, int src, int tag
     /* A message that came before the receive was posted: the oldest match. */
     coll_msg_t **pp = &ctx->msgs;
     for (; *pp != NULL; pp = &(*pp)->next) {
-        Weft__V1__CollHeader *h = (*pp)->hdr;
-        if (p2p_matches(p, h)) {
+        if (p2p_matches(p, *pp)) {
             break;
         }
     }

@@ -42,6 +42,7 @@ typedef struct coll_msg {
     struct coll_msg *next;
     Weft__V1__CollHeader *hdr; /* owned */
     weft_value_t *value;       /* owned; its tensor 0 is the data, if any */
+    int src_world;             /* the world rank it came from (hdr->src only claims one) */
 } coll_msg_t;
 
 /* The reduction kernels of an operation's tensors: their device and its entry in the reduce

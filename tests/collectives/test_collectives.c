@@ -2059,6 +2059,58 @@ static int body_p2p(weft_agent_t *a, int rank, int world, void *arg)
     return 0;
 }
 
+/* A message that claims another member as its sender is not taken as that member's: rank 2
+ * sends a point-to-point piece whose header names group rank 1 (its group's rank changed under
+ * it, as a forger would write it); rank 0's receive from rank 1 gets rank 1's own data. */
+static int body_forged_source(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    weft_tensor_t *t = tensor_f32_range(4, rank == 2 ? 99.0f : (float)rank);
+    weft_future_t *f = NULL;
+    if (rank == 0) {
+        RANK_CHECK(weft_coll_recv(pg, t, 1, 7, &f, NULL) == WEFT_OK, "irecv: %s",
+                   weft_last_error());
+    } else if (rank == 2) {
+        int mine = pg->g->rank;
+        pg->g->rank = 1; /* the forgery */
+        weft_status_t st = coll__p2p_send(pg->g, t, 0, 7, &f);
+        pg->g->rank = mine;
+        RANK_CHECK(st == WEFT_OK && weft_future_wait(f, 20000) == WEFT_OK, "forged send: %s",
+                   weft_last_error());
+        weft_future_release(f);
+        f = NULL;
+    }
+    /* (rank 2's barrier piece follows its forged message to rank 0 on the same ring) */
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
+    if (rank == 1) {
+        RANK_CHECK(weft_coll_send(pg, t, 0, 7, NULL) == WEFT_OK, "send: %s", weft_last_error());
+    }
+    if (rank == 0) {
+        RANK_CHECK(weft_future_wait(f, 20000) == WEFT_OK && weft_future_status(f) == WEFT_OK,
+                   "recv: %s", weft_future_error(f));
+        weft_future_release(f);
+        const float *p = weft_tensor_data(t);
+        RANK_CHECK(p[0] == 1.0f && p[3] == 4.0f, "received %g %g, not rank 1's 1 .. 4",
+                   (double)p[0], (double)p[3]);
+    }
+    weft_tensor_release(t);
+    RANK_CHECK(weft_coll_barrier(pg, NULL) == WEFT_OK, "barrier: %s", weft_last_error());
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, a_message_claiming_another_sender_is_not_taken_as_its, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[3];
+    ranks_opts_init(&o, 3, body_forged_source);
+    o.deadline_ms = 60000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 Test(collectives, point_to_point, .timeout = 120)
 {
     ranks_opts_t o;
