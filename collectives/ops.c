@@ -333,12 +333,11 @@ void coll__run(coll_group_t *g, coll_op_t *op)
     if (st != WEFT_OK) {
         snprintf(why, sizeof(why), "%s", weft_last_error());
         /* A failure of this rank's own (not a mismatch or a loss, which every member
-         * sees for itself; not a deadline met while waiting, which they reach too): tell
-         * the others, so that they fail now instead of waiting for pieces that will not
-         * come. */
-        if (((st != WEFT_ERR_MISMATCH && st != WEFT_ERR_PEER_LOST && st != WEFT_ERR_TIMEOUT) ||
-             expired) &&
-            g->size > 1) {
+         * sees for itself): tell the others, so that they fail now instead of waiting for
+         * pieces that will not come. A deadline too: a member that started later may have
+         * all it needs and would succeed where this one failed (a DDP step applied on one
+         * member and not on another); an abort that finds the operation over is dropped. */
+        if (((st != WEFT_ERR_MISMATCH && st != WEFT_ERR_PEER_LOST) || expired) && g->size > 1) {
             char text[900];
             snprintf(text, sizeof(text), "rank %d: %s", g->rank, why);
             coll__abort(g, op->seq, st, text);

@@ -2111,6 +2111,68 @@ Test(collectives, a_message_claiming_another_sender_is_not_taken_as_its, .timeou
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* An operation that timed out on one member fails at once, with that member's reason, on a
+ * member that comes to it later: not after its own deadline, and never completing there with
+ * what the first one had already shown (one member applying a step the other did not). Rank 0
+ * times out first (a 300 ms group timeout), then tells rank 1 by a call, and only then does
+ * rank 1 call the same all_reduce (it waited out its 20 s before). */
+static weft_future_t *g_go;
+
+static void go_fn(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_future_complete(g_go, WEFT_OK, NULL, NULL);
+    weft_call_reply(call, NULL);
+}
+
+static void go_setup(weft_agent_t *a, int rank, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_future_create(&g_go);
+    weft_rpc_register(a, "go", go_fn, NULL);
+}
+
+static int body_late_member(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    weft_tensor_t *t = tensor_f32_range(16, 1.0f);
+    weft_status_t st;
+    if (rank == 0) {
+        weft_pg_set_timeout(pg, 300);
+        st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+        RANK_CHECK(st == WEFT_ERR_TIMEOUT, "alone: %s: %s", weft_strerror(st), weft_last_error());
+        weft_value_t *out = NULL;
+        RANK_CHECK(weft_rpc_sync(a, 1, "go", NULL, 20000, &out) == WEFT_OK, "go: %s",
+                   weft_last_error());
+        weft_value_free(out);
+    } else {
+        RANK_CHECK(weft_future_wait(g_go, 20000) == WEFT_OK, "rank 0 never said go");
+        weft_pg_set_timeout(pg, 20000);
+        st = weft_coll_all_reduce(pg, t, WEFT_SUM, NULL);
+        RANK_CHECK(st == WEFT_ERR_TIMEOUT &&
+                       strstr(weft_last_error(), "rank 0: all_reduce") != NULL,
+                   "the late member's all_reduce gave %s: %s", weft_strerror(st),
+                   weft_last_error());
+    }
+    weft_tensor_release(t);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, an_operation_timed_out_on_one_member_fails_on_a_later_one, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_late_member);
+    o.setup = go_setup;
+    o.deadline_ms = 60000;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 Test(collectives, point_to_point, .timeout = 120)
 {
     ranks_opts_t o;
