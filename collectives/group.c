@@ -430,6 +430,15 @@ static weft_status_t reject(coll_group_t *g, weft_status_t st)
     return weft__set_error(st, "%s", why);
 }
 
+weft_status_t weft_coll_fail(weft_pg_t *pg, weft_status_t status, const char *why)
+{
+    if (status >= 0 || !weft_status_valid(status)) {
+        status = WEFT_ERR_INVALID_ARG;
+    }
+    weft_status_t st = weft__set_error(status, "%s", why != NULL ? why : "failed");
+    return pg != NULL && pg->g != NULL ? reject(pg->g, st) : st;
+}
+
 /* A NULL tensor: refused here, and (through reject) on the other members at once, instead of
  * their waiting for this one until the deadline. */
 static weft_status_t null_tensor(weft_pg_t *pg, const char *what)

@@ -354,6 +354,14 @@ static weft_status_t bucket_launch(weft_ddp_t *d, int j, bool failed)
             st = weft__set_error(WEFT_ERR_INVALID_STATE, "ddp: the comm hook of bucket %d gave no "
                                                          "future", j);
         }
+        if (st != WEFT_OK && bk->work == NULL) {
+            /* It issued nothing: the others' reduction of this bucket fails with its reason,
+             * and the group's operations stay paired. */
+            char why[600];
+            snprintf(why, sizeof(why), "ddp: the comm hook of bucket %d failed: %s", j,
+                     weft_last_error());
+            st = weft_coll_fail(d->pg, st, why);
+        }
         d->bytes += weft_tensor_nbytes(bk->buf);
     } else if (bk->comm != NULL) {
         weft_reduce_narrow(weft_tensor_data(bk->comm), weft_tensor_data(bk->buf), (size_t)bk->total,
@@ -814,7 +822,18 @@ static weft_status_t ddp_step(weft_ddp_t *d, weft_ddp_backward_fn_t run, void *a
             st = WEFT_OK;
         }
     }
-    WEFT_CHECK(attach_views(d));
+    st = attach_views(d);
+    if (st != WEFT_OK && d->sync) {
+        /* No step here: the others' reductions of every bucket fail with the reason. */
+        char why[600];
+        snprintf(why, sizeof(why), "ddp: a member could not set up its step: %s",
+                 weft_last_error());
+        for (int j = 0; j < d->nb; j++) {
+            (void)weft_coll_fail(d->pg, st, why);
+        }
+        return weft__set_error(st, "%s", why);
+    }
+    WEFT_CHECK(st);
     if (!d->sync) {
         /* no_sync: backward accumulates into the buckets; the next synchronised step averages. */
         return run(arg);

@@ -203,6 +203,15 @@ WEFT_API weft_status_t weft_coll_batch_p2p(weft_pg_t *pg, const weft_p2p_op_t *o
 /** Every member waits until all members have called it. Thread-safe. */
 WEFT_API weft_status_t weft_coll_barrier(weft_pg_t *pg, weft_future_t **work_p);
 
+/**
+ * Takes the group's next operation on this member as failed with @p status (< 0) and @p why:
+ * the other members fail their same operation with it at once. For a caller that cannot issue
+ * its part of an operation the others will (a DDP comm hook that failed, no memory for a
+ * bucket): the group's operations stay paired by number. Returns @p status, with @p why as the
+ * error text. Thread-safe.
+ */
+WEFT_API weft_status_t weft_coll_fail(weft_pg_t *pg, weft_status_t status, const char *why);
+
 /** Copies @p t of group rank @p root into @p t on every member. Thread-safe. */
 WEFT_API weft_status_t weft_coll_broadcast(weft_pg_t *pg, weft_tensor_t *t, int root,
                                            weft_future_t **work_p);

@@ -60,7 +60,9 @@ typedef enum {
  * @p bucket_index, whose flat tensor @p bucket holds this member's gradients (then a few
  * bookkeeping elements of the reducer's, which must be averaged like the gradients), and makes
  * *work_p a future that completes when @p bucket holds the result the parameters get (normally
- * the mean over @p pg). Runs on the thread running backward; must not block.
+ * the mean over @p pg). Runs on the thread running backward; must not block. An error must come
+ * before it issued anything on @p pg: the reducer then fails the group's operation for the other
+ * members (weft_coll_fail), so that they fail this bucket at once and stay paired.
  */
 typedef weft_status_t (*weft_ddp_comm_hook_t)(void *arg, weft_pg_t *pg, int bucket_index,
                                               weft_tensor_t *bucket, weft_future_t **work_p);

@@ -357,6 +357,63 @@ Test(ddp, a_failed_backward_fails_every_rank, .timeout = 120)
     run_body(body_failing, NULL);
 }
 
+/* A comm hook that fails on rank 1 (once, on the step's first bucket) issues nothing: rank 0's
+ * reduction of that bucket fails at once with rank 1's reason (not at the group's deadline), and
+ * the group's operations stay paired: the next step works on both. */
+static int g_fail_hook_rank = -1;
+
+static weft_status_t failing_once_hook(void *arg, weft_pg_t *pg, int bucket, weft_tensor_t *t,
+                                       weft_future_t **work_p)
+{
+    int *fail = arg;
+    if (*fail) {
+        *fail = 0;
+        (void)bucket;
+        return WEFT_ERR_NO_MEMORY; /* (what a hook that found no memory would say) */
+    }
+    return weft_coll_all_reduce(pg, t, WEFT_AVG, work_p);
+}
+
+static int body_hook_fails(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    weft_pg_t *pg = NULL;
+    model_t m;
+    RANK_CHECK(setup(a, HID, &pg, &m) == 0, "setup");
+    weft_pg_set_timeout(pg, 30000);
+    int fail = rank == g_fail_hook_rank;
+    weft_ddp_opts_t o;
+    weft_ddp_opts_init(&o);
+    o.bucket_cap_bytes = 600;
+    o.first_bucket_bytes = 100;
+    o.rebuild_buckets = false;
+    o.comm_hook = failing_once_hook;
+    o.comm_hook_arg = &fail;
+    weft_ddp_t *ddp = NULL;
+    RANK_CHECK(weft_ddp_create(pg, m.params, &o, &ddp) == WEFT_OK, "%s", weft_last_error());
+    weft_status_t st = ddp_step(ddp, &m, rank, 0, false);
+    RANK_CHECK(st != WEFT_OK, "step 0 worked on rank %d", rank);
+    if (rank == 0) {
+        RANK_CHECK(strstr(weft_last_error(), "comm hook of bucket") != NULL,
+                   "rank 0 does not give rank 1's reason: %s: %s", weft_strerror(st),
+                   weft_last_error());
+    }
+    for (int s = 1; s <= 2; s++) {
+        RANK_CHECK(ddp_step(ddp, &m, rank, s, false) == WEFT_OK, "step %d: %s", s,
+                   weft_last_error());
+    }
+    teardown(ddp, &m, pg);
+    return 0;
+}
+
+Test(ddp, a_comm_hook_that_fails_fails_the_bucket_everywhere_and_the_next_step_works,
+     .timeout = 120)
+{
+    g_fail_hook_rank = 1;
+    run_body(body_hook_fails, NULL);
+}
+
 /* Without find_unused_parameters, rank 0 leaving fc2 out fails both ranks, naming fc2 on rank
  * 0; neither hangs, and the next step (fc2 used again) works. */
 static int body_unused(weft_agent_t *a, int rank, int world, void *arg)
