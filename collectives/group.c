@@ -949,6 +949,11 @@ weft_status_t weft_coll_batch_p2p(weft_pg_t *pg, const weft_p2p_op_t *ops, size_
             return weft__set_error(WEFT_ERR_INVALID_ARG, "batch_p2p: operation %zu is malformed",
                                    i);
         }
+        /* the tensor checks of send and recv, before any starts */
+        weft_status_t cst = check_tensor(ops[i].t, (coll_kind_t)WEFT__V1__COLL_OP__COLL_OP_P2P);
+        if (cst != WEFT_OK) {
+            return weft__set_error(cst, "batch_p2p: operation %zu: %s", i, weft_last_error());
+        }
     }
     for (size_t i = 0; i < n; i++) {
         weft_status_t st =

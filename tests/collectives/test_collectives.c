@@ -2049,6 +2049,17 @@ static int body_p2p(weft_agent_t *a, int rank, int world, void *arg)
                    "batch value");
         weft_future_release(works[0]);
         weft_future_release(works[1]);
+        /* A batch whose second tensor cannot travel (bool): refused whole, none started (the
+         * first would have been sent, and its receiver's next receive would take it). */
+        weft_tensor_t *flag;
+        weft_tensor_create(WEFT_BOOL, 1, &one, &flag);
+        weft_p2p_op_t bad[2] = {{1, out1, (rank + 1) % world, 6}, {1, flag, (rank + 1) % world, 6}};
+        weft_future_t *none[2] = {NULL, NULL};
+        weft_status_t bst = weft_coll_batch_p2p(pg, bad, 2, none);
+        RANK_CHECK(bst == WEFT_ERR_DTYPE && strstr(weft_last_error(), "operation 1") != NULL &&
+                       none[0] == NULL,
+                   "a batch with a bool tensor gave %s: %s", weft_strerror(bst), weft_last_error());
+        weft_tensor_release(flag);
         weft_tensor_release(out1);
         weft_tensor_release(in1);
     }
