@@ -1669,7 +1669,12 @@ static int lost_worker_body(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(weft_ps_push(t, g, 60000) == WEFT_OK, "push: %s", weft_last_error());
     RANK_CHECK(weft_ps_clock(PS, 60000) == WEFT_OK, "clock: %s", weft_last_error());
     if (rank == 2) {
-        /* Dies once step 0 is applied (both workers ended it): its pull at clock 1 waits. */
+        /* Dies once the other worker has ended step 0: SYNC, its pull at clock 1 waits for
+         * that; BOUNDED(1), its pull at clock 2 does (ASYNC waits for nothing, and needs
+         * nothing: the other goes on). */
+        if (mode == WEFT_PS_BOUNDED) {
+            RANK_CHECK(weft_ps_clock(PS, 60000) == WEFT_OK, "clock: %s", weft_last_error());
+        }
         RANK_CHECK(weft_ps_pull(t, v, 60000) == WEFT_OK, "pull: %s", weft_last_error());
         _exit(5);
     }

@@ -361,23 +361,32 @@ static weft_status_t create_rank(int rank, int world, int master_port, weft_agen
     return weft_agent_create(&o, a_p);
 }
 
+/* A raw TLS server presenting g_dir/<stem>.pem at the master's address: rank 1 of a world of
+ * @p world must fail its join with WEFT_ERR_AUTH and @p text in the reason. */
+static void expect_master_refused(int world, const char *stem, const char *text)
+{
+    char cert[512], key[512], file[80];
+    snprintf(file, sizeof(file), "%s.pem", stem);
+    path_of(cert, sizeof(cert), file);
+    snprintf(file, sizeof(file), "%s.key", stem);
+    path_of(key, sizeof(key), file);
+    raw_server_t s;
+    raw_server_start(&s, cert, key);
+    weft_agent_t *a;
+    cr_assert_eq(create_rank(1, world, s.port, &a), WEFT_OK, "%s", weft_last_error());
+    weft_status_t st = weft_agent_join(a);
+    cr_expect_eq(st, WEFT_ERR_AUTH, "%s: %s", weft_strerror(st), weft_last_error());
+    cr_expect_not_null(strstr(weft_last_error(), text), "%s", weft_last_error());
+    weft_agent_free(a);
+    raw_server_stop(&s);
+}
+
 Test(tls, expired_master_certificate, .timeout = 60)
 {
     make_job(2);
     /* A master presenting an expired certificate of the job's CA. */
     make_leaf_in(&g_ca, "old0", "weft-rank", 0, -10 * DAY, -DAY);
-    char cert[512], key[512];
-    path_of(cert, sizeof(cert), "old0.pem");
-    path_of(key, sizeof(key), "old0.key");
-    raw_server_t s;
-    raw_server_start(&s, cert, key);
-    weft_agent_t *a;
-    cr_assert_eq(create_rank(1, 2, s.port, &a), WEFT_OK, "%s", weft_last_error());
-    weft_status_t st = weft_agent_join(a);
-    cr_expect_eq(st, WEFT_ERR_AUTH, "%s: %s", weft_strerror(st), weft_last_error());
-    cr_expect_not_null(strstr(weft_last_error(), "expired on"), "%s", weft_last_error());
-    weft_agent_free(a);
-    raw_server_stop(&s);
+    expect_master_refused(2, "old0", "expired on");
     teardown_job();
 }
 
@@ -385,18 +394,7 @@ Test(tls, master_certificate_of_another_rank, .timeout = 60)
 {
     make_job(3);
     /* Whoever listens at the master's address must prove rank 0: rank 2's certificate does not. */
-    char cert[512], key[512];
-    path_of(cert, sizeof(cert), "rank2.pem");
-    path_of(key, sizeof(key), "rank2.key");
-    raw_server_t s;
-    raw_server_start(&s, cert, key);
-    weft_agent_t *a;
-    cr_assert_eq(create_rank(1, 3, s.port, &a), WEFT_OK, "%s", weft_last_error());
-    weft_status_t st = weft_agent_join(a);
-    cr_expect_eq(st, WEFT_ERR_AUTH, "%s: %s", weft_strerror(st), weft_last_error());
-    cr_expect_not_null(strstr(weft_last_error(), "does not name rank 0"), "%s", weft_last_error());
-    weft_agent_free(a);
-    raw_server_stop(&s);
+    expect_master_refused(3, "rank2", "does not name rank 0");
     teardown_job();
 }
 
@@ -408,18 +406,7 @@ Test(tls, master_certificate_naming_its_rank_in_the_common_name_only, .timeout =
 {
     make_job(2);
     make_leaf_in(&g_ca, "cn0", "weft-rank-0", -1, -60, DAY);
-    char cert[512], key[512];
-    path_of(cert, sizeof(cert), "cn0.pem");
-    path_of(key, sizeof(key), "cn0.key");
-    raw_server_t s;
-    raw_server_start(&s, cert, key);
-    weft_agent_t *a;
-    cr_assert_eq(create_rank(1, 2, s.port, &a), WEFT_OK, "%s", weft_last_error());
-    weft_status_t st = weft_agent_join(a);
-    cr_expect_eq(st, WEFT_ERR_AUTH, "%s: %s", weft_strerror(st), weft_last_error());
-    cr_expect_not_null(strstr(weft_last_error(), "names no rank"), "%s", weft_last_error());
-    weft_agent_free(a);
-    raw_server_stop(&s);
+    expect_master_refused(2, "cn0", "names no rank");
     teardown_job();
 }
 
