@@ -555,15 +555,21 @@ static int body_cma_auto(weft_agent_t *a, int rank, int world, void *arg)
     return 0;
 }
 
-Test(collectives, cma_chosen_by_size, .timeout = 240)
+/* Runs @p body in worlds of 2 and of 4 ranks, each within @p deadline_ms. */
+static void worlds_2_and_4(rank_main_cb_t body, int64_t deadline_ms)
 {
     for (int world = 2; world <= 4; world += 2) {
         ranks_opts_t o;
         int codes[4];
-        ranks_opts_init(&o, world, body_cma_auto);
-        o.deadline_ms = 110000;
+        ranks_opts_init(&o, world, body);
+        o.deadline_ms = deadline_ms;
         cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
     }
+}
+
+Test(collectives, cma_chosen_by_size, .timeout = 240)
+{
+    worlds_2_and_4(body_cma_auto, 110000);
 }
 
 /* One rank may not take part (WEFT_COLL_CMA=0): every rank runs the ring instead, with the
@@ -1010,25 +1016,12 @@ static int body_all_to_all_sizes_differ(weft_agent_t *a, int rank, int world, vo
 
 Test(collectives, uneven_all_to_all_with_sizes_on_both_sides_of_the_thresholds, .timeout = 120)
 {
-    for (int world = 2; world <= 4; world += 2) {
-        ranks_opts_t o;
-        int codes[4];
-        ranks_opts_init(&o, world, body_all_to_all_sizes_differ);
-        o.deadline_ms = 50000;
-        o.call_timeout_ms = 20000;
-        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
-    }
+    worlds_2_and_4(body_all_to_all_sizes_differ, 50000);
 }
 
 Test(collectives, cma_every_collective_by_size, .timeout = 120)
 {
-    for (int world = 2; world <= 4; world += 2) {
-        ranks_opts_t o;
-        int codes[4];
-        ranks_opts_init(&o, world, body_cma_moves_by_size);
-        o.deadline_ms = 55000;
-        cr_assert_eq(ranks_run(&o, codes), 0, "world %d", world);
-    }
+    worlds_2_and_4(body_cma_moves_by_size, 55000);
 }
 
 /* One rank does not let the others read its memory (WEFT_COLL_CMA=0): every rank runs the
