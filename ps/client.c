@@ -997,21 +997,32 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
         int64_t k = (int64_t)count[s], shape[2] = {k, d};
         st = weft_tensor_empty(WEFT_I64, 1, &k, &tid[s]);
         if (st == WEFT_OK && kind == OP_PUSH) {
-            st = weft_tensor_create(WEFT_F32, 2, shape, &trow[s]);
+            st = weft_tensor_empty(WEFT_F32, 2, shape, &trow[s]);
         }
         if (st == WEFT_OK) {
             sids[s] = weft_tensor_data(tid[s]);
             srows[s] = trow[s] != NULL ? weft_tensor_data(trow[s]) : NULL;
         }
     }
+    /* A push's rows: an id's first row copied, its repeats added (positions are numbered in the
+     * order of first sight, so a position seen for the first time is the next one of its
+     * server; count[] counts them again). */
     const float *g = kind == OP_PUSH ? weft_tensor_data(rows) : NULL;
+    if (g != NULL) {
+        memset(count, 0, ns * sizeof(*count));
+    }
     for (size_t i = 0; i < n && st == WEFT_OK; i++) {
         uint32_t s = op->srv_of[i], p = op->pos_of[i];
         sids[s][p] = ids[i];
         if (g != NULL) {
             float *dstrow = srows[s] + (size_t)p * (size_t)d;
             const float *src = g + i * (size_t)d;
-            weft_reduce_into(dstrow, src, (size_t)d, WEFT_F32, WEFT_SUM);
+            if (p == count[s]) {
+                memcpy(dstrow, src, (size_t)d * sizeof(float));
+                count[s]++;
+            } else {
+                weft_reduce_into(dstrow, src, (size_t)d, WEFT_F32, WEFT_SUM);
+            }
         }
     }
     for (uint32_t s = 0; s < ns && st == WEFT_OK; s++) {

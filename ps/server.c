@@ -690,8 +690,14 @@ static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_ce
 #define PF_AHEAD 8 /* > PF_ROW: the rows found ahead, by position */
 
 /* Runs @p fn on each of @p k ids, grouped by lock stripe (positions sorted stably by stripe): one
- * lock per stripe and request, not one per row. Stops at the first error. */
-
+ * lock per stripe and request, not one per row. Stops at the first error.
+ *
+ * The rows are asked for ahead across stripes, so the pipeline of prefetches does not restart at
+ * each stripe (a request's ~1000 ids on a server make ~16 per stripe): a stripe is taken when the
+ * first of its ids is looked up ahead and let go once its last id is served. So a thread holds the
+ * stripes its PF_SLOT ids ahead span, always taken in increasing order; every other taker of
+ * several stripes takes them in that order too (the checkpoint's writer) or only tries
+ * (eviction), so no two threads wait for each other. */
 static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row_fn_t fn, void *arg)
 {
     /* What @p fn touches of a row, as far as it is worth asking for ahead: a read its header and
@@ -704,11 +710,17 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
         row_bytes = 1024;
     }
     uint32_t start[PS_STRIPES + 1] = {0}, stack[4096];
+    uint8_t stripe_stack[4096];
     ps_cell_t *ahead[PF_AHEAD] = {0};
     bool evicts = t->l.spec.capacity > 0;
     uint32_t *order = k <= 4096 ? stack : weft_alloc((size_t)k * sizeof(*order));
+    uint8_t *sb = k <= 4096 ? stripe_stack : weft_alloc((size_t)k);
     weft_status_t st = WEFT_OK;
-    if (order == NULL) {
+    if (order == NULL || sb == NULL) {
+        if (order != stack) {
+            weft_free(order);
+            weft_free(sb);
+        }
         return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory for %lld ids", (long long)k);
     }
     for (int64_t i = 0; i < k; i++) {
@@ -720,40 +732,57 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
     uint32_t fill[PS_STRIPES];
     memcpy(fill, start, sizeof(fill));
     for (int64_t i = 0; i < k; i++) {
-        order[fill[weft__ps_id_stripe(id[i])]++] = (uint32_t)i;
+        uint32_t b = weft__ps_id_stripe(id[i]);
+        sb[fill[b]] = (uint8_t)b;
+        order[fill[b]++] = (uint32_t)i;
     }
-    for (int b = 0; b < PS_STRIPES && st == WEFT_OK; b++) {
-        if (start[b] == start[b + 1]) {
-            continue;
-        }
-        ps_stripe_t *s = &t->stripes[b];
-        uint32_t lo = start[b], hi = start[b + 1];
-        pthread_mutex_lock(&s->mu);
-        /* Rows are scattered over memory: ask for the map slots PF_SLOT ids ahead and for the
-         * rows PF_ROW ahead, so that the row being served is in the cache when it is reached. */
-        for (uint32_t j = lo; j < hi && j < lo + PF_SLOT; j++) {
-            weft__ps_map_prefetch(&s->rows, id[order[j]]);
-        }
-        for (uint32_t j = lo; j < hi && st == WEFT_OK; j++) {
-            if (j + PF_SLOT < hi) {
-                weft__ps_map_prefetch(&s->rows, id[order[j + PF_SLOT]]);
+    uint32_t n = (uint32_t)k;
+    int taken = 0; /* stripes below this were taken (those with ids) */
+    int held = 0;  /* ... and those below this let go again */
+    for (uint32_t j = 0; j < n && j < PF_SLOT; j++) {
+        for (; taken <= sb[j]; taken++) {
+            if (start[taken] != start[taken + 1]) {
+                pthread_mutex_lock(&t->stripes[taken].mu);
             }
-            if (j + PF_ROW < hi) {
-                ps_cell_t *c = weft__ps_map_get(&s->rows, id[order[j + PF_ROW]]);
-                for (size_t off = 0; c != NULL && off < row_bytes; off += 64) {
-                    __builtin_prefetch((const char *)c + off, 1);
+        }
+        weft__ps_map_prefetch(&t->stripes[sb[j]].rows, id[order[j]]);
+    }
+    for (uint32_t j = 0; j < n && st == WEFT_OK; j++) {
+        if (j + PF_SLOT < n) {
+            uint32_t a = j + PF_SLOT;
+            for (; taken <= sb[a]; taken++) {
+                if (start[taken] != start[taken + 1]) {
+                    pthread_mutex_lock(&t->stripes[taken].mu);
                 }
-                ahead[(j + PF_ROW) % PF_AHEAD] = c;
             }
-            /* The row found when it was asked for ahead, unless rows of the stripe may have gone
-             * since (eviction) or it was not there then (fn makes it). */
-            ps_cell_t *known = j >= lo + PF_ROW && !evicts ? ahead[j % PF_AHEAD] : NULL;
-            st = fn(t, s, id[order[j]], known, order[j], arg);
+            weft__ps_map_prefetch(&t->stripes[sb[a]].rows, id[order[a]]);
         }
-        pthread_mutex_unlock(&s->mu);
+        if (j + PF_ROW < n) {
+            uint32_t a = j + PF_ROW;
+            ps_cell_t *c = weft__ps_map_get(&t->stripes[sb[a]].rows, id[order[a]]);
+            for (size_t off = 0; c != NULL && off < row_bytes; off += 64) {
+                __builtin_prefetch((const char *)c + off, 1);
+            }
+            ahead[a % PF_AHEAD] = c;
+        }
+        for (; held < sb[j]; held++) {
+            if (start[held] != start[held + 1]) {
+                pthread_mutex_unlock(&t->stripes[held].mu);
+            }
+        }
+        /* The row found when it was asked for ahead, unless rows may have gone since (eviction)
+         * or it was not there then (fn makes it). */
+        ps_cell_t *known = j >= PF_ROW && !evicts ? ahead[j % PF_AHEAD] : NULL;
+        st = fn(t, &t->stripes[sb[j]], id[order[j]], known, order[j], arg);
+    }
+    for (; held < taken; held++) {
+        if (start[held] != start[held + 1]) {
+            pthread_mutex_unlock(&t->stripes[held].mu);
+        }
     }
     if (order != stack) {
         weft_free(order);
+        weft_free(sb);
     }
     return st;
 }
