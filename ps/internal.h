@@ -151,20 +151,27 @@ static inline int64_t weft__ps_chunk_len(const ps_layout_t *l, uint32_t c)
  * (a pull lends it, copy on write); a sparse row is one allocation, this header followed by its
  * value and its state, so that serving a row touches one run of memory. */
 typedef struct ps_cell {
+    /* What serving a row reads, in its first cache line (a row's block starts on one). */
     uint64_t id;              /* sparse id, or chunk index */
-    uint64_t touch;           /* last use (sparse eviction) */
-    int64_t step;             /* optimizer steps applied */
     int64_t n;                /* elements */
+    int64_t step;             /* optimizer steps applied */
     void *vdata;              /* the value's bytes (storage dtype) */
     float *sdata[3];          /* the optimizer state's, f32 [n] each, as many as it keeps */
+    weft_dtype_t dtype;       /* storage */
+    bool dense;               /* a dense chunk: a pull may share its value (copy on write) */
+    bool acc_on;              /* SYNC: acc holds this step's gradient (the cell is listed) */
+    /* The rest: eviction, SYNC steps, dense chunks, the block's own allocation. */
+    uint64_t touch;           /* last use (sparse eviction) */
     float *acc;               /* SYNC: the step's summed gradient (a dense chunk keeps it) */
     struct ps_cell *next_acc; /* SYNC: cells with a gradient this step */
     weft_tensor_t *value;     /* a dense chunk's value (vdata is its data); NULL for a row */
     weft_tensor_t *state[3];  /* a dense chunk's state tensors; NULL for a row */
-    weft_dtype_t dtype;       /* storage */
-    bool dense;               /* a dense chunk: a pull may share its value (copy on write) */
-    bool acc_on;              /* SYNC: acc holds this step's gradient (the cell is listed) */
+    void *block;              /* what was allocated (the cell starts at its first cache line) */
 } ps_cell_t;
+
+/* Where a row's value starts in its block, past the header (a multiple of the cache line). */
+#define PS_CELL_HEAD (((sizeof(ps_cell_t)) + 63) & ~(size_t)63)
+_Static_assert(offsetof(ps_cell_t, acc_on) < 64, "a row's hot header fields fit one cache line");
 
 /* Makes a cell of @p n elements with its initial value (id = row or chunk) and zero state. */
 weft_status_t weft__ps_cell_new(const ps_layout_t *l, uint64_t id, int64_t n, ps_cell_t **c_p);

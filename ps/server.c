@@ -700,15 +700,13 @@ static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_ce
  * (eviction), so no two threads wait for each other. */
 static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row_fn_t fn, void *arg)
 {
-    /* What @p fn touches of a row, as far as it is worth asking for ahead: a read its header and
-     * value, an apply or a gather its state too (a row is one block: header, value, state). */
+    /* What @p fn touches of a row, as far as it is worth asking for ahead: the header's first
+     * line, then a read the value, an apply or a gather the state too (a row is one block:
+     * header, value, state, the header on a line of its own). */
     size_t data_bytes = fn == row_read
                             ? weft_dtype_size(t->l.spec.dtype) * (size_t)t->l.spec.dim
                             : weft__ps_cell_bytes(&t->l, t->l.spec.dim);
-    size_t row_bytes = sizeof(ps_cell_t) + data_bytes;
-    if (row_bytes > 1024) {
-        row_bytes = 1024;
-    }
+    size_t row_end = PS_CELL_HEAD + (data_bytes < 1024 ? data_bytes : 1024);
     uint32_t start[PS_STRIPES + 1] = {0}, stack[4096];
     uint8_t stripe_stack[4096];
     ps_cell_t *ahead[PF_AHEAD] = {0};
@@ -760,7 +758,10 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
         if (j + PF_ROW < n) {
             uint32_t a = j + PF_ROW;
             ps_cell_t *c = weft__ps_map_get(&t->stripes[sb[a]].rows, id[order[a]]);
-            for (size_t off = 0; c != NULL && off < row_bytes; off += 64) {
+            if (c != NULL) {
+                __builtin_prefetch(c, 1);
+            }
+            for (size_t off = PS_CELL_HEAD; c != NULL && off < row_end; off += 64) {
                 __builtin_prefetch((const char *)c + off, 1);
             }
             ahead[a % PF_AHEAD] = c;

@@ -390,7 +390,7 @@ void weft__ps_cell_free(ps_cell_t *c)
         weft_tensor_release(c->state[i]);
     }
     weft_free(c->acc);
-    weft_free(c);
+    weft_free(c->block);
 }
 
 /* The initial value of cell @p c (vdata, c->n elements in the storage dtype). */
@@ -425,15 +425,19 @@ weft_status_t weft__ps_cell_new(const ps_layout_t *l, uint64_t id, int64_t n, ps
     bool dense = l->spec.kind == WEFT_PS_DENSE;
     size_t esz = weft_dtype_size(l->spec.dtype);
     /* A row: header, value and state in one allocation. */
-    size_t head = align_up(sizeof(ps_cell_t)), vbytes = align_up((size_t)n * esz);
+    size_t head = PS_CELL_HEAD, vbytes = align_up((size_t)n * esz);
     size_t sbytes = align_up((size_t)n * sizeof(float));
-    size_t total = dense ? sizeof(ps_cell_t) : head + vbytes + (size_t)l->n_state * sbytes;
-    ps_cell_t *c = weft_alloc(total);
+    /* A row's block starts on a cache line: serving it reads the header's first line and the
+     * value's (and the state's) lines, no more. */
+    size_t total = dense ? sizeof(ps_cell_t) : head + vbytes + (size_t)l->n_state * sbytes + 63;
+    void *block = weft_alloc(total);
     weft_status_t st = WEFT_ERR_NO_MEMORY;
-    if (c == NULL) {
+    if (block == NULL) {
         return weft__set_error(st, "ps: no memory for a row of %lld elements", (long long)n);
     }
+    ps_cell_t *c = dense ? block : (ps_cell_t *)(((uintptr_t)block + 63) & ~(uintptr_t)63);
     memset(c, 0, sizeof(*c));
+    c->block = block;
     c->id = id;
     c->n = n;
     c->dtype = l->spec.dtype;
