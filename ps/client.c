@@ -348,6 +348,11 @@ typedef struct {
     weft_future_t *f; /* its call, while it may land bytes in the caller's memory */
     bool over;        /* its sub_done ran (under op->mu) */
     uint64_t seq;     /* a push's number (0: not a push) */
+    /* a sparse pull: its distinct rows (numbered from op->first[base]), and the bytes of them
+     * handed to pull_sink straight from a shared-memory ring */
+    uint32_t base;
+    uint32_t rows;
+    uint64_t sunk;
 } ps_sub_t;
 
 /* What a request or reply carries besides its tensors' bytes, at most (envelope, header). */
@@ -369,6 +374,10 @@ struct ps_op {
     /* sparse pulls: per position of the caller's ids, its server and place in that request */
     uint32_t *srv_of;
     uint32_t *pos_of;
+    /* ... and per distinct row (all servers', numbered by server), the positions it goes to:
+     * dests[first[g] .. first[g + 1]) */
+    uint32_t *first;
+    uint32_t *dests;
     size_t n_ids;
     int64_t dim;
     weft_value_t *keep;  /* tensors kept alive until the end (ids, summed rows) */
@@ -382,6 +391,8 @@ static void op_free(ps_op_t *op)
     weft_value_free(op->keep);
     weft_free(op->srv_of);
     weft_free(op->pos_of);
+    weft_free(op->first);
+    weft_free(op->dests);
     size_t nsub = op->t->ps->n_servers +
                   (op->t->l.spec.kind == WEFT_PS_DENSE ? op->t->l.n_chunks : 0);
     for (size_t i = 0; op->subs != NULL && i < nsub; i++) {
@@ -477,6 +488,10 @@ static bool scatter(ps_op_t *op, const ps_sub_t *sub, const weft_value_t *body)
         return true;
     }
     weft_tensor_t *x = weft_value_num_tensors(body) == 1 ? weft_value_tensor(body, 0) : NULL;
+    if (x != NULL && weft_tensor_numel(x) == 0 && sub->rows > 0 &&
+        sub->sunk == (uint64_t)sub->rows * (uint64_t)op->dim * sizeof(float)) {
+        return true; /* every row went to the caller's memory through pull_sink */
+    }
     size_t want = 0;
     for (size_t i = 0; i < op->n_ids; i++) {
         if (op->srv_of[i] == s && op->pos_of[i] + 1 > want) {
@@ -599,6 +614,28 @@ static void push_unsent(weft_ps_table_t *t, uint32_t s, uint64_t seq)
     pthread_mutex_unlock(&ps->seq_mu);
 }
 
+/* A piece of a sparse pull's reply rows, straight from a shared-memory ring: each row's bytes go
+ * to every position of the caller's ids that asked for it (a piece may start or end mid-row). */
+static void pull_sink(void *arg, size_t off, const void *bytes, size_t n)
+{
+    ps_sub_t *sub = arg;
+    ps_op_t *op = sub->op;
+    size_t rb = (size_t)op->dim * sizeof(float);
+    const char *src = bytes;
+    size_t end = off + n;
+    while (off < end) {
+        size_t r = off / rb, in = off % rb;
+        size_t take = rb - in < end - off ? rb - in : end - off;
+        const uint32_t *g = op->first + sub->base + r;
+        for (uint32_t k = g[0]; k < g[1]; k++) {
+            memcpy((char *)(op->dst + (size_t)op->dests[k] * (size_t)op->dim) + in, src, take);
+        }
+        off += take;
+        src += take;
+    }
+    sub->sunk += n;
+}
+
 static void sub_send(ps_sub_t *sub, weft_value_t *msg)
 {
     ps_op_t *op = sub->op;
@@ -618,12 +655,34 @@ static void sub_send(ps_sub_t *sub, weft_value_t *msg)
         if (land) {
             for (size_t j = 0; j < sub->n_chunks; j++) {
                 uint32_t c = sub->chunks[j];
-                into[j] = (weft_rpc_into_t){op->dst + (int64_t)c * l->chunk_elems,
-                                            (size_t)weft__ps_chunk_len(l, c) * sizeof(float),
-                                            WEFT_F32};
+                into[j] = (weft_rpc_into_t){
+                    .data = op->dst + (int64_t)c * l->chunk_elems,
+                    .nbytes = (size_t)weft__ps_chunk_len(l, c) * sizeof(float),
+                    .dtype = WEFT_F32,
+                };
             }
             st = weft_rpc_async_into(ps->agent, ps->servers[sub->s], PS_FN, msg, sub->timeout_ms,
                                      into, sub->n_chunks, &f);
+            if (st == WEFT_OK) {
+                sub->f = weft_future_retain(f);
+            }
+        }
+        pthread_mutex_unlock(&op->mu);
+    }
+    if (op->dst != NULL && l->spec.kind == WEFT_PS_SPARSE && op->first != NULL && sub->rows > 0) {
+        /* A sparse pull's rows go from the ring to the caller's rows (pull_sink), under op->mu
+         * for the reason above. */
+        pthread_mutex_lock(&op->mu);
+        land = op->st == WEFT_OK;
+        if (land) {
+            weft_rpc_into_t into = {
+                .nbytes = (size_t)sub->rows * (size_t)op->dim * sizeof(float),
+                .dtype = WEFT_F32,
+                .sink = pull_sink,
+                .sink_arg = sub,
+            };
+            st = weft_rpc_async_into(ps->agent, ps->servers[sub->s], PS_FN, msg, sub->timeout_ms,
+                                     &into, 1, &f);
             if (st == WEFT_OK) {
                 sub->f = weft_future_retain(f);
             }
@@ -967,6 +1026,34 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
         }
         op->srv_of[i] = s;
         op->pos_of[i] = (uint32_t)(v - 1);
+    }
+    /* A pull's rows per distinct id, for pull_sink: the positions each goes to. */
+    if (st == WEFT_OK && kind == OP_PULL && n > 0) {
+        size_t u = 0;
+        for (uint32_t s = 0; s < ns; s++) {
+            op->subs[s].base = (uint32_t)u;
+            op->subs[s].rows = (uint32_t)count[s];
+            u += count[s];
+        }
+        op->first = weft_calloc(u + 1, sizeof(*op->first));
+        op->dests = weft_alloc(n * sizeof(*op->dests));
+        if (op->first == NULL || op->dests == NULL) {
+            st = weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory");
+        }
+        for (size_t i = 0; i < n && st == WEFT_OK; i++) {
+            op->first[op->subs[op->srv_of[i]].base + op->pos_of[i] + 1]++;
+        }
+        for (size_t g = 0; g < u && st == WEFT_OK; g++) {
+            op->first[g + 1] += op->first[g];
+        }
+        /* first[g] as g's cursor, then shifted back by one row */
+        for (size_t i = 0; i < n && st == WEFT_OK; i++) {
+            op->dests[op->first[op->subs[op->srv_of[i]].base + op->pos_of[i]]++] = (uint32_t)i;
+        }
+        if (st == WEFT_OK) {
+            memmove(op->first + 1, op->first, u * sizeof(*op->first));
+            op->first[0] = 0;
+        }
     }
     /* A part over its receiver's message limit is refused here, before anything is sent or
      * numbered: the operation applies nothing. */

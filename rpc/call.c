@@ -1070,9 +1070,9 @@ weft_status_t weft_rpc_async_into(weft_agent_t *a, int to_rank, const char *fn,
         return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc_async_into: NULL future or into");
     }
     for (size_t i = 0; i < n_into; i++) {
-        if (into[i].data == NULL && into[i].nbytes > 0) {
-            return weft__set_error(WEFT_ERR_INVALID_ARG, "rpc_async_into: entry %zu has no data",
-                                   i);
+        if (into[i].data == NULL && into[i].sink == NULL && into[i].nbytes > 0) {
+            return weft__set_error(WEFT_ERR_INVALID_ARG,
+                                   "rpc_async_into: entry %zu has neither data nor a sink", i);
         }
     }
     return rpc_async(a, to_rank, fn, args, timeout_ms, false, into, n_into, f_p);

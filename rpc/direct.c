@@ -1045,8 +1045,8 @@ static bool read_value_into(conn_in_t *c, const Weft__V1__Envelope *env, uint64_
             weft_value_free(v);
             return false;
         }
-        if (i < n_into && into[i].nbytes == tm->nbytes && tm->nbytes > 0 &&
-            (int)into[i].dtype == (int)tm->dtype) {
+        if (i < n_into && into[i].data != NULL && into[i].nbytes == tm->nbytes &&
+            tm->nbytes > 0 && (int)into[i].dtype == (int)tm->dtype) {
             /* Straight into the caller's memory; the value's tensor wraps it. */
             st = weft_tensor_wrap((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape,
                                   into[i].data, into[i].nbytes, WEFT_CPU, NULL, NULL, &t);

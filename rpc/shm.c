@@ -542,8 +542,9 @@ static bool in_read(shm_in_t *c, void *buf, uint64_t n)
 /* Hands @p n bytes of the ring to a landing's sink straight from the shared memory (no copy of
  * its own), piece by piece as they come. A piece is a multiple of 8 bytes (whole elements of
  * every dtype) but for the last: a few bytes split by the ring's end or not all there yet go
- * through a small copy instead. */
-static bool in_sink(shm_in_t *c, const weft_landing_t *l, uint64_t n)
+ * through a small copy instead. With @p aligned, pieces start 8-byte aligned (a collective's sink
+ * loads elements): unaligned ones go through a hot buffer. */
+static bool in_sink(shm_in_t *c, const weft_landing_t *l, uint64_t n, bool aligned)
 {
     ring_hdr_t *r = c->ring;
     uint64_t done = 0;
@@ -565,13 +566,14 @@ static bool in_sink(shm_in_t *c, const weft_landing_t *l, uint64_t n)
         if (k < n - done) {
             k &= ~(uint64_t)7;
         }
-        if (k > 0 && ((uintptr_t)(c->data + off) & 7) != 0 && c->hot == NULL) {
+        bool odd = aligned && ((uintptr_t)(c->data + off) & 7) != 0;
+        if (k > 0 && odd && c->hot == NULL) {
             c->hot = weft_alloc(HOT_BYTES); /* NULL: 8 bytes at a time below */
         }
-        if (k > 0 && ((uintptr_t)(c->data + off) & 7) != 0 && c->hot == NULL) {
+        if (k > 0 && odd && c->hot == NULL) {
             k = 0;
         }
-        if (k > 0 && ((uintptr_t)(c->data + off) & 7) != 0) {
+        if (k > 0 && odd) {
             /* Not aligned for the sink's element loads (a frame starts anywhere in the ring):
              * through a small hot buffer. */
             if (k > HOT_BYTES) {
@@ -645,7 +647,7 @@ static bool read_landing(shm_in_t *c, Weft__V1__Envelope *env, const weft__modul
     bool landing = mod->desc.lander(mod->state, peer, pl, env->payload_bytes,
                                     (weft_dtype_t)tm->dtype, numel, &l);
     if (landing) {
-        ok = l.sink != NULL ? in_sink(c, &l, nb) : in_read(c, l.dst, nb);
+        ok = l.sink != NULL ? in_sink(c, &l, nb, true) : in_read(c, l.dst, nb);
         l.done(l.arg, ok);
     }
     tl_role = role;
@@ -721,8 +723,29 @@ static bool read_value(shm_in_t *c, const Weft__V1__Envelope *env, uint64_t body
         const Weft__V1__TensorMeta *tm = env->tensors[i];
         weft_tensor_t *t = NULL;
         weft_status_t st;
-        if (i < n_into && into[i].nbytes == tm->nbytes && tm->nbytes > 0 &&
-            (int)into[i].dtype == (int)tm->dtype) {
+        bool fits = i < n_into && into[i].nbytes == tm->nbytes && tm->nbytes > 0 &&
+                    (int)into[i].dtype == (int)tm->dtype;
+        if (fits && into[i].data == NULL) {
+            /* Handed to the caller's sink straight from the ring; an empty tensor in its place. */
+            int64_t zero = 0;
+            st = weft_tensor_empty((weft_dtype_t)tm->dtype, 1, &zero, &t);
+            weft_landing_t l = {.sink = into[i].sink, .arg = into[i].sink_arg};
+            if (st == WEFT_OK && !in_sink(c, &l, tm->nbytes, false)) {
+                weft_tensor_release(t);
+                ok = false;
+                goto out_free;
+            }
+            if (st == WEFT_OK) {
+                done += tm->nbytes;
+                st = weft_value_push_tensor(v, t);
+                if (st != WEFT_OK) {
+                    weft_tensor_release(t);
+                }
+            }
+            *st_p = st;
+            continue;
+        }
+        if (fits) {
             st = weft_tensor_wrap((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape,
                                   into[i].data, into[i].nbytes, WEFT_CPU, NULL, NULL, &t);
         } else {

@@ -238,11 +238,19 @@ WEFT_API void weft_call_reply_future(weft_call_t *call, weft_future_t *f);
 WEFT_API weft_status_t weft_rpc_async(weft_agent_t *a, int to_rank, const char *fn,
                                       const weft_value_t *args, int64_t timeout_ms,
                                       weft_future_t **f_p);
-/** Memory a result's tensor may be received into (weft_rpc_async_into). */
+/**
+ * Memory a result's tensor may be received into (weft_rpc_async_into), or, with @p data NULL, a
+ * sink its bytes may be handed to: @p sink(@p sink_arg, off, bytes, n) is called in order with
+ * consecutive pieces (@p off: their offset in the tensor's data; n a multiple of 8 but for the
+ * last; not aligned), from the transport's own memory, valid only during the call. A sink must
+ * not block.
+ */
 typedef struct {
     void *data;
     size_t nbytes;
     weft_dtype_t dtype;
+    void (*sink)(void *sink_arg, size_t off, const void *bytes, size_t n);
+    void *sink_arg;
 } weft_rpc_into_t;
 
 /**
@@ -258,7 +266,13 @@ typedef struct {
  * comes while the answer is being received completes the call once the answer is in (then with
  * its result) or its connection broke, which a stalled peer's does when it is declared lost
  * (within the agent's peer timeout). Thread-safe.
- * @return as weft_rpc_async; WEFT_ERR_INVALID_ARG for into entries without data.
+ *
+ * An entry with a sink instead of memory takes the tensor's bytes only over a shared-memory ring
+ * (elsewhere the tensor is received as with weft_rpc_async): every byte then went to the sink
+ * and the result value holds an empty tensor (shape [0], the dtype) in the tensor's place. The
+ * sink is called only before the future completes, and not once weft_rpc_withdraw_into returned
+ * true; if the ring broke midway, some pieces went to it and the call fails.
+ * @return as weft_rpc_async; WEFT_ERR_INVALID_ARG for into entries with neither data nor sink.
  */
 WEFT_API weft_status_t weft_rpc_async_into(weft_agent_t *a, int to_rank, const char *fn,
                                            const weft_value_t *args, int64_t timeout_ms,

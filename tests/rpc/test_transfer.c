@@ -221,7 +221,8 @@ static int body_into(weft_agent_t *a, int rank, int world, void *arg)
     /* A large answer on the direct connection lands in the caller's memory. */
     weft_value_t *args = u8_args(big, 7);
     RANK_CHECK(args != NULL, "args");
-    weft_rpc_into_t into[2] = {{dst, big, WEFT_U8}, {dst2, big, WEFT_U8}};
+    weft_rpc_into_t into[2] = {{.data = dst, .nbytes = big, .dtype = WEFT_U8},
+                               {.data = dst2, .nbytes = big, .dtype = WEFT_U8}};
     memset(dst, 0xAA, big);
     weft_future_t *f = NULL;
     RANK_CHECK(weft_rpc_async_into(a, 1, "echo", args, 20000, into, 1, &f) == WEFT_OK, "%s",
@@ -235,8 +236,8 @@ static int body_into(weft_agent_t *a, int rank, int world, void *arg)
 
     /* A size or a dtype that differs: a fresh tensor, the caller's memory untouched. */
     memset(dst, 0xAA, big);
-    into[0] = (weft_rpc_into_t){dst, big - 1, WEFT_U8};
-    into[1] = (weft_rpc_into_t){dst2, big, WEFT_I8};
+    into[0] = (weft_rpc_into_t){.data = dst, .nbytes = big - 1, .dtype = WEFT_U8};
+    into[1] = (weft_rpc_into_t){.data = dst2, .nbytes = big, .dtype = WEFT_I8};
     weft_value_t *two = u8_args(big, 8);
     weft_value_push_tensor(two, weft_tensor_retain(weft_value_tensor(args, 0)));
     RANK_CHECK(weft_rpc_async_into(a, 1, "echo", two, 20000, into, 2, &f) == WEFT_OK, "%s",
@@ -256,7 +257,7 @@ static int body_into(weft_agent_t *a, int rank, int world, void *arg)
     weft_shm_stats_t ss;
     RANK_CHECK(weft_agent_shm_stats(a, 1, &ss) == WEFT_OK, "%s", weft_last_error());
     weft_value_t *tiny = u8_args(small, 9);
-    into[0] = (weft_rpc_into_t){dst, small, WEFT_U8};
+    into[0] = (weft_rpc_into_t){.data = dst, .nbytes = small, .dtype = WEFT_U8};
     RANK_CHECK(weft_rpc_async_into(a, 1, "echo", tiny, 20000, into, 1, &f) == WEFT_OK, "%s",
                weft_last_error());
     RANK_CHECK(weft_future_wait(f, -1) == WEFT_OK, "%s", weft_future_error(f));
@@ -272,7 +273,7 @@ static int body_into(weft_agent_t *a, int rank, int world, void *arg)
     weft_value_free(tiny);
 
     /* Withdrawn before the answer comes: it arrives in a fresh tensor. */
-    into[0] = (weft_rpc_into_t){dst, big, WEFT_U8};
+    into[0] = (weft_rpc_into_t){.data = dst, .nbytes = big, .dtype = WEFT_U8};
     RANK_CHECK(weft_rpc_async_into(a, 1, "hold", args, 20000, into, 1, &f) == WEFT_OK, "%s",
                weft_last_error());
     RANK_CHECK(weft_rpc_withdraw_into(a, f), "withdrawing an unanswered call");
@@ -290,7 +291,7 @@ static int body_into(weft_agent_t *a, int rank, int world, void *arg)
     weft_future_release(f);
 
     /* Bad arguments. */
-    into[0] = (weft_rpc_into_t){NULL, big, WEFT_U8};
+    into[0] = (weft_rpc_into_t){.data = NULL, .nbytes = big, .dtype = WEFT_U8};
     RANK_CHECK(weft_rpc_async_into(a, 1, "echo", args, 20000, into, 1, &f) ==
                    WEFT_ERR_INVALID_ARG,
                "an entry without memory");
