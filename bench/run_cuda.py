@@ -16,9 +16,15 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+FAILED = []
+
+
 def lines(cmd, env=None):
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     sys.stderr.write(out.stderr)
+    if out.returncode != 0:
+        FAILED.append("%s exited with %d" % (os.path.basename(cmd[-2] if cmd[0] == sys.executable else cmd[0]),
+                                            out.returncode))
     return [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
 
 
@@ -47,21 +53,30 @@ def main():
             print("\nsum kernel %.1f GB/s, device copy %.1f GB/s: %.0f%% (target >= 70%%)" %
                   (r["sum_gbps"], r["copy_gbps"], 100 * r["sum_over_copy"]))
     ar = {}
+    ipc_before = 0
     for r in rows:
         if r.get("op") == "all_reduce":
-            ar.setdefault(r["bytes"], {})[r["system"]] = r["time_us"]
+            t = r["time_us"]
+            if r["system"] == "weft_cuda_ipc":
+                # the counter is cumulative: a row that did not raise it was staged after all
+                if r.get("ipc_ops", 0) <= ipc_before:
+                    t = "%s (staged!)" % t
+                ipc_before = r.get("ipc_ops", 0)
+            ar.setdefault(r["bytes"], {})[r["system"]] = t
     if ar:
         print("\nall_reduce f32 sum, world 2, median us (ratio: torch's time / weft's)")
         print("  %10s %12s %12s %12s %8s" % ("bytes", "weft ipc", "weft staged", "torch gloo", "ratio"))
         for b in sorted(ar):
             d = ar[b]
-            best = min(v for k, v in d.items() if k.startswith("weft")) if any(
-                k.startswith("weft") for k in d) else None
+            weft = [v for k, v in d.items() if k.startswith("weft") and isinstance(v, (int, float))]
+            best = min(weft) if weft else None
             t = d.get("torch_gloo_cuda")
             print("  %10d %12s %12s %12s %8s" % (
                 b, d.get("weft_cuda_ipc", "-"), d.get("weft_cuda_staged", "-"), t if t else "-",
                 "%.2fx" % (t / best) if t and best else "-"))
-    return 0
+    for f in FAILED:
+        print("FAILED: %s (the figures above are incomplete)" % f, file=sys.stderr)
+    return 1 if FAILED else 0
 
 
 if __name__ == "__main__":

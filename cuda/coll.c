@@ -100,7 +100,7 @@ static void staged_free(staged_t *s)
         (void)cudaStreamDestroy(s->h2d);
     }
     if (s->host != NULL) {
-        weft_cuda__pinned_put(s->host, s->host_cap);
+        weft_cuda__pinned_put(s->host, s->host_cap, s->device);
     }
     weft_tensor_release(s->t);
     pthread_mutex_destroy(&s->mu);
@@ -113,8 +113,8 @@ static void staged_finish(staged_t *s)
     weft_status_t st = s->st;
     char why[600];
     snprintf(why, sizeof(why), "%s", s->why);
+    (void)cudaSetDevice(s->device); /* staged_free's frees too, on this (any) thread */
     if (s->h2d != NULL) {
-        (void)cudaSetDevice(s->device);
         cudaError_t e = cudaStreamSynchronize(s->h2d);
         if (e != cudaSuccess && st == WEFT_OK) {
             st = weft_cuda__fail(e, "cudaStreamSynchronize (host to device)", __FILE__, __LINE__);

@@ -15,7 +15,8 @@ weft_status_t weft_cuda__fail(cudaError_t e, const char *what, const char *file,
     weft_status_t st = (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver ||
                         e == cudaErrorInvalidDevice || e == cudaErrorStubLibrary)
                            ? WEFT_ERR_NO_DEVICE
-                           : WEFT_ERR_CUDA;
+                       : e == cudaErrorMemoryAllocation ? WEFT_ERR_NO_MEMORY
+                                                        : WEFT_ERR_CUDA;
     const char *base = strrchr(file, '/');
     (void)cudaGetLastError(); /* a non-sticky error must not fail the next call */
     return weft__set_error(st, "cuda: %s: %s: %s (%s:%d)", what, cudaGetErrorName(e),
@@ -141,10 +142,26 @@ weft_status_t weft_cuda_tensor_zeros(weft_dtype_t dtype, int ndim, const int64_t
     return device_tensor(dtype, ndim, shape, device, true, t_p);
 }
 
+/* Frees pinned memory with the device current when it was made (@p device; -1: none known):
+ * on a thread with no device made current, the runtime would start a context on device 0. */
+static void free_host_on(void *data, int device)
+{
+    if (device >= 0) {
+        (void)cudaSetDevice(device);
+    }
+    (void)cudaFreeHost(data);
+}
+
 static void pinned_release(void *data, void *arg)
 {
-    (void)arg;
-    (void)cudaFreeHost(data);
+    free_host_on(data, (int)(intptr_t)arg - 1);
+}
+
+/* The device current on this thread, or -1. */
+static int current_device(void)
+{
+    int d = -1;
+    return cudaGetDevice(&d) == cudaSuccess ? d : -1;
 }
 
 weft_status_t weft_cuda_pinned_empty(weft_dtype_t dtype, int ndim, const int64_t *shape,
@@ -159,25 +176,28 @@ weft_status_t weft_cuda_pinned_empty(weft_dtype_t dtype, int ndim, const int64_t
     }
     WEFT_CHECK(shape_bytes(dtype, ndim, shape, &nbytes));
     WEFT_CHECK(weft_cuda_device_count(&n));
+    int device = current_device();
     WEFT_CUDA_CHECK(cudaHostAlloc(&p, nbytes > 0 ? nbytes : 1, cudaHostAllocPortable));
-    WEFT_CHECK_GOTO(
-        weft_tensor_wrap(dtype, ndim, shape, p, nbytes, WEFT_CPU, pinned_release, NULL, t_p), st,
-        err_free);
+    WEFT_CHECK_GOTO(weft_tensor_wrap(dtype, ndim, shape, p, nbytes, WEFT_CPU, pinned_release,
+                                     (void *)(intptr_t)(device + 1), t_p),
+                    st, err_free);
     return WEFT_OK;
 
 err_free:
-    (void)cudaFreeHost(p);
+    free_host_on(p, device);
     return st;
 }
 
 /* ---- pinned staging buffers ------------------------------------------------------------------ */
 
-/* A few freed buffers are kept (pinning is slow: milliseconds per call). */
-#define PINNED_KEEP 4
+/* Freed buffers are kept (pinning is slow: milliseconds per call), enough for the buckets a
+ * DDP step has in flight. */
+#define PINNED_KEEP 16
 static pthread_mutex_t pinned_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct {
     void *p;
     size_t nbytes;
+    int device;
 } pinned_free[PINNED_KEEP];
 
 weft_status_t weft_cuda__pinned_get(size_t nbytes, void **p_p, size_t *cap_p)
@@ -206,9 +226,10 @@ weft_status_t weft_cuda__pinned_get(size_t nbytes, void **p_p, size_t *cap_p)
     return WEFT_OK;
 }
 
-void weft_cuda__pinned_put(void *p, size_t cap)
+void weft_cuda__pinned_put(void *p, size_t cap, int device)
 {
     void *drop = p;
+    int drop_device = device;
     pthread_mutex_lock(&pinned_mu);
     int slot = -1;
     for (int i = 0; i < PINNED_KEEP; i++) {
@@ -222,12 +243,14 @@ void weft_cuda__pinned_put(void *p, size_t cap)
     }
     if (pinned_free[slot].p == NULL || pinned_free[slot].nbytes < cap) {
         drop = pinned_free[slot].p;
+        drop_device = pinned_free[slot].device;
         pinned_free[slot].p = p;
         pinned_free[slot].nbytes = cap;
+        pinned_free[slot].device = device;
     }
     pthread_mutex_unlock(&pinned_mu);
     if (drop != NULL) {
-        (void)cudaFreeHost(drop);
+        free_host_on(drop, drop_device);
     }
 }
 
@@ -411,10 +434,11 @@ static weft_status_t move_parts(weft_tensor_t *flat, weft_tensor_t *const *ts, s
     if (parts == NULL) {
         return weft__set_error(WEFT_ERR_NO_MEMORY, "cuda: %s: no memory", what);
     }
-    size_t off = 0;
+    size_t off = 0, max_bytes = 0;
     for (size_t i = 0; i < n; i++) {
         unsigned char *f = (unsigned char *)weft_tensor_data(flat) + off;
         size_t nb = weft_tensor_nbytes(ts[i]);
+        max_bytes = nb > max_bytes ? nb : max_bytes;
         parts[i].src = to_flat ? weft_tensor_data(ts[i]) : f;
         parts[i].dst = to_flat ? (void *)f : weft_tensor_data(ts[i]);
         parts[i].nbytes = nb;
@@ -423,7 +447,7 @@ static weft_status_t move_parts(weft_tensor_t *flat, weft_tensor_t *const *ts, s
     WEFT_CUDA_CHECK_GOTO(cudaMalloc((void **)&dparts, n * sizeof(*parts)), st, out);
     WEFT_CUDA_CHECK_GOTO(cudaMemcpy(dparts, parts, n * sizeof(*parts), cudaMemcpyHostToDevice), st,
                          out);
-    WEFT_CUDA_CHECK_GOTO(weft_cuda__copy_parts(0, dparts, n), st, out);
+    WEFT_CUDA_CHECK_GOTO(weft_cuda__copy_parts(0, dparts, n, max_bytes), st, out);
     WEFT_CUDA_CHECK_GOTO(cudaStreamSynchronize(0), st, out);
 out:
     if (dparts != NULL) {

@@ -49,7 +49,9 @@ cudaError_t weft_cuda__reduce_many(cudaStream_t stream, void *dst, const weft_cu
 cudaError_t weft_cuda__scale(cudaStream_t stream, void *p, size_t n, weft_dtype_t dtype,
                              double factor);
 /* The parts' copies, one block row per part (@p parts: device memory, n entries). */
-cudaError_t weft_cuda__copy_parts(cudaStream_t stream, const weft_cuda__part_t *parts, size_t n);
+/* @p max_bytes: the largest part's bytes (sizes the grid). */
+cudaError_t weft_cuda__copy_parts(cudaStream_t stream, const weft_cuda__part_t *parts, size_t n,
+                                  size_t max_bytes);
 
 #ifdef __cplusplus
 }
@@ -93,7 +95,9 @@ weft_status_t weft_cuda__device_of(const weft_tensor_t *t, const char *what, int
 /* Pinned host buffers, kept for reuse (the staged collectives take one per operation): at
  * least @p nbytes, *cap_p its real size, given back with it. */
 weft_status_t weft_cuda__pinned_get(size_t nbytes, void **p_p, size_t *cap_p);
-void weft_cuda__pinned_put(void *p, size_t cap);
+/* @p device: the one current when it was got (freeing pinned memory on a thread with no
+ * device made current would start a context on device 0). */
+void weft_cuda__pinned_put(void *p, size_t cap, int device);
 
 /* coll.c: the device collectives' entry, registered by weft_cuda_init. */
 extern const weft_coll_device_ops_t weft_cuda__coll_ops;

@@ -286,7 +286,22 @@ template <typename T> __global__ void scale_kernel(T *p, size_t n, double factor
     }
 }
 
-/* blockIdx.y: the part; 16-byte moves when both ends are aligned. */
+/* Copies n bytes in units of U (src and dst U-aligned), grid-stride over the block's threads. */
+template <typename U>
+__device__ void copy_units(unsigned char *dst, const unsigned char *src, size_t n, size_t tid,
+                           size_t stride)
+{
+    size_t units = n / sizeof(U);
+    for (size_t i = tid; i < units; i += stride) {
+        reinterpret_cast<U *>(dst)[i] = reinterpret_cast<const U *>(src)[i];
+    }
+    for (size_t i = units * sizeof(U) + tid; i < n; i += stride) {
+        dst[i] = src[i];
+    }
+}
+
+/* blockIdx.y: the part. The widest moves both ends allow: a few head bytes bring them to the
+ * largest alignment they share (16, 8, 4 or 2 bytes), the rest goes in units of it. */
 __global__ void copy_parts_kernel(const weft_cuda__part_t *parts)
 {
     weft_cuda__part_t part = parts[blockIdx.y];
@@ -294,12 +309,34 @@ __global__ void copy_parts_kernel(const weft_cuda__part_t *parts)
     size_t stride = (size_t)gridDim.x * blockDim.x;
     const unsigned char *src = (const unsigned char *)part.src;
     unsigned char *dst = (unsigned char *)part.dst;
-    size_t wide = ((((uintptr_t)src | (uintptr_t)dst) & 15u) == 0) ? part.nbytes / 16 : 0;
-    for (size_t i = tid; i < wide; i += stride) {
-        reinterpret_cast<uint4 *>(dst)[i] = reinterpret_cast<const uint4 *>(src)[i];
+    uintptr_t x = ((uintptr_t)src ^ (uintptr_t)dst) | 16u;
+    size_t align = (size_t)(x & (~x + 1)); /* the lowest set bit: 1, 2, 4, 8 or 16 */
+    size_t head = (size_t)(-(uintptr_t)dst & (align - 1));
+    if (head > part.nbytes) {
+        head = part.nbytes;
     }
-    for (size_t i = wide * 16 + tid; i < part.nbytes; i += stride) {
+    for (size_t i = tid; i < head; i += stride) {
         dst[i] = src[i];
+    }
+    dst += head;
+    src += head;
+    size_t n = part.nbytes - head;
+    switch (align) {
+    case 16:
+        copy_units<uint4>(dst, src, n, tid, stride);
+        break;
+    case 8:
+        copy_units<unsigned long long>(dst, src, n, tid, stride);
+        break;
+    case 4:
+        copy_units<unsigned int>(dst, src, n, tid, stride);
+        break;
+    case 2:
+        copy_units<unsigned short>(dst, src, n, tid, stride);
+        break;
+    default:
+        copy_units<unsigned char>(dst, src, n, tid, stride);
+        break;
     }
 }
 
@@ -387,6 +424,7 @@ extern "C" cudaError_t weft_cuda__reduce_to(cudaStream_t stream, void *dst, cons
                                             const void *b, size_t n, weft_dtype_t dtype,
                                             weft_reduce_op_t op)
 {
+    (void)cudaGetLastError(); /* an earlier call's error is not this launch's */
     if (n == 0) {
         return cudaSuccess;
     }
@@ -397,6 +435,7 @@ extern "C" cudaError_t weft_cuda__reduce_many(cudaStream_t stream, void *dst,
                                               const weft_cuda__sources_t *srcs, int nsrc, size_t n,
                                               weft_dtype_t dtype, weft_reduce_op_t op)
 {
+    (void)cudaGetLastError(); /* an earlier call's error is not this launch's */
     if (n == 0) {
         return cudaSuccess;
     }
@@ -409,6 +448,7 @@ extern "C" cudaError_t weft_cuda__reduce_many(cudaStream_t stream, void *dst,
 extern "C" cudaError_t weft_cuda__scale(cudaStream_t stream, void *p, size_t n, weft_dtype_t dtype,
                                         double factor)
 {
+    (void)cudaGetLastError(); /* an earlier call's error is not this launch's */
     if (n == 0) {
         return cudaSuccess;
     }
@@ -433,12 +473,17 @@ extern "C" cudaError_t weft_cuda__scale(cudaStream_t stream, void *p, size_t n, 
 }
 
 extern "C" cudaError_t weft_cuda__copy_parts(cudaStream_t stream, const weft_cuda__part_t *parts,
-                                             size_t n)
+                                             size_t n, size_t max_bytes)
 {
+    (void)cudaGetLastError(); /* an earlier call's error is not this launch's */
+    /* Blocks per part: enough for the largest part to give each thread a few 16-byte moves
+     * (a bucket of one large gradient fills the device), at least 1, at most 1024. */
+    size_t bx = max_bytes / ((size_t)kThreads * 16 * 4);
+    bx = bx < 1 ? 1 : bx > 1024 ? 1024 : bx;
     /* gridDim.y is at most 65535: the parts go in rows of that many launches. */
     for (size_t first = 0; first < n; first += 65535) {
         size_t rows = n - first < 65535 ? n - first : 65535;
-        dim3 grid(64, (unsigned)rows);
+        dim3 grid((unsigned)bx, (unsigned)rows);
         copy_parts_kernel<<<grid, kThreads, 0, stream>>>(parts + first);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) {

@@ -104,8 +104,9 @@ WEFT_API weft_status_t weft_cuda_reduce_into(weft_tensor_t *dst, const weft_tens
  */
 WEFT_API weft_status_t weft_cuda_reduce_many(weft_tensor_t *dst, weft_tensor_t *const *srcs, int n,
                                              weft_reduce_op_t op);
-/** Multiplies a floating device tensor by @p factor on the device (f16/bf16 in f32, rounded
- * once). Returns when done. Thread-safe. */
+/** Multiplies a floating device tensor by @p factor on the device: an f64 tensor by @p factor, an
+ * f32, f16 or bf16 one by @p factor rounded to f32, the product computed in f32 (f16/bf16
+ * widened) and rounded to the element type. Returns when done. Thread-safe. */
 WEFT_API weft_status_t weft_cuda_scale(weft_tensor_t *t, double factor);
 /**
  * Packs @p n device tensors of one dtype and device into @p flat (their element counts summed,
