@@ -730,7 +730,12 @@ static bool read_value(shm_in_t *c, const Weft__V1__Envelope *env, uint64_t body
             int64_t zero = 0;
             st = weft_tensor_empty((weft_dtype_t)tm->dtype, 1, &zero, &t);
             weft_landing_t l = {.sink = into[i].sink, .arg = into[i].sink_arg};
-            if (st == WEFT_OK && !in_sink(c, &l, tm->nbytes, false)) {
+            /* Mid-frame: the sink must not hand the ring over (it must not block). */
+            shm_in_t *role = tl_role;
+            tl_role = NULL;
+            bool sunk = st != WEFT_OK || in_sink(c, &l, tm->nbytes, false);
+            tl_role = role;
+            if (!sunk) {
                 weft_tensor_release(t);
                 ok = false;
                 goto out_free;
@@ -836,7 +841,9 @@ static bool read_frame(shm_in_t *c)
             tl_role = NULL; /* the ring cannot be read on: nobody takes it over */
         }
         weft__deliver(a, &o, env, NULL, st);
-        tl_role = role;
+        if (!keep) {
+            tl_role = role; /* (when kept, the delivery may have handed the role on) */
+        }
         return keep || in_broke(c, "%s", why);
     }
     if (env->kind == WEFT__V1__KIND__KIND_ONEWAY && env->n_tensors == 1 && env->n_refs == 0 &&
@@ -1261,27 +1268,35 @@ static bool out_wait_room(shm_out_t *o)
             sched_yield();
         } while (weft__now_ns() < end);
     }
-    /* This may take long: a thread reading a ring lets another read it meanwhile. */
-    role_hand_over();
+    /* This may take long: the thread's blocking hook runs (a thread reading a ring lets another
+     * read it meanwhile; a transport's polling thread gets a companion). */
+    weft__blocking(1);
+    bool ok;
     for (;;) {
         if (out_stopped(o)) {
-            return false;
+            ok = false;
+            break;
         }
         atomic_store(&r->writer_waiting, 1);
         atomic_thread_fence(memory_order_seq_cst);
         if ((n = out_room(o)) != 0) {
             atomic_store(&r->writer_waiting, 0);
-            return n != UINT64_MAX;
+            ok = n != UINT64_MAX;
+            break;
         }
         futex_wait(&r->writer_waiting, 1, SLEEP_MS);
         atomic_store(&r->writer_waiting, 0);
         if ((n = out_room(o)) != 0) {
-            return n != UINT64_MAX;
+            ok = n != UINT64_MAX;
+            break;
         }
         if (sock_gone(o->sock)) {
-            return false;
+            ok = false;
+            break;
         }
     }
+    weft__blocking(0);
+    return ok;
 }
 
 static bool out_write(shm_out_t *o, const uint8_t *p, size_t n)
@@ -1331,10 +1346,11 @@ static void write_out(shm_out_t *o, weft__outmsg_t *m)
     /* While the agent closes, a frame that finds room still goes (an answer of a handler that
      * ran meanwhile); only waiting for room gives up. */
     if (pthread_mutex_trylock(&o->write_mu) != 0) {
-        /* Another writer has the ring (it may wait for room): a thread reading a ring lets
-         * another read it while this one waits its turn. */
-        role_hand_over();
+        /* Another writer has the ring (it may wait for room): the thread's blocking hook runs
+         * while this one waits its turn (as in out_wait_room). */
+        weft__blocking(1);
         pthread_mutex_lock(&o->write_mu);
+        weft__blocking(0);
     }
     bool ok = !atomic_load(&o->cut) && out_frame(o, m->bb);
     if (!ok) {
@@ -1629,10 +1645,11 @@ static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, wef
     if (o->state == OUT_OPENING && atomic_load(&o->opened) && tl_opener == NULL) {
         /* The ring is open and the frames that waited for it are being written: this one goes
          * after them, from this thread (the queue stays bounded). */
-        role_hand_over();
+        weft__blocking(1);
         while (o->state == OUT_OPENING && !atomic_load(&o->cut)) {
             pthread_cond_wait(&o->cv, &o->mu);
         }
+        weft__blocking(0);
     }
     /* A peer declared lost is cut only after its pending calls failed: a call made in between
      * must not go into its ring (nothing would fail it). */
@@ -2024,6 +2041,9 @@ static void force_loss(void *arg, uint64_t data)
     bool found = false;
     weft_status_t st = WEFT_ERR_PEER_LOST;
     char why[256] = "";
+    if (d == NULL) {
+        return; /* the transport is gone (the agent closes) */
+    }
     pthread_mutex_lock(&d->mu);
     for (shm_in_t *c = d->ins; c != NULL; c = c->next) {
         if (atomic_load(&c->peer) == peer && atomic_load(&c->lose) && !c->lose_forced) {
@@ -2062,9 +2082,10 @@ bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const cha
             atomic_store(&c->lose, true);
             futex_wake(&c->ring->reader_sleeping);
         }
-        if (!c->lose_timed && atomic_load(&c->busy) == BUSY_READER && a->timer != NULL) {
-            /* Its reader is inside a delivery, which may not come back soon (a handler that
-             * computes or blocks): within a peer timeout the loss is declared anyway. */
+        if (!c->lose_timed && a->timer != NULL) {
+            /* Its reader may be inside a delivery, or start one before it reaches the loss,
+             * which may not come back soon (a handler that computes or blocks): within a peer
+             * timeout the loss is declared anyway. */
             c->lose_timed = weft__timer_add(a->timer,
                                             weft__now_ns() + a->peer_timeout_ms * 1000000,
                                             force_loss, NULL, a, (uint64_t)peer, d) != 0;

@@ -252,6 +252,14 @@ weft_status_t weft__frame_check(const Weft__V1__Envelope *env, size_t elen, uint
     if (!framed) {
         return weft__set_error(WEFT_ERR_PROTOCOL, "wire: the frame's sizes overflow");
     }
+    /* The limit before the headers: a frame over it is not skipped (a reader would swallow
+     * whatever follows it as its body), whatever else is wrong with it. */
+    if (max_bytes > 0 &&
+        (4 + (uint64_t)elen + body < body || 4 + (uint64_t)elen + body > max_bytes)) {
+        return weft__set_error(
+            WEFT_ERR_TOO_LARGE, "wire: message of %llu bytes exceeds the limit of %llu bytes",
+            (unsigned long long)(4 + elen + body), (unsigned long long)max_bytes);
+    }
     if (env->n_tensors > WEFT__MAX_TENSORS) {
         return weft__set_error(WEFT_ERR_PROTOCOL, "wire: %zu tensors (max %d)", env->n_tensors,
                                WEFT__MAX_TENSORS);
@@ -259,12 +267,6 @@ weft_status_t weft__frame_check(const Weft__V1__Envelope *env, size_t elen, uint
     for (size_t i = 0; i < env->n_tensors; i++) {
         uint64_t nb = 0;
         WEFT_CHECK(check_meta(env->tensors[i], i, &nb));
-    }
-    if (max_bytes > 0 &&
-        (4 + (uint64_t)elen + body < body || 4 + (uint64_t)elen + body > max_bytes)) {
-        return weft__set_error(
-            WEFT_ERR_TOO_LARGE, "wire: message of %llu bytes exceeds the limit of %llu bytes",
-            (unsigned long long)(4 + elen + body), (unsigned long long)max_bytes);
     }
     return WEFT_OK;
 }

@@ -300,11 +300,19 @@ typedef struct {
     uint8_t *buf;
     size_t cap, got;
     int pieces, out_of_order;
+    bool wait;
 } sunk_t;
+
+static weft_future_t *sink_gate; /* never completed: a sink that waits on it waits its time */
 
 static void sink_take(void *arg, size_t off, const void *bytes, size_t n)
 {
     sunk_t *k = arg;
+    if (k->wait && k->pieces == 0) {
+        /* A sink must not block; one that does anyway (a weft wait) must not hand the ring to
+         * another reader in the middle of its frame. */
+        (void)weft_future_wait(sink_gate, 5);
+    }
     if (off != k->got || off + n > k->cap) {
         k->out_of_order++;
         return;
@@ -362,6 +370,21 @@ static int sink_body(weft_agent_t *a, int rank, int world, void *arg)
     RANK_CHECK(r != NULL && weft_tensor_equal(r, t), "the unfitting result differs");
     RANK_CHECK(k2.got == 0 && k2.pieces == 0 && k2.out_of_order == 0, "the sink was called");
     weft_future_release(f);
+
+    /* A sink that waits (against the rule) holds the ring, and nothing breaks. */
+    sunk_t k3 = {.buf = k.buf, .cap = len, .wait = true};
+    memset(k.buf, 0, len);
+    RANK_CHECK(weft_future_create(&sink_gate) == WEFT_OK, "no memory");
+    into = (weft_rpc_into_t){.nbytes = len, .dtype = WEFT_U8, .sink = sink_take, .sink_arg = &k3};
+    RANK_CHECK(weft_rpc_async_into(a, 1, "echo", args, 20000, &into, 1, &f) == WEFT_OK, "%s",
+               weft_last_error());
+    RANK_CHECK(weft_future_wait(f, 30000) == WEFT_OK, "a waiting sink: %s", weft_future_error(f));
+    RANK_CHECK(k3.out_of_order == 0 && k3.got == len && memcmp(k.buf, src, len) == 0,
+               "a waiting sink got %zu of %zu bytes, %d out of order", k3.got, len,
+               k3.out_of_order);
+    weft_future_release(f);
+    RANK_CHECK(call_echo(a, 1, 1000, 5) == 0, "the ring is broken after a waiting sink");
+    weft_future_release(sink_gate);
 
     /* An entry with neither memory nor a sink is refused. */
     into = (weft_rpc_into_t){.nbytes = len, .dtype = WEFT_U8};
