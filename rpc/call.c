@@ -574,14 +574,16 @@ static void pending_deadline(void *arg, uint64_t id)
     pending_finish(a, p, WEFT_ERR_TIMEOUT, text, NULL);
 }
 
-bool weft__pending_claim(weft_agent_t *a, uint64_t id, int peer, weft_rpc_into_t **into_p,
+bool weft__pending_claim(weft_agent_t *a, uint64_t id, int peer, int tp, weft_rpc_into_t **into_p,
                          size_t *n_p)
 {
     bool claimed = false;
     pthread_mutex_lock(&a->pend_mu);
     weft__pending_t *p = pending_find(a, id);
+    /* Only an answer that may answer the call lands (answer_way_ok: a request that went on a
+     * stream is answered there, or direct). */
     if (p != NULL && p->peer == peer && p->n_into > 0 && !p->landing && !p->expired &&
-        p->held == WEFT_OK) {
+        p->held == WEFT_OK && (tp == WEFT__TP_DIRECT || p->path.tp != WEFT__TP_STREAM)) {
         *into_p = weft_alloc(p->n_into * sizeof(**into_p));
         if (*into_p != NULL) {
             memcpy(*into_p, p->into, p->n_into * sizeof(**into_p));
@@ -622,9 +624,11 @@ void weft__pending_unclaim(weft_agent_t *a, uint64_t id, bool delivered)
     weft__pending_t *p = NULL;
     pthread_mutex_lock(&a->pend_mu);
     weft__pending_t *q = pending_find(a, id);
-    if (q != NULL && q->landing) {
+    if (q != NULL && q->landing && delivered) {
+        q->landed = true; /* claimed until its delivery, which comes next on this thread */
+    } else if (q != NULL && q->landing) {
         q->landing = false;
-        if (!delivered && (q->expired || q->held != WEFT_OK)) {
+        if (q->expired || q->held != WEFT_OK) {
             p = pending_remove(a, id, -1);
         }
     }
@@ -695,15 +699,27 @@ void weft__call_response(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Env
     pthread_mutex_lock(&a->pend_mu);
     weft__pending_t *p = pending_find(a, env->request_id);
     if (p != NULL && !answer_way_ok(p, o)) {
+        weft__pending_t *over = NULL;
+        if (p->landed) {
+            /* (Cannot be: a landing is claimed only the ways answer_way_ok takes.) Not left
+             * claimed for good. */
+            p->landing = p->landed = false;
+            if (p->expired || p->held != WEFT_OK) {
+                over = pending_remove(a, env->request_id, -1);
+            }
+        }
         pthread_mutex_unlock(&a->pend_mu);
         WEFT_WARN("an answer to call %llu came from rank %d over a way its request did not take; "
                   "ignored",
                   (unsigned long long)env->request_id, o->peer);
         weft_value_free(v);
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
+        if (over != NULL) {
+            unclaimed_end(a, over);
+        }
         return;
     }
-    if (p != NULL && p->landing) {
+    if (p != NULL && p->landing && !p->landed) {
         /* Another answer to a call whose answer is being received into the caller's memory:
          * the first one stands. */
         pthread_mutex_unlock(&a->pend_mu);

@@ -988,8 +988,8 @@ static bool read_value(conn_in_t *c, const Weft__V1__Envelope *env, uint64_t bod
     /* An answer whose call said where its tensors land (weft_rpc_async_into). */
     bool claimed = env->kind == WEFT__V1__KIND__KIND_RESPONSE && env->n_tensors > 0 &&
                    env->status == 0 &&
-                   weft__pending_claim(c->agent, env->request_id, atomic_load(&c->peer), &into,
-                                       &n_into);
+                   weft__pending_claim(c->agent, env->request_id, atomic_load(&c->peer),
+                                       WEFT__TP_DIRECT, &into, &n_into);
     bool ok = read_value_into(c, env, body, into, n_into, v_p, st_p);
     if (claimed) {
         weft__pending_unclaim(c->agent, env->request_id, ok);

@@ -383,7 +383,8 @@ typedef struct weft__pending {
     /* weft_rpc_async_into: where the result's tensors may land, and the landing's state */
     weft_rpc_into_t *into;
     size_t n_into;
-    bool landing;         /* a direct reader is writing the answer into @into right now */
+    bool landing;         /* a reader is writing the answer into @into right now, or landed */
+    bool landed;          /* ... it is written: its delivery (weft__call_response) comes next */
     bool expired;         /* its deadline passed while landing: it finishes when the reader is done */
     weft_status_t held;   /* a failure that came while landing (a lost peer), or WEFT_OK */
     uint64_t ag_context, ag_message; /* distributed autograd's send function of the request */
@@ -620,10 +621,12 @@ weft_status_t weft__rpc_async(weft_agent_t *a, int to, const char *fn, const wef
  * asked for its result to land (weft_rpc_async_into); *into_p (free with weft_free) and *n_p
  * then say where, and the call is claimed (it neither times out nor fails while the bytes are
  * written) until weft__pending_unclaim. */
-bool weft__pending_claim(weft_agent_t *a, uint64_t id, int peer, weft_rpc_into_t **into_p,
+bool weft__pending_claim(weft_agent_t *a, uint64_t id, int peer, int tp, weft_rpc_into_t **into_p,
                          size_t *n_p);
 /* The reader is done writing: @p delivered, the frame goes on to the delivery (which answers the
- * call); otherwise (the connection broke) a deadline or failure that came meanwhile finishes it. */
+ * call; until then it stays claimed, so that weft_rpc_withdraw_into cannot return true for a
+ * result that wraps the caller's memory); otherwise (the connection broke) a deadline or failure
+ * that came meanwhile finishes it. */
 void weft__pending_unclaim(weft_agent_t *a, uint64_t id, bool delivered);
 /* A call's timeout argument: > 0 as given (at most 30 days), 0 the agent's default; negative is
  * WEFT_ERR_INVALID_ARG. */

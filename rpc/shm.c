@@ -694,7 +694,8 @@ static bool read_value(shm_in_t *c, const Weft__V1__Envelope *env, uint64_t body
     int peer = atomic_load(&c->peer);
     bool claimed = env->kind == WEFT__V1__KIND__KIND_RESPONSE && env->n_tensors > 0 &&
                    env->status == 0 &&
-                   weft__pending_claim(c->agent, env->request_id, peer, &into, &n_into);
+                   weft__pending_claim(c->agent, env->request_id, peer, WEFT__TP_SHM, &into,
+                                       &n_into);
 
     *v_p = NULL;
     *st_p = weft_value_create(&v);
