@@ -707,6 +707,7 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
                             ? weft_dtype_size(t->l.spec.dtype) * (size_t)t->l.spec.dim
                             : weft__ps_cell_bytes(&t->l, t->l.spec.dim);
     size_t row_end = PS_CELL_HEAD + (data_bytes < 1024 ? data_bytes : 1024);
+    bool reads = fn == row_read; /* a row found ahead is read without its header (row_read) */
     uint32_t start[PS_STRIPES + 1] = {0}, stack[4096];
     uint8_t stripe_stack[4096];
     ps_cell_t *ahead[PF_AHEAD] = {0};
@@ -758,11 +759,15 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
         if (j + PF_ROW < n) {
             uint32_t a = j + PF_ROW;
             ps_cell_t *c = weft__ps_map_get(&t->stripes[sb[a]].rows, id[order[a]]);
-            if (c != NULL) {
+            if (c != NULL && !reads) {
                 __builtin_prefetch(c, 1);
             }
             for (size_t off = PS_CELL_HEAD; c != NULL && off < row_end; off += 64) {
-                __builtin_prefetch((const char *)c + off, 1);
+                if (reads) {
+                    __builtin_prefetch((const char *)c + off, 0);
+                } else {
+                    __builtin_prefetch((const char *)c + off, 1);
+                }
             }
             ahead[a % PF_AHEAD] = c;
         }
@@ -812,6 +817,12 @@ static weft_status_t row_read(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_ce
 {
     weft_status_t st;
     float *o = (float *)arg + i * t->l.spec.dim;
+    if (known != NULL && t->l.spec.dtype == WEFT_F32) {
+        /* A row found ahead (no capacity: nothing to touch): its f32 value lies right after its
+         * header in its block (weft__ps_cell_new), so the header's line is not read at all. */
+        memcpy(o, (const char *)known + PS_CELL_HEAD, (size_t)t->l.spec.dim * sizeof(float));
+        return WEFT_OK;
+    }
     ps_cell_t *c = row_get(t, s, id, true, false, known, &st);
     if (c != NULL) {
         weft__ps_cell_read(c, o);
