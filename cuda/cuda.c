@@ -143,10 +143,13 @@ weft_status_t weft_cuda_tensor_zeros(weft_dtype_t dtype, int ndim, const int64_t
 }
 
 /* Frees pinned memory with the device current when it was made (@p device; -1: none known):
- * on a thread with no device made current, the runtime would start a context on device 0. */
+ * on a thread with no device made current, the runtime would start a context on device 0. As
+ * device_release, the thread is left on that device (restoring another would start a context
+ * there); a thread already on it is not touched. */
 static void free_host_on(void *data, int device)
 {
-    if (device >= 0) {
+    int cur = -1;
+    if (device >= 0 && (cudaGetDevice(&cur) != cudaSuccess || cur != device)) {
         (void)cudaSetDevice(device);
     }
     (void)cudaFreeHost(data);

@@ -502,8 +502,9 @@ static bool evict_one(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
 }
 
 /* Makes room for one row of stripe @p s (held) in a table at its capacity: a row of @p s if it
- * has one to give, else of the next stripe that has one and is free now (trylock: a thread holds
- * one stripe at a time, so waiting here could deadlock). Only while every other stripe is busy
+ * has one to give, else of the next stripe that has one and is free now (trylock: waiting here
+ * could deadlock with a thread holding the stripes of each_row's look-ahead, or with this one's own
+ * look-ahead, whose stripes it skips too). Only while every other stripe is busy
  * does the table go past its capacity, by the rows made meanwhile (the next rows made evict them).
  * False when no row could be evicted. */
 static bool make_room(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)

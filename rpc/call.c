@@ -556,12 +556,14 @@ static void pending_deadline(void *arg, uint64_t id)
 
     pthread_mutex_lock(&a->pend_mu);
     weft__pending_t *p = pending_find(a, id);
-    if (p != NULL && p->landing) {
+    if (p != NULL && p->landing && !p->landed) {
         /* Its answer is being written into the caller's memory: it ends when that is over. */
         p->timer_id = 0;
         p->expired = true;
         p = NULL;
     } else if (p != NULL) {
+        /* (A landed answer whose delivery is late, queued behind busy workers, ends here too:
+         * the call fails with no value, so nothing it returns wraps the caller's memory.) */
         p = pending_remove(a, id, -1);
     }
     pthread_mutex_unlock(&a->pend_mu);
@@ -699,24 +701,14 @@ void weft__call_response(weft_agent_t *a, const weft__origin_t *o, Weft__V1__Env
     pthread_mutex_lock(&a->pend_mu);
     weft__pending_t *p = pending_find(a, env->request_id);
     if (p != NULL && !answer_way_ok(p, o)) {
-        weft__pending_t *over = NULL;
-        if (p->landed) {
-            /* (Cannot be: a landing is claimed only the ways answer_way_ok takes.) Not left
-             * claimed for good. */
-            p->landing = p->landed = false;
-            if (p->expired || p->held != WEFT_OK) {
-                over = pending_remove(a, env->request_id, -1);
-            }
-        }
+        /* (A landed answer is never this one: a landing is claimed only the ways answer_way_ok
+         * takes; a landed call still ends at its deadline.) */
         pthread_mutex_unlock(&a->pend_mu);
         WEFT_WARN("an answer to call %llu came from rank %d over a way its request did not take; "
                   "ignored",
                   (unsigned long long)env->request_id, o->peer);
         weft_value_free(v);
         weft__v1__envelope__free_unpacked(env, &weft__pb_allocator);
-        if (over != NULL) {
-            unclaimed_end(a, over);
-        }
         return;
     }
     if (p != NULL && p->landing && !p->landed) {

@@ -1646,7 +1646,9 @@ static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, wef
     if (o->state == OUT_OPENING && atomic_load(&o->opened) && tl_opener == NULL) {
         /* The ring is open and the frames that waited for it are being written: this one goes
          * after them, from this thread (the queue stays bounded). */
+        pthread_mutex_unlock(&o->mu); /* the hook may send (held answers) */
         weft__blocking(1);
+        pthread_mutex_lock(&o->mu);
         while (o->state == OUT_OPENING && !atomic_load(&o->cut)) {
             pthread_cond_wait(&o->cv, &o->mu);
         }
@@ -2047,7 +2049,8 @@ static void force_loss(void *arg, uint64_t data)
     }
     pthread_mutex_lock(&d->mu);
     for (shm_in_t *c = d->ins; c != NULL; c = c->next) {
-        if (atomic_load(&c->peer) == peer && atomic_load(&c->lose) && !c->lose_forced) {
+        if (atomic_load(&c->peer) == peer && atomic_load(&c->lose) && !c->lose_forced &&
+            !atomic_load(&c->done)) {
             c->lose_forced = true;
             st = c->lose_st;
             snprintf(why, sizeof(why), "%s", c->lose_why);
@@ -2083,7 +2086,7 @@ bool weft__shm_defer_loss(weft_agent_t *a, int peer, weft_status_t st, const cha
             atomic_store(&c->lose, true);
             futex_wake(&c->ring->reader_sleeping);
         }
-        if (!c->lose_timed && a->timer != NULL) {
+        if (!c->lose_timed && a->timer != NULL && !atomic_load(&d->stop)) {
             /* Its reader may be inside a delivery, or start one before it reaches the loss,
              * which may not come back soon (a handler that computes or blocks): within a peer
              * timeout the loss is declared anyway. */
