@@ -134,6 +134,21 @@ static bool ssl_write_all(SSL *ssl, const void *buf, size_t n)
     return true;
 }
 
+/* Flushes a buffering write BIO, retried when a signal interrupted its write (as SSL_write's
+ * are): a signal is no broken connection. */
+static bool bio_flush_all(BIO *b)
+{
+    for (;;) {
+        errno = 0;
+        if (BIO_flush(b) == 1) {
+            return true;
+        }
+        if (!BIO_should_retry(b) || errno != EINTR) {
+            return false;
+        }
+    }
+}
+
 static bool io_write(int fd, SSL *ssl, const void *buf, size_t n)
 {
     if (ssl == NULL) {
@@ -271,7 +286,7 @@ static bool write_buffer_tls(SSL *ssl, grpc_byte_buffer *bb)
         used = 0;
     }
     ok = ok && (used == 0 || ssl_write_all(ssl, stage, used));
-    ok = ok && BIO_flush(SSL_get_wbio(ssl)) == 1; /* a buffered sender's last records */
+    ok = ok && bio_flush_all(SSL_get_wbio(ssl)); /* a buffered sender's last records */
     weft__nopipe_end(&np, !ok);
     return ok;
 }
@@ -540,6 +555,13 @@ static int handshake_in(conn_in_t *c)
                 break;
             }
         }
+        /* A rank declared lost is lost for good (its loss is set before the transports are cut,
+         * and the cut looks under d->mu: either it finds this connection or this finds the
+         * loss). */
+        if (st == WEFT_OK && __atomic_load_n(&a->peers[rank].lost, __ATOMIC_ACQUIRE)) {
+            st = WEFT_ERR_PEER_LOST;
+            snprintf(why, sizeof(why), "rank %d was declared lost by %s", rank, a->name);
+        }
         if (st == WEFT_OK) {
             atomic_store(&c->peer, rank);
         }
@@ -670,6 +692,11 @@ static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, wef
     (void)via; /* kept in the message (reply_via) for a fallback */
     (void)path_p;
     pthread_mutex_lock(&c->mu);
+    /* A peer declared lost is cut only after its pending calls failed: a call made in between
+     * must not go to its connection (nothing would fail it), as on a ring. */
+    if (__atomic_load_n(&a->peers[peer].lost, __ATOMIC_ACQUIRE)) {
+        c->cut = true;
+    }
     if (atomic_load(&d->stop) || c->cut) {
         bool stopped = atomic_load(&d->stop);
         pthread_mutex_unlock(&c->mu);
@@ -947,18 +974,34 @@ static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__modu
                          &l)) {
         ok = land_bytes(c, &l, nb);
         l.done(l.arg, ok);
+    } else if (nb > 0 && !await_bytes(c)) {
+        /* (Memory is taken as the bytes begin to arrive, never for an announced size alone.) */
+        ok = false;
     } else {
         weft_tensor_t *t = NULL;
-        if (weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t) !=
-                WEFT_OK ||
-            weft_value_push_tensor(v, t) != WEFT_OK) {
+        weft_status_t st = WEFT_OK;
+        uint64_t got = 0;
+        bool broke = false;
+        if (nb >= GROW_MIN) {
+            st = read_grown(c, tm, &t, &got, &broke); /* grows as its bytes arrive */
+        } else {
+            st = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t);
+            if (st == WEFT_OK) {
+                broke = !read_body(c, weft_tensor_data(t), (size_t)nb);
+                got = nb;
+            }
+        }
+        if (broke) {
+            weft_tensor_release(t);
+            ok = false;
+        } else if (st != WEFT_OK || weft_value_push_tensor(v, t) != WEFT_OK) {
             /* No memory: the message is dropped, the connection stays framed. */
             weft_tensor_release(t);
             WEFT_WARN("direct connection from rank %d: no memory for a message; dropped", peer);
-            ok = skip_all(c, nb);
+            ok = skip_all(c, nb - got);
             deliver = false;
         } else {
-            ok = read_body(c, weft_tensor_data(t), (size_t)nb);
+            ok = true;
         }
     }
     if (ok && deliver && weft_value_take_payload(v, pl, env->payload_bytes) == WEFT_OK) {

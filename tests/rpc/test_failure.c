@@ -247,6 +247,87 @@ Test(rpc_failure, killed_peer_fails_pending_calls, .timeout = 60)
     cr_assert_eq(codes[2], 0);
 }
 
+/* A call made while its peer is being declared lost (here: from a completion of a call that
+ * the loss fails, which runs before the transports are cut) fails at once, on the direct
+ * connection too: it is not queued on a connection about to be cut, to wait for its deadline. */
+static weft_agent_t *g_agent;
+static weft_future_t *g_in_loss;     /* the call made from inside the loss, once made */
+static weft_status_t g_in_loss_st;   /* ... or why it could not be made */
+static weft_future_t *g_in_loss_set; /* completes once the above are set */
+
+static void call_from_loss(weft_future_t *f, void *arg)
+{
+    (void)f;
+    (void)arg;
+    int64_t big = 1 << 20; /* large: it goes on the direct connection */
+    weft_tensor_t *bt;
+    weft_value_t *args;
+    weft_tensor_create(WEFT_U8, 1, &big, &bt);
+    weft_value_create(&args);
+    weft_value_push_tensor(args, bt);
+    g_in_loss_st = weft_rpc_async(g_agent, 1, "echo", args, 30000, &g_in_loss);
+    weft_value_free(args);
+    weft_future_complete(g_in_loss_set, WEFT_OK, NULL, NULL);
+}
+
+static int body_call_in_loss(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0; /* rank 1 freezes inside "freeze" */
+    }
+    g_agent = a;
+    RANK_CHECK(weft_future_create(&g_in_loss_set) == WEFT_OK, "no memory");
+    /* The direct connection is up before the loss (a large echo). */
+    int64_t big = 1 << 20;
+    weft_tensor_t *bt;
+    weft_value_t *bargs;
+    weft_tensor_create(WEFT_U8, 1, &big, &bt);
+    weft_value_create(&bargs);
+    weft_value_push_tensor(bargs, bt);
+    RANK_CHECK(weft_rpc_sync(a, 1, "echo", bargs, 20000, NULL) == WEFT_OK, "echo: %s",
+               weft_last_error());
+    weft_value_free(bargs);
+    weft_value_t *res;
+    RANK_CHECK(weft_rpc_sync(a, 1, "pid", NULL, 5000, &res) == WEFT_OK, "pid");
+    size_t len;
+    int pid = *(const int *)weft_value_payload(res, &len);
+    weft_value_free(res);
+    weft_future_t *pending;
+    RANK_CHECK(weft_rpc_async(a, 1, "slow", NULL, 30000, &pending) == WEFT_OK, "async");
+    RANK_CHECK(weft_future_then(pending, call_from_loss, NULL) == WEFT_OK, "then");
+    /* Frozen, not dead: its connections stay open, and only the peer timeout finds it lost. */
+    weft_status_t fst = weft_rpc_sync(a, 1, "freeze", NULL, 30000, NULL);
+    RANK_CHECK(fst == WEFT_ERR_PEER_LOST, "freeze: %s", weft_last_error());
+    RANK_CHECK(weft_future_wait(g_in_loss_set, 20000) == WEFT_OK, "the loss failed no call");
+    kill(pid, SIGKILL);
+    if (g_in_loss_st == WEFT_OK) {
+        weft_status_t st = weft_future_wait(g_in_loss, 10000);
+        RANK_CHECK(st == WEFT_ERR_PEER_LOST, "a call made during the loss: %s (%s)",
+                   weft_strerror(st), weft_future_error(g_in_loss));
+        weft_future_release(g_in_loss);
+    } else {
+        RANK_CHECK(g_in_loss_st == WEFT_ERR_PEER_LOST, "a call made during the loss: %s",
+                   weft_strerror(g_in_loss_st));
+    }
+    weft_future_release(g_in_loss_set);
+    return 0;
+}
+
+Test(rpc_failure, a_call_made_while_its_peer_is_declared_lost_fails_at_once, .timeout = 60)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_call_in_loss);
+    o.setup = setup;
+    o.rank_env[0] = "WEFT_SHM=0";
+    o.rank_env[1] = "WEFT_SHM=0";
+    ranks_run(&o, codes);
+    cr_assert_eq(codes[0], 0);
+    cr_assert_eq(codes[1], 128 + SIGKILL);
+}
+
 /* A rank that only ever called (its callee never called it back) and then dies is lost to its
  * callee too: the callee learns it from the caller's stream, and its modules hear of it. */
 static weft_future_t *g_lost;
