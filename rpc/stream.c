@@ -441,9 +441,45 @@ static bool hs_claim(weft__stream_t *s)
     return first;
 }
 
+/* A client stream whose handshake did not complete: its peer is lost, with why. */
+static void client_hs_lost(weft__stream_t *s, bool diagnose)
+{
+    weft_agent_t *a = s->agent;
+    int peer = weft__stream_peer(s);
+    weft_status_t st = WEFT_ERR_PEER_LOST;
+    char why[1024];
+    int n = snprintf(why, sizeof(why),
+                     "%s (rank %d) did not complete the stream's handshake within %lld ms",
+                     a->peers[peer].name != NULL ? a->peers[peer].name : "?", peer,
+                     (long long)(2 * a->handshake_timeout_ms));
+    if (diagnose && a->peers[peer].address != NULL) {
+        /* With TLS, gRPC tells nothing of a refused handshake (its channel just keeps trying):
+         * a handshake of our own says why, as the join's does. */
+        weft_status_t v = weft__tls_diagnose(a, a->peers[peer].address, peer,
+                                             weft__now_ns() + 2000 * 1000000LL);
+        if (v != WEFT_OK && n > 0 && (size_t)n < sizeof(why)) {
+            st = v;
+            snprintf(why + n, sizeof(why) - (size_t)n, ": %s", weft_last_error());
+        }
+    }
+    stream_dead(s, st, why);
+    if (!weft__agent_closing(a)) {
+        weft__agent_peer_lost(a, peer, st, why);
+    }
+    grpc_call_cancel_with_status(s->call, GRPC_STATUS_DEADLINE_EXCEEDED, why, NULL);
+}
+
+static void client_hs_lost_run(void *arg)
+{
+    weft__stream_t *s = arg;
+    client_hs_lost(s, true);
+    weft__stream_unref(s);
+}
+
 /* The handshake deadline passed (a task on the agent's timer holding a reference). Server: no
  * Hello came, the stream is closed. Client: no answer to the Hello came (or no challenge), the
- * peer cannot be spoken to: it is lost. */
+ * peer cannot be spoken to: it is lost (with TLS, after a diagnosing handshake of up to 2 s on
+ * the bulk queue, not on the timer's thread). */
 static void hello_deadline(void *arg, uint64_t data)
 {
     weft__stream_t *s = arg;
@@ -453,16 +489,15 @@ static void hello_deadline(void *arg, uint64_t data)
     if (hs_claim(s)) {
         char why[256];
         if (s->client) {
-            int peer = weft__stream_peer(s);
-            snprintf(why, sizeof(why),
-                     "%s (rank %d) did not complete the stream's handshake within %lld ms",
-                     a->peers[peer].name != NULL ? a->peers[peer].name : "?", peer,
-                     (long long)(2 * a->handshake_timeout_ms));
-            stream_dead(s, WEFT_ERR_PEER_LOST, why);
-            if (!weft__agent_closing(a)) {
-                weft__agent_peer_lost(a, peer, WEFT_ERR_PEER_LOST, why);
+            if (a->tls != NULL && a->bulk != NULL && !weft__agent_closing(a)) {
+                weft__stream_ref(s);
+                if (weft__bulk_submit(a->bulk, client_hs_lost_run, s) == WEFT_OK) {
+                    weft__stream_unref(s); /* the timer's reference */
+                    return;
+                }
+                weft__stream_unref(s);
             }
-            grpc_call_cancel_with_status(s->call, GRPC_STATUS_DEADLINE_EXCEEDED, why, NULL);
+            client_hs_lost(s, false);
         } else {
             snprintf(why, sizeof(why), "no Hello within %lld ms of the stream's start",
                      (long long)a->handshake_timeout_ms);
