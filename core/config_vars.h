@@ -55,6 +55,8 @@
       "rpc", "a connection that has not proved its rank by then is closed")                        \
     X(DIRECT, "WEFT_DIRECT", BOOL, "1", 0, 0, "", "", "rpc",                                       \
       "large frames take direct TCP connections between ranks (0: everything on gRPC)")           \
+    X(DIRECT_FAULT_SILENT_MS, "WEFT_DIRECT_FAULT_SILENT_MS", INT, "0", 0, INT64_MAX, "", "",       \
+      "rpc", "tests: the direct listener waits this long before its challenge (a silent port)")   \
     X(SHM, "WEFT_SHM", BOOL, "1", 0, 0, "", "", "rpc",                                             \
       "ranks of one host exchange every frame through shared-memory rings (0: off, on any rank)")  \
     X(SHM_RING_KB, "WEFT_SHM_RING_KB", INT, "4096", 64, 262144, "", "", "rpc",                     \

@@ -30,6 +30,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <limits.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -77,6 +78,7 @@ typedef struct {
     int peer;
     bool cut;     /* the peer was lost: nothing more goes this way */
     bool writing; /* a frame is being written (by the sender or a caller): one at a time */
+    bool warm;    /* asked to connect ahead of the frames (weft__direct_ready) */
 } conn_out_t;
 
 struct weft__direct {
@@ -89,6 +91,7 @@ struct weft__direct {
     conn_in_t *ins;
     conn_out_t *outs; /* world_size entries */
     _Atomic bool stop;
+    int64_t fault_silent_ms; /* WEFT_DIRECT_FAULT_SILENT_MS */
 };
 
 /* ------------------------------------------------------------ socket helpers */
@@ -508,6 +511,17 @@ static int handshake_in(conn_in_t *c)
             return -1;
         }
     }
+    if (d->fault_silent_ms > 0) {
+        /* tests: a port that accepts and then says nothing for this long (or until the peer
+         * gives up, or the agent stops) */
+        int64_t until = weft__now_ns() + d->fault_silent_ms * 1000000;
+        while (weft__now_ns() < until && !atomic_load(&d->stop)) {
+            struct pollfd pfd = {c->fd, POLLRDHUP, 0};
+            if (poll(&pfd, 1, 50) > 0) {
+                break;
+            }
+        }
+    }
     weft__put_u32(ch, DIRECT_MAGIC);
     weft__put_u32(ch + 4, DIRECT_VERSION);
     if (weft__random_bytes(ch + 8, WEFT__CHALLENGE_BYTES) != WEFT_OK ||
@@ -611,6 +625,35 @@ static bool retry_due(conn_out_t *c)
     return !atomic_load(&c->unusable) || weft__now_ns() >= atomic_load(&c->retry_ns);
 }
 
+/* Connects to the peer (c->mu held, let go meanwhile); false when the agent stopped or the
+ * peer was cut while it connected (the connection is closed then). */
+static bool connect_out(conn_out_t *c)
+{
+    weft_agent_t *a = c->agent;
+    weft__direct_t *d = a->direct;
+    pthread_mutex_unlock(&c->mu);
+    SSL *ssl = NULL;
+    int fd = open_out(a, c->peer, &ssl);
+    pthread_mutex_lock(&c->mu);
+    if (fd >= 0 && (atomic_load(&d->stop) || c->cut)) {
+        conn_close(fd, ssl);
+        return false;
+    }
+    c->fd = fd;
+    c->ssl = ssl;
+    if (fd >= 0) {
+        c->fails = 0;
+    } else {
+        /* Tried again after 1 s, then 2, 4 ... up to a minute: a peer whose direct listener was
+         * full or unreachable for a while gets its direct path back. */
+        int64_t wait_ms = (int64_t)1000 << (c->fails < 6 ? c->fails : 6);
+        c->fails++;
+        atomic_store(&c->retry_ns, weft__now_ns() + wait_ms * 1000000);
+    }
+    atomic_store(&c->unusable, fd < 0);
+    return true;
+}
+
 static void *sender_main(void *arg)
 {
     conn_out_t *c = arg;
@@ -620,12 +663,21 @@ static void *sender_main(void *arg)
     weft__nopipe_thread();
     pthread_mutex_lock(&c->mu);
     for (;;) {
-        while ((c->qh == NULL || c->writing) && !atomic_load(&d->stop)) {
+        while (((c->qh == NULL && !c->warm) || c->writing) && !atomic_load(&d->stop)) {
             pthread_cond_wait(&c->cv, &c->mu);
         }
         weft__outmsg_t *m = c->qh;
-        if (m == NULL) {
+        if (m == NULL && atomic_load(&d->stop)) {
             break;
+        }
+        if (m == NULL) {
+            /* Asked to connect ahead: the frames that wanted this connection meanwhile took the
+             * stream, none waits behind the connect. */
+            c->warm = false;
+            if (c->fd < 0 && retry_due(c) && !c->cut) {
+                (void)connect_out(c);
+            }
+            continue;
         }
         c->qh = m->next;
         if (c->qh == NULL) {
@@ -638,31 +690,12 @@ static void *sender_main(void *arg)
             pthread_mutex_lock(&c->mu);
             continue;
         }
-        if (c->fd < 0 && retry_due(c)) {
+        if (c->fd < 0 && retry_due(c) && !connect_out(c)) {
+            /* Closed or cut while we connected. */
             pthread_mutex_unlock(&c->mu);
-            SSL *ssl = NULL;
-            int fd = open_out(a, c->peer, &ssl);
+            weft__outmsg_free(m, WEFT_ERR_PEER_LOST, "direct connection closed");
             pthread_mutex_lock(&c->mu);
-            if (fd >= 0 && (atomic_load(&d->stop) || c->cut)) {
-                /* Closed or cut while we connected. */
-                conn_close(fd, ssl);
-                pthread_mutex_unlock(&c->mu);
-                weft__outmsg_free(m, WEFT_ERR_PEER_LOST, "direct connection closed");
-                pthread_mutex_lock(&c->mu);
-                continue;
-            }
-            c->fd = fd;
-            c->ssl = ssl;
-            if (fd >= 0) {
-                c->fails = 0;
-            } else {
-                /* Tried again after 1 s, then 2, 4 ... up to a minute: a peer whose direct
-                 * listener was full or unreachable for a while gets its direct path back. */
-                int64_t wait_ms = (int64_t)1000 << (c->fails < 6 ? c->fails : 6);
-                c->fails++;
-                atomic_store(&c->retry_ns, weft__now_ns() + wait_ms * 1000000);
-            }
-            atomic_store(&c->unusable, fd < 0);
+            continue;
         }
         int fd = c->fd;
         SSL *ssl = c->ssl;
@@ -745,6 +778,30 @@ static bool tp_usable(weft_agent_t *a, int peer)
     }
     const char *addr = a->peers[peer].direct_address;
     return addr != NULL && addr[0] != '\0' && retry_due(&d->outs[peer]) && !d->outs[peer].cut;
+}
+
+bool weft__direct_ready(weft_agent_t *a, int peer)
+{
+    weft__direct_t *d = a->direct;
+    if (d == NULL || peer < 0 || peer >= a->world_size || atomic_load(&d->stop)) {
+        return false;
+    }
+    const char *addr = a->peers[peer].direct_address;
+    if (addr == NULL || addr[0] == '\0') {
+        return false;
+    }
+    conn_out_t *c = &d->outs[peer];
+    pthread_mutex_lock(&c->mu);
+    bool ready = c->fd >= 0 && !atomic_load(&c->unusable) && !c->cut;
+    if (!ready && !c->cut && retry_due(c) && !c->warm) {
+        c->warm = true;
+        if (!c->started && pthread_create(&c->thread, NULL, sender_main, c) == 0) {
+            c->started = true;
+        }
+        pthread_cond_broadcast(&c->cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return ready;
 }
 
 static void tp_cut(weft_agent_t *a, int peer)
@@ -1324,6 +1381,7 @@ weft_status_t weft__direct_create(weft_agent_t *a, const char *bind_host, const 
         return weft__set_error(WEFT_ERR_NO_MEMORY, "direct: no memory");
     }
     d->agent = a;
+    d->fault_silent_ms = weft__cfg_int(WEFT__CFG_DIRECT_FAULT_SILENT_MS);
     d->listen_fd = -1;
     pthread_mutex_init(&d->mu, NULL);
     d->outs = weft_calloc((size_t)a->world_size, sizeof(*d->outs));

@@ -305,6 +305,9 @@ void weft__nopipe_thread(void);
  * with the text set. */
 weft_status_t weft__tls_diagnose(weft_agent_t *a, const char *address, int peer,
                                  int64_t deadline_ns);
+/* Whether frames to @p peer can go on its direct connection at once (it is open); when not,
+ * the connection is opened in the background (unless its last try failed too recently). */
+bool weft__direct_ready(weft_agent_t *a, int peer);
 
 /* ------------------------------------------------------------------ peers and identities */
 

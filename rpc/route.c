@@ -56,8 +56,12 @@ static weft__tp_id_t choose(weft_agent_t *a, const weft__frame_t *fr, const weft
         /* With TLS, every request without references: gRPC's record protection costs a 64-byte
          * round trip ~13 us on the stream, OpenSSL on the direct connection ~1 (63 against
          * 38-43 us p50, bench/RESULTS.md "TLS"). A request with references stays on the stream,
-         * whose receiver orders their decoding. */
-        large = m->nbytes >= WEFT__DIRECT_MIN || (a->tls != NULL && m->refs == NULL);
+         * whose receiver orders their decoding. A small one goes direct only once the connection
+         * is open (else it takes the stream while the connection opens in the background): it
+         * never waits behind a connect, which a silent port would hold for the handshake's
+         * deadline. */
+        large = m->nbytes >= WEFT__DIRECT_MIN ||
+                (a->tls != NULL && m->refs == NULL && weft__direct_ready(a, fr->to));
         break;
     case WEFT__V1__KIND__KIND_RESPONSE:
         /* An answer to a request that came direct goes direct too: a bulk transfer's round trips

@@ -283,6 +283,56 @@ Test(tls, a_peer_that_refuses_this_ranks_certificate_is_lost_with_the_reason, .t
     teardown_job();
 }
 
+/* With TLS, small requests take the direct connection once it is open. A rank whose direct
+ * port accepts and then says nothing (WEFT_DIRECT_FAULT_SILENT_MS: a firewall, a wedged
+ * listener) must not hold them behind the connect for the handshake's deadline: they take the
+ * stream meanwhile. */
+static int body_silent_direct(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank != 0) {
+        return 0;
+    }
+    for (int i = 0; i < 5; i++) {
+        weft_value_t *v = NULL;
+        RANK_CHECK(weft_value_create(&v) == WEFT_OK, "no memory");
+        RANK_CHECK(weft_value_push_tensor(v, tensor_f32_range(16, (float)i)) == WEFT_OK,
+                   "no memory");
+        weft_value_t *out = NULL;
+        /* 1.5 s: far less than the 6 s a connect to the silent port is given */
+        weft_status_t st = weft_rpc_sync(a, 1, "echo", v, 1500, &out);
+        weft_value_free(v);
+        RANK_CHECK(st == WEFT_OK, "call %d: %s: %s", i, weft_strerror(st), weft_last_error());
+        const weft_tensor_t *r = weft_value_tensor(out, 0);
+        RANK_CHECK(r != NULL && weft_tensor_numel(r) == 16 &&
+                       ((const float *)weft_tensor_data(r))[15] == (float)i + 15.0f,
+                   "call %d: the echo differs", i);
+        weft_value_free(out);
+    }
+    return 0;
+}
+
+Test(tls, small_requests_do_not_wait_behind_a_silent_direct_port, .timeout = 90)
+{
+    signal(SIGPIPE, SIG_DFL);
+    make_job(2);
+    ranks_opts_t o;
+    ranks_opts_init(&o, 2, body_silent_direct);
+    o.setup = setup_echo;
+    o.tls_dir = g_dir;
+    o.rank_env[0] = "WEFT_SHM=0";
+    o.rank_env[1] = "WEFT_DIRECT_FAULT_SILENT_MS=60000";
+    setenv("WEFT_SHM", "0", 1);
+    setenv("WEFT_HANDSHAKE_TIMEOUT_MS", "6000", 1);
+    int codes[2];
+    int rc = ranks_run(&o, codes);
+    unsetenv("WEFT_SHM");
+    unsetenv("WEFT_HANDSHAKE_TIMEOUT_MS");
+    cr_assert_eq(rc, 0, "codes %d %d", codes[0], codes[1]);
+    teardown_job();
+}
+
 /* ------------------------------------------------------------ refusals at the join */
 
 typedef struct {
