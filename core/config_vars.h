@@ -63,6 +63,8 @@
       "KiB of each shared-memory ring (one per ordered pair of ranks on a host; a power of two)")   \
     X(SHM_SPIN_US, "WEFT_SHM_SPIN_US", INT, "1000", 0, 100000, "", "", "rpc",                        \
       "microseconds a shared-memory reader or writer polls its ring before it sleeps")             \
+    X(SHM_SLEEP_MS, "WEFT_SHM_SLEEP_MS", INT, "50", 1, 600000, "", "", "rpc",                        \
+      "tests: how long a sleeping ring side waits for a wake before it looks again")              \
     X(SHM_HOST_TAG, "WEFT_SHM_HOST_TAG", STR, "", 0, 0, "", "", "rpc",                             \
       "tests: ranks with different tags act as if on different hosts (no shared memory)")          \
     /* rref */                                                                                     \

@@ -58,7 +58,8 @@
 #define SHM_VERSION 1u
 #define RING_OFF    4096u                /* the ring's bytes start here in its memory */
 #define MAX_HELLO   (64u << 10)
-#define SLEEP_MS    50                   /* a sleeping side looks at the peer's socket this often */
+#define SLEEP_MS    (atomic_load_explicit(&sleep_ms, memory_order_relaxed)) /* a sleeping side
+                                         * looks at the peer's socket this often */
 #define PUBLISH_MIN ((uint64_t)64 << 10) /* a long frame is made visible in pieces this large */
 #define NAME_PREFIX "weft-shm-"
 #define MAX_HANDSHAKES 64 /* connections of a listener still proving their rank */
@@ -162,6 +163,10 @@ struct weft__shm {
 };
 
 /* ------------------------------------------------------------ small helpers */
+
+/* WEFT_SHM_SLEEP_MS (50): a wake-up that never comes costs this much, so tests make it long
+ * enough that one would hang them. */
+static _Atomic int sleep_ms = 50;
 
 static void futex_wait(_Atomic uint32_t *w, uint32_t val, int ms)
 {
@@ -1816,6 +1821,8 @@ weft_status_t weft__shm_create(weft_agent_t *a)
     }
     d->ring_bytes = bytes;
     d->spin_ns = weft__cfg_int(WEFT__CFG_SHM_SPIN_US) * 1000;
+    atomic_store_explicit(&sleep_ms, (int)weft__cfg_int(WEFT__CFG_SHM_SLEEP_MS),
+                          memory_order_relaxed);
     d->outs = weft_calloc((size_t)a->world_size, sizeof(*d->outs));
     uint8_t rnd[8];
     if (d->outs == NULL || weft__random_bytes(rnd, sizeof(rnd)) != WEFT_OK) {

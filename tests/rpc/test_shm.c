@@ -294,6 +294,66 @@ typedef struct {
     int sent;
 } sender_t;
 
+/* ------------------------------------------------------------ wake-ups */
+
+/* Without polling (WEFT_SHM_SPIN_US=0) every wait on a ring sleeps on its futex word, and with
+ * WEFT_SHM_SLEEP_MS long a wake-up that never comes holds its side far past every deadline
+ * here: a lost wake-up, of a reader (ping-pongs) or of a writer held by a full 64 KiB ring (both
+ * ways full), fails this test instead of costing 50 ms. */
+static int wake_body(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank == 0) {
+        for (int i = 0; i < 2000; i++) {
+            RANK_CHECK(call_echo(a, 1, 64, i & 0xff) == 0, "ping-pong %d", i);
+        }
+    }
+    /* Both ways full: each ring fills with requests one way and answers the other. */
+    int to = 1 - rank;
+    weft_future_t *fs[16];
+    weft_value_t *vs[16];
+    for (int i = 0; i < 16; i++) {
+        weft_tensor_t *t;
+        int64_t n = (int64_t)256 << 10;
+        weft_tensor_empty(WEFT_U8, 1, &n, &t);
+        memset(weft_tensor_data(t), (rank * 16 + i) & 0xff, (size_t)n);
+        weft_value_create(&vs[i]);
+        weft_value_push_tensor(vs[i], t);
+        RANK_CHECK(weft_rpc_async(a, to, "echo", vs[i], 20000, &fs[i]) == WEFT_OK, "call %d: %s",
+                   i, weft_last_error());
+    }
+    for (int i = 0; i < 16; i++) {
+        RANK_CHECK(weft_future_wait(fs[i], 25000) == WEFT_OK, "call %d: %s", i,
+                   weft_future_error(fs[i]));
+        weft_value_t *r = weft_future_value(fs[i]);
+        RANK_CHECK(weft_tensor_equal(weft_value_tensor(r, 0), weft_value_tensor(vs[i], 0)),
+                   "answer %d differs", i);
+        weft_future_release(fs[i]);
+        weft_value_free(vs[i]);
+    }
+    weft_shm_stats_t st;
+    RANK_CHECK(weft_agent_shm_stats(a, to, &st) == WEFT_OK && st.ring_open && st.writer_waits > 0,
+               "no ring, or 4 MiB through a 64 KiB ring without the writer waiting");
+    return 0;
+}
+
+Test(rpc_shm, no_wake_up_is_lost_when_both_sides_sleep_at_once, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    setenv("WEFT_SHM_RING_KB", "64", 1);
+    setenv("WEFT_SHM_SPIN_US", "0", 1);
+    setenv("WEFT_SHM_SLEEP_MS", "120000", 1);
+    ranks_opts_init(&o, 2, wake_body);
+    o.setup = setup;
+    o.deadline_ms = 100000;
+    int rc = ranks_run(&o, codes);
+    unsetenv("WEFT_SHM_SPIN_US");
+    unsetenv("WEFT_SHM_SLEEP_MS");
+    cr_assert_eq(rc, 0);
+}
+
 /* ------------------------------------------------------------ results handed to a sink */
 
 typedef struct {
