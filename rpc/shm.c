@@ -731,38 +731,29 @@ static bool read_value(shm_in_t *c, const Weft__V1__Envelope *env, uint64_t body
         weft_status_t st;
         bool fits = i < n_into && into[i].nbytes == tm->nbytes && tm->nbytes > 0 &&
                     (int)into[i].dtype == (int)tm->dtype;
-        if (fits && into[i].data == NULL) {
+        bool sink = fits && into[i].data == NULL;
+        if (sink) {
             /* Handed to the caller's sink straight from the ring; an empty tensor in its place. */
             int64_t zero = 0;
             st = weft_tensor_empty((weft_dtype_t)tm->dtype, 1, &zero, &t);
-            weft_landing_t l = {.sink = into[i].sink, .arg = into[i].sink_arg};
-            /* Mid-frame: the sink must not hand the ring over (it must not block). */
-            shm_in_t *role = tl_role;
-            tl_role = NULL;
-            bool sunk = st != WEFT_OK || in_sink(c, &l, tm->nbytes, false);
-            tl_role = role;
-            if (!sunk) {
-                weft_tensor_release(t);
-                ok = false;
-                goto out_free;
-            }
-            if (st == WEFT_OK) {
-                done += tm->nbytes;
-                st = weft_value_push_tensor(v, t);
-                if (st != WEFT_OK) {
-                    weft_tensor_release(t);
-                }
-            }
-            *st_p = st;
-            continue;
-        }
-        if (fits) {
+        } else if (fits) {
             st = weft_tensor_wrap((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape,
                                   into[i].data, into[i].nbytes, WEFT_CPU, NULL, NULL, &t);
         } else {
             st = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t);
         }
-        if (st == WEFT_OK && !in_read(c, weft_tensor_data(t), tm->nbytes)) {
+        bool got = true;
+        if (st == WEFT_OK && sink) {
+            /* Mid-frame: the sink must not hand the ring over (it must not block). */
+            weft_landing_t l = {.sink = into[i].sink, .arg = into[i].sink_arg};
+            shm_in_t *role = tl_role;
+            tl_role = NULL;
+            got = in_sink(c, &l, tm->nbytes, false);
+            tl_role = role;
+        } else if (st == WEFT_OK) {
+            got = in_read(c, weft_tensor_data(t), tm->nbytes);
+        }
+        if (!got) {
             weft_tensor_release(t);
             ok = false;
             goto out_free;

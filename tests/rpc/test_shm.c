@@ -123,6 +123,19 @@ static void setup(weft_agent_t *a, int rank, void *arg)
     weft_rpc_register(a, "echo", echo, NULL);
 }
 
+/* Runs @p body on @p world ranks over 64 KiB rings (frames of any size go in pieces, writers
+ * wait for room); 0 when every rank exited 0. */
+static int run_small_rings(int world, rank_main_cb_t body, int64_t deadline_ms)
+{
+    ranks_opts_t o;
+    int codes[MAXW];
+    setenv("WEFT_SHM_RING_KB", "64", 1);
+    ranks_opts_init(&o, world, body);
+    o.setup = setup;
+    o.deadline_ms = deadline_ms;
+    return ranks_run(&o, codes);
+}
+
 /* Message @p seq: its number, and every @p every-th one a tensor of @p ints ints holding it. */
 static weft_value_t *message(int seq, int every, int64_t ints)
 {
@@ -208,13 +221,7 @@ static int order_body(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(rpc_shm, every_kind_of_frame_goes_through_the_rings_in_order, .timeout = 120)
 {
-    ranks_opts_t o;
-    int codes[3];
-    setenv("WEFT_SHM_RING_KB", "64", 1);
-    ranks_opts_init(&o, 3, order_body);
-    o.setup = setup;
-    o.deadline_ms = 110000;
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_small_rings(3, order_body, 110000), 0);
 }
 
 /* ------------------------------------------------------------ full both ways */
@@ -258,13 +265,7 @@ static int flood_body(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(rpc_shm, rings_full_both_ways_do_not_deadlock, .timeout = 120)
 {
-    ranks_opts_t o;
-    int codes[2];
-    setenv("WEFT_SHM_RING_KB", "64", 1);
-    ranks_opts_init(&o, 2, flood_body);
-    o.setup = setup;
-    o.deadline_ms = 110000;
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_small_rings(2, flood_body, 110000), 0);
 }
 
 /* ------------------------------------------------------------ back-pressure */
@@ -340,15 +341,9 @@ static int wake_body(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(rpc_shm, no_wake_up_is_lost_when_both_sides_sleep_at_once, .timeout = 120)
 {
-    ranks_opts_t o;
-    int codes[2];
-    setenv("WEFT_SHM_RING_KB", "64", 1);
     setenv("WEFT_SHM_SPIN_US", "0", 1);
     setenv("WEFT_SHM_SLEEP_MS", "120000", 1);
-    ranks_opts_init(&o, 2, wake_body);
-    o.setup = setup;
-    o.deadline_ms = 100000;
-    int rc = ranks_run(&o, codes);
+    int rc = run_small_rings(2, wake_body, 100000);
     unsetenv("WEFT_SHM_SPIN_US");
     unsetenv("WEFT_SHM_SLEEP_MS");
     cr_assert_eq(rc, 0);
@@ -458,13 +453,7 @@ static int sink_body(weft_agent_t *a, int rank, int world, void *arg)
 
 Test(rpc_shm, a_result_handed_to_a_sink_comes_whole_and_in_order, .timeout = 90)
 {
-    ranks_opts_t o;
-    int codes[2];
-    setenv("WEFT_SHM_RING_KB", "64", 1);
-    ranks_opts_init(&o, 2, sink_body);
-    o.setup = setup;
-    o.deadline_ms = 80000;
-    cr_assert_eq(ranks_run(&o, codes), 0);
+    cr_assert_eq(run_small_rings(2, sink_body, 80000), 0);
 }
 
 /* Sends HELD messages of 16 KiB to rank 1 (4.7 MiB into a 64 KiB ring); every one must be
