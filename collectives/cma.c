@@ -1013,7 +1013,6 @@ weft_status_t coll__all_reduce_oneshot(coll_group_t *g, const coll_args_t *a, in
     g->cma_small_entered = d->seq + 1; /* members may poll our area from now on */
     /* Show ours, in the slot of this operation's parity, once nobody reads what it held. */
     uint64_t *last = &g->cma_small_last[d->seq & 1];
-    _Atomic uint64_t *fin = (_Atomic uint64_t *)(void *)g->cma_small;
     uint8_t *slot = g->cma_small + ONESHOT_HDR_BYTES + (d->seq & 1) * ONESHOT_SLOT_BYTES;
     oneshot_hdr_t *h = (oneshot_hdr_t *)(void *)slot;
     st = oneshot_slot_free(&c, *last);
@@ -1056,7 +1055,7 @@ weft_status_t coll__all_reduce_oneshot(coll_group_t *g, const coll_args_t *a, in
     }
 out:
     /* Done reading the others, whatever happened: our slots of this operation may go. */
-    atomic_store(fin, d->seq + 1);
+    coll__oneshot_finished(g, d->seq);
     weft_free(c.peers);
     return st;
 }
@@ -1064,9 +1063,10 @@ out:
 void coll__oneshot_finished(coll_group_t *g, uint64_t seq)
 {
     if (g->cma_small != NULL) {
+        /* Only forward: the worker and a thread refusing a call may both get here. */
         _Atomic uint64_t *fin = (_Atomic uint64_t *)(void *)g->cma_small;
-        if (atomic_load(fin) < seq + 1) {
-            atomic_store(fin, seq + 1);
+        uint64_t cur = atomic_load(fin);
+        while (cur < seq + 1 && !atomic_compare_exchange_weak(fin, &cur, seq + 1)) {
         }
     }
 }

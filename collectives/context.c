@@ -1159,8 +1159,14 @@ void coll__seq_done(coll_group_t *g, uint64_t seq)
         }
     }
     take_pieces(ctx, g, seq, false, &drop, &xdrop);
+    uint64_t below = g->done_below;
     pthread_mutex_unlock(&ctx->mu);
     free_pieces(drop, xdrop);
+    /* Every operation below is over, refused ones too: the members' oneshot slots they held may
+     * be rewritten (a refused call never reaches oneshot's own exit). */
+    if (below > 0) {
+        coll__oneshot_finished(g, below - 1);
+    }
 }
 
 size_t coll__mailbox_count(const weft_pg_t *pg)

@@ -776,6 +776,95 @@ Test(collectives, oneshot_queued_calls, .timeout = 120)
     cr_assert_eq(ranks_run(&o, codes), 0);
 }
 
+/* A call one member refuses (weft_coll_fail) while another runs it by oneshot, having shown its
+ * slot: the refusal finishes that operation for the refusing member too, so the next oneshot
+ * operation that takes the same slot does not wait for the refusing member to finish it (it
+ * waited out its whole deadline). */
+/* Rank 1 says "go" to rank 0 by a call (rank 0 waits on g_go). */
+static weft_future_t *g_go;
+
+static void go_fn(weft_call_t *call, void *arg)
+{
+    (void)arg;
+    weft_future_complete(g_go, WEFT_OK, NULL, NULL);
+    weft_call_reply(call, NULL);
+}
+
+static void go_setup(weft_agent_t *a, int rank, void *arg)
+{
+    (void)rank;
+    (void)arg;
+    weft_future_create(&g_go);
+    weft_rpc_register(a, "go", go_fn, NULL);
+}
+
+static int body_oneshot_refused(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    weft_pg_t *pg;
+    RANK_CHECK(weft_pg_world(a, &pg) == WEFT_OK, "pg_world");
+    RANK_CHECK(check_all_reduce(pg, world, 16, WEFT_F32, WEFT_SUM) == 0, "settling");
+    RANK_CHECK(check_all_reduce(pg, world, 16, WEFT_F32, WEFT_SUM) == 0, "oneshot");
+    long o = coll__algo_runs(OP_ALL_REDUCE, "oneshot");
+    for (int k = 0; k < 2; k++) {
+        if (rank == 0) {
+            /* Refused once rank 1 has its call running (its slot shown). */
+            RANK_CHECK(weft_future_wait(g_go, 20000) == WEFT_OK, "rank 1 never said go");
+            weft_future_release(g_go);
+            RANK_CHECK(weft_future_create(&g_go) == WEFT_OK, "no memory");
+            weft_status_t st = weft_coll_fail(pg, WEFT_ERR_INVALID_ARG, "refused on purpose");
+            RANK_CHECK(st == WEFT_ERR_INVALID_ARG, "weft_coll_fail: %s", weft_strerror(st));
+        } else {
+            int64_t n = 16;
+            weft_tensor_t *t;
+            weft_future_t *f;
+            weft_tensor_create(WEFT_F32, 1, &n, &t);
+            RANK_CHECK(weft_coll_all_reduce(pg, t, WEFT_SUM, &f) == WEFT_OK, "issue: %s",
+                       weft_last_error());
+            RANK_CHECK(weft_rpc_sync(a, 0, "go", NULL, 20000, NULL) == WEFT_OK, "go: %s",
+                       weft_last_error());
+            weft_status_t st = weft_future_wait(f, 20000);
+            RANK_CHECK(st == WEFT_ERR_INVALID_ARG && strstr(weft_future_error(f), "on purpose"),
+                       "the refused call gave %s: %s", weft_strerror(st), weft_future_error(f));
+            weft_future_release(f);
+            weft_tensor_release(t);
+        }
+    }
+    /* The next ones take the slots the refused calls held. */
+    for (int k = 0; k < 3; k++) {
+        int64_t n = 16;
+        weft_tensor_t *t;
+        weft_future_t *f;
+        weft_tensor_create(WEFT_F32, 1, &n, &t);
+        float *p = weft_tensor_data(t);
+        for (int i = 0; i < 16; i++) {
+            p[i] = (float)(rank + 1);
+        }
+        RANK_CHECK(weft_coll_all_reduce(pg, t, WEFT_SUM, &f) == WEFT_OK, "issue: %s",
+                   weft_last_error());
+        weft_status_t st = weft_future_wait(f, 10000);
+        RANK_CHECK(st == WEFT_OK, "all_reduce %d after the refusals: %s: %s", k,
+                   weft_strerror(st), weft_future_error(f));
+        RANK_CHECK(p[0] == 3.0f && p[15] == 3.0f, "all_reduce %d: %g", k, (double)p[0]);
+        weft_future_release(f);
+        weft_tensor_release(t);
+    }
+    RANK_CHECK(coll__algo_runs(OP_ALL_REDUCE, "oneshot") - o >= 3, "oneshot ran %ld times",
+               coll__algo_runs(OP_ALL_REDUCE, "oneshot") - o);
+    weft_future_release(g_go);
+    weft_pg_free(pg);
+    return 0;
+}
+
+Test(collectives, oneshot_after_calls_a_member_refused, .timeout = 120)
+{
+    ranks_opts_t o;
+    int codes[2];
+    ranks_opts_init(&o, 2, body_oneshot_refused);
+    o.setup = go_setup;
+    cr_assert_eq(ranks_run(&o, codes), 0);
+}
+
 /* Counts that differ, once the group settled: a mismatch on every rank (from the slots'
  * views, before any byte is reduced), then the group goes on. */
 static int body_oneshot_mismatch(weft_agent_t *a, int rank, int world, void *arg)
@@ -2120,22 +2209,6 @@ Test(collectives, a_message_claiming_another_sender_is_not_taken_as_its, .timeou
  * what the first one had already shown (one member applying a step the other did not). Rank 0
  * times out first (a 300 ms group timeout), then tells rank 1 by a call, and only then does
  * rank 1 call the same all_reduce (it waited out its 20 s before). */
-static weft_future_t *g_go;
-
-static void go_fn(weft_call_t *call, void *arg)
-{
-    (void)arg;
-    weft_future_complete(g_go, WEFT_OK, NULL, NULL);
-    weft_call_reply(call, NULL);
-}
-
-static void go_setup(weft_agent_t *a, int rank, void *arg)
-{
-    (void)rank;
-    (void)arg;
-    weft_future_create(&g_go);
-    weft_rpc_register(a, "go", go_fn, NULL);
-}
 
 static int body_late_member(weft_agent_t *a, int rank, int world, void *arg)
 {
