@@ -642,6 +642,7 @@ static weft_status_t cma_open(cma_t *c, coll_group_t *g, const coll_desc_t *d, i
     b->count = d->count;
     b->check = board_check(b, c->epoch);
     atomic_store(&b->epoch, c->epoch);
+    g->cma_last_epoch = c->epoch;
 
     if (c->fast) {
         for (int r = 0; r < n; r++) {
@@ -1078,6 +1079,45 @@ static bool member_lost(coll_group_t *g, int q)
     bool lost = g->ctx->lost[g->world[q]];
     pthread_mutex_unlock(&g->ctx->mu);
     return lost;
+}
+
+void coll__cma_drain(coll_group_t *g)
+{
+    uint64_t last = g->cma_last_epoch;
+    if (last == 0 || g->cma_boards == NULL) {
+        return;
+    }
+    int64_t ms = atomic_load(&g->timeout_ms);
+    int64_t deadline = weft__now_ns() + (ms > INT64_MAX / 2000000 ? INT64_MAX / 2 : ms * 1000000);
+    for (int q = 0; q < g->size; q++) {
+        /* Its board shows that operation's epoch until it has left it: then it reads ours no
+         * more (a member waits for our FIN on our board after we saw its own). */
+        for (int spins = 0; q != g->rank && g->cma_boards[q] != 0 &&
+                            !(spins % 64 == 0 && member_lost(g, q));
+             spins++) {
+            uint64_t epoch = 0;
+            struct iovec l = {&epoch, sizeof(epoch)},
+                         r = {(void *)(uintptr_t)(g->cma_boards[q] +
+                                                  offsetof(coll_cma_board_t, epoch)),
+                              sizeof(epoch)};
+            if (process_vm_readv(g->cma_pids[q], &l, 1, &r, 1, 0) != (ssize_t)sizeof(epoch) ||
+                epoch != last) {
+                break; /* gone, or past that operation */
+            }
+            if (weft__now_ns() >= deadline) {
+                WEFT_WARN("collectives: group %u freed while group rank %d may still read its "
+                          "board",
+                          g->id, q);
+                return;
+            }
+            if (spins < CMA_SPINS) {
+                sched_yield();
+            } else {
+                struct timespec ts = {0, CMA_NAP_NS};
+                nanosleep(&ts, NULL);
+            }
+        }
+    }
 }
 
 void coll__oneshot_drain(coll_group_t *g)

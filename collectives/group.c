@@ -305,8 +305,10 @@ void weft_pg_free(weft_pg_t *pg)
         pthread_mutex_unlock(&g->mu);
         pthread_join(g->thread, NULL);
     }
-    /* Members may still be reading our last oneshot slot: not freed under them. */
+    /* Members may still be reading our last oneshot slot, or our board: not freed under
+     * them. */
     coll__oneshot_drain(g);
+    coll__cma_drain(g);
     tell_freed(pg); /* nothing issues on it any more; it is still whole */
     /* Then its posted receives fail, and its pieces go. */
     coll__ctx_drop_group(ctx, g);

@@ -215,6 +215,7 @@ typedef struct coll_group {
      * once settled (1), each member's process and the address of its board, by group rank. */
     int cma_state;
     coll_cma_board_t cma_board;
+    uint64_t cma_last_epoch; /* the epoch this rank's board showed last (0: never) */
     int *cma_pids;
     uint64_t *cma_boards;
     /* oneshot (cma.c), once settled: this rank's area (a word saying which operations it
@@ -419,6 +420,10 @@ weft_status_t coll__all_reduce_oneshot(coll_group_t *g, const coll_args_t *a, in
 /* Before @p g goes: waits until every member is done with this rank's last oneshot slot (it
  * finished that operation, failed or not; it is gone; or the group's timeout passed). */
 void coll__oneshot_drain(coll_group_t *g);
+/* Before the group's memory goes: waits (the group's timeout at most; members lost or gone
+ * are not waited for) until no member is still in the last operation that showed this rank's
+ * board, which it may still read. */
+void coll__cma_drain(coll_group_t *g);
 /* This rank finished operation @p seq of @p g, of any kind (its oneshot word says so: a member
  * waiting to rewrite a slot waits for it). On the thread that ran it, in seq order. */
 void coll__oneshot_finished(coll_group_t *g, uint64_t seq);
