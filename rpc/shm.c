@@ -119,6 +119,10 @@ typedef struct shm_in {
     char lose_why[256];
     _Atomic uint64_t frames, bytes;
     char broken[200]; /* why the ring cannot be read on, when its writer broke it ("": not) */
+    /* How long the reading role polls an empty ring before it sleeps: up to WEFT_SHM_SPIN_US,
+     * halved by each wait that polled in vain, doubled by each that polling served (0: not set
+     * yet). The reading role's. */
+    int64_t spin_ns;
 } shm_in_t;
 
 enum { OUT_IDLE = 0, OUT_OPENING, OUT_READY, OUT_FAILED };
@@ -468,12 +472,18 @@ static bool in_wait(shm_in_t *c)
     if (n != 0) {
         return !in_corrupt(c, n);
     }
-    int64_t spin = c->agent->shm->spin_ns;
+    /* Polling pays while the writer answers within it (a ping-pong); when it does not (a peer
+     * that computes between frames), every yield below is a context switch taken from ranks
+     * that have work, on a host with more of them than processors: so the poll adapts, from
+     * WEFT_SHM_SPIN_US down to 1/32 of it. */
+    int64_t max = c->agent->shm->spin_ns;
+    int64_t spin = c->spin_ns > 0 && c->spin_ns < max ? c->spin_ns : max;
     if (spin > 0) {
         int64_t end = weft__now_ns() + spin;
         do {
             for (int i = 0; i < 64; i++) {
                 if ((n = in_avail(c)) != 0) {
+                    c->spin_ns = spin * 2;
                     return !in_corrupt(c, n);
                 }
                 cpu_relax();
@@ -482,6 +492,7 @@ static bool in_wait(shm_in_t *c)
              * at once if there is none. */
             sched_yield();
         } while (weft__now_ns() < end);
+        c->spin_ns = spin / 2 > max / 32 ? spin / 2 : max / 32;
     }
     for (;;) {
         if (in_stopped(c)) {
