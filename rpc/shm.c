@@ -1018,10 +1018,15 @@ static int handshake_in(shm_in_t *c)
         return -1;
     }
     /* The writer confirms it took the answer (it may have given up meanwhile: then the ring is
-     * not used, and its end is no loss). */
+     * not used, and its end is no loss). Waited for a handshake's time from now, not from the
+     * accept: a writer that got the answer just before the deadline has sent its ack and uses
+     * the ring, which must then be read. */
     uint8_t ack = 0;
+    int64_t ack_deadline = weft__now_ns() + c->agent->handshake_timeout_ms * 1000000;
     if (!answer(c->sock, WEFT_OK, "") ||
-        !recv_until(c->sock, &ack, 1, deadline, NULL, &d->stop) || ack != 1) {
+        !recv_until(c->sock, &ack, 1, ack_deadline > deadline ? ack_deadline : deadline, NULL,
+                    &d->stop) ||
+        ack != 1) {
         atomic_store(&c->peer, -1);
         return -1;
     }
