@@ -140,7 +140,6 @@ static weft_status_t run_algo(coll_group_t *g, const coll_args_t *a, size_t byte
     if (i < 0) {
         return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: no algorithm", coll__kind_name(kind));
     }
-    int settled = g->cma_state;
     weft_status_t st = algos[i].run(g, a, deadline, &declined);
     if (declined) {
         i = choose(g, kind, bytes, i);
@@ -148,13 +147,6 @@ static weft_status_t run_algo(coll_group_t *g, const coll_args_t *a, size_t byte
             return weft__set_error(WEFT_ERR_INVALID_ARG, "%s: no algorithm", coll__kind_name(kind));
         }
         st = algos[i].run(g, a, deadline, &declined);
-        if (st != WEFT_OK && settled == 0 && g->cma_state < 0) {
-            /* This operation settled the group against reading and then failed: a member may
-             * have failed it before it learnt this rank's mind (its deadline), and not have
-             * settled. Unsettled again, the next operation asks everyone anew rather than
-             * leave this rank on another algorithm than the others for good. */
-            g->cma_state = 0;
-        }
     }
     atomic_fetch_add(&algo_runs[i], 1);
     return st;
