@@ -514,7 +514,8 @@ static int handshake_in(conn_in_t *c)
     if (d->fault_silent_ms > 0) {
         /* tests: a port that accepts and then says nothing for this long (or until the peer
          * gives up, or the agent stops) */
-        int64_t until = weft__now_ns() + d->fault_silent_ms * 1000000;
+        int64_t ms = d->fault_silent_ms < 86400000 ? d->fault_silent_ms : 86400000;
+        int64_t until = weft__now_ns() + ms * 1000000;
         while (weft__now_ns() < until && !atomic_load(&d->stop)) {
             struct pollfd pfd = {c->fd, POLLRDHUP, 0};
             if (poll(&pfd, 1, 50) > 0) {

@@ -64,10 +64,12 @@ static weft__tp_id_t choose(weft_agent_t *a, const weft__frame_t *fr, const weft
                 (a->tls != NULL && m->refs == NULL && weft__direct_ready(a, fr->to));
         break;
     case WEFT__V1__KIND__KIND_RESPONSE:
-        /* An answer to a request that came direct goes direct too: a bulk transfer's round trips
-         * stay off the stream. */
+        /* An answer to a request that came direct goes direct too, once this rank's own
+         * connection there is open (a small one never waits behind its connect, as a request):
+         * a bulk transfer's round trips stay off the stream. */
         large = m->nbytes >= WEFT__DIRECT_MIN ||
-                (fr->reply_to != NULL && fr->reply_to->tp == WEFT__TP_DIRECT);
+                (fr->reply_to != NULL && fr->reply_to->tp == WEFT__TP_DIRECT &&
+                 weft__direct_ready(a, fr->to));
         break;
     case WEFT__V1__KIND__KIND_ONEWAY:
         /* Only unordered messages: the stream keeps a channel's order; and without references,

@@ -478,8 +478,11 @@ static bool in_wait(shm_in_t *c)
      * WEFT_SHM_SPIN_US down to 1/32 of it. */
     int64_t max = c->agent->shm->spin_ns;
     int64_t spin = c->spin_ns > 0 && c->spin_ns < max ? c->spin_ns : max;
+    int64_t t0 = 0;
+    bool crowded = false; /* a yield gave the processor to another thread */
     if (spin > 0) {
-        int64_t end = weft__now_ns() + spin;
+        t0 = weft__now_ns();
+        int64_t end = t0 + spin, now = t0;
         do {
             for (int i = 0; i < 64; i++) {
                 if ((n = in_avail(c)) != 0) {
@@ -490,8 +493,11 @@ static bool in_wait(shm_in_t *c)
             }
             /* The core goes to a runnable thread (the writer, on a machine with few cores); back
              * at once if there is none. */
+            int64_t before = weft__now_ns();
             sched_yield();
-        } while (weft__now_ns() < end);
+            now = weft__now_ns();
+            crowded |= now - before > 20000;
+        } while (now < end);
         c->spin_ns = spin / 2 > max / 32 ? spin / 2 : max / 32;
     }
     for (;;) {
@@ -510,6 +516,14 @@ static bool in_wait(shm_in_t *c)
         futex_wait(&r->reader_sleeping, 1, SLEEP_MS);
         atomic_store(&r->reader_sleeping, 0);
         if ((n = in_avail(c)) != 0) {
+            if (t0 != 0 && !crowded) {
+                /* Polling this long would have served this wait, and polling took the processor
+                 * from nobody (every yield came straight back): the next polls that long. */
+                int64_t waited = weft__now_ns() - t0;
+                if (waited < max && 2 * waited > c->spin_ns) {
+                    c->spin_ns = 2 * waited < max ? 2 * waited : max;
+                }
+            }
             return !in_corrupt(c, n);
         }
         if (sock_gone(c->sock)) {

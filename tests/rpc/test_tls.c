@@ -283,10 +283,11 @@ Test(tls, a_peer_that_refuses_this_ranks_certificate_is_lost_with_the_reason, .t
     teardown_job();
 }
 
-/* With TLS, small requests take the direct connection once it is open. A rank whose direct
- * port accepts and then says nothing (WEFT_DIRECT_FAULT_SILENT_MS: a firewall, a wedged
- * listener) must not hold them behind the connect for the handshake's deadline: they take the
- * stream meanwhile. */
+/* With TLS, small requests take the direct connection once it is open, and answers to requests
+ * that came direct go back direct. A rank whose direct port accepts and then says nothing
+ * (WEFT_DIRECT_FAULT_SILENT_MS: a firewall, a wedged listener) must hold neither behind the
+ * connect for the handshake's deadline: they take the stream meanwhile. Rank 0 calls rank 1;
+ * the silent one is the callee (its requests would wait) or the caller (its answers would). */
 static int body_silent_direct(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)world;
@@ -300,8 +301,8 @@ static int body_silent_direct(weft_agent_t *a, int rank, int world, void *arg)
         RANK_CHECK(weft_value_push_tensor(v, tensor_f32_range(16, (float)i)) == WEFT_OK,
                    "no memory");
         weft_value_t *out = NULL;
-        /* 1.5 s: far less than the 6 s a connect to the silent port is given */
-        weft_status_t st = weft_rpc_sync(a, 1, "echo", v, 1500, &out);
+        /* 1 s: far less than the 4 s a connect to the silent port is given */
+        weft_status_t st = weft_rpc_sync(a, 1, "echo", v, 1000, &out);
         weft_value_free(v);
         RANK_CHECK(st == WEFT_OK, "call %d: %s: %s", i, weft_strerror(st), weft_last_error());
         const weft_tensor_t *r = weft_value_tensor(out, 0);
@@ -313,7 +314,7 @@ static int body_silent_direct(weft_agent_t *a, int rank, int world, void *arg)
     return 0;
 }
 
-Test(tls, small_requests_do_not_wait_behind_a_silent_direct_port, .timeout = 90)
+static void run_silent_direct(int silent_rank)
 {
     signal(SIGPIPE, SIG_DFL);
     make_job(2);
@@ -321,16 +322,25 @@ Test(tls, small_requests_do_not_wait_behind_a_silent_direct_port, .timeout = 90)
     ranks_opts_init(&o, 2, body_silent_direct);
     o.setup = setup_echo;
     o.tls_dir = g_dir;
-    o.rank_env[0] = "WEFT_SHM=0";
-    o.rank_env[1] = "WEFT_DIRECT_FAULT_SILENT_MS=60000";
+    o.rank_env[silent_rank] = "WEFT_DIRECT_FAULT_SILENT_MS=60000";
     setenv("WEFT_SHM", "0", 1);
-    setenv("WEFT_HANDSHAKE_TIMEOUT_MS", "6000", 1);
+    setenv("WEFT_HANDSHAKE_TIMEOUT_MS", "4000", 1);
     int codes[2];
     int rc = ranks_run(&o, codes);
     unsetenv("WEFT_SHM");
     unsetenv("WEFT_HANDSHAKE_TIMEOUT_MS");
     cr_assert_eq(rc, 0, "codes %d %d", codes[0], codes[1]);
     teardown_job();
+}
+
+Test(tls, small_requests_do_not_wait_behind_a_silent_direct_port, .timeout = 90)
+{
+    run_silent_direct(1);
+}
+
+Test(tls, small_answers_do_not_wait_behind_a_silent_direct_port, .timeout = 90)
+{
+    run_silent_direct(0);
 }
 
 /* ------------------------------------------------------------ refusals at the join */
