@@ -1081,41 +1081,60 @@ static bool member_lost(coll_group_t *g, int q)
     return lost;
 }
 
+/* Before the group's memory goes: waits until member @p q's word at @p addr (in its process)
+ * is past what we wait for: != @p value (@p above false) or >= @p value (@p above true; then
+ * *seen_p gets it). False when the group's time (@p deadline) ran out; a member lost, gone or
+ * past its group is not waited for. */
+static bool drain_member(coll_group_t *g, int q, uint64_t addr, uint64_t value, bool above,
+                         uint64_t *seen_p, int64_t deadline)
+{
+    for (int spins = 0; !(spins % 64 == 0 && member_lost(g, q)); spins++) {
+        uint64_t w = 0;
+        struct iovec l = {&w, sizeof(w)}, r = {(void *)(uintptr_t)addr, sizeof(w)};
+        if (process_vm_readv(g->cma_pids[q], &l, 1, &r, 1, 0) != (ssize_t)sizeof(w)) {
+            return true; /* gone, or its group too: nobody reads us from there */
+        }
+        if (above ? w >= value : w != value) {
+            if (seen_p != NULL) {
+                *seen_p = w;
+            }
+            return true;
+        }
+        if (weft__now_ns() >= deadline) {
+            return false;
+        }
+        if (spins < CMA_SPINS) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, CMA_NAP_NS};
+            nanosleep(&ts, NULL);
+        }
+    }
+    return true;
+}
+
+static int64_t drain_deadline(const coll_group_t *g)
+{
+    int64_t ms = atomic_load(&g->timeout_ms);
+    return weft__now_ns() + (ms > INT64_MAX / 2000000 ? INT64_MAX / 2 : ms * 1000000);
+}
+
 void coll__cma_drain(coll_group_t *g)
 {
     uint64_t last = g->cma_last_epoch;
     if (last == 0 || g->cma_boards == NULL) {
         return;
     }
-    int64_t ms = atomic_load(&g->timeout_ms);
-    int64_t deadline = weft__now_ns() + (ms > INT64_MAX / 2000000 ? INT64_MAX / 2 : ms * 1000000);
+    int64_t deadline = drain_deadline(g);
     for (int q = 0; q < g->size; q++) {
         /* Its board shows that operation's epoch until it has left it: then it reads ours no
          * more (a member waits for our FIN on our board after we saw its own). */
-        for (int spins = 0; q != g->rank && g->cma_boards[q] != 0 &&
-                            !(spins % 64 == 0 && member_lost(g, q));
-             spins++) {
-            uint64_t epoch = 0;
-            struct iovec l = {&epoch, sizeof(epoch)},
-                         r = {(void *)(uintptr_t)(g->cma_boards[q] +
-                                                  offsetof(coll_cma_board_t, epoch)),
-                              sizeof(epoch)};
-            if (process_vm_readv(g->cma_pids[q], &l, 1, &r, 1, 0) != (ssize_t)sizeof(epoch) ||
-                epoch != last) {
-                break; /* gone, or past that operation */
-            }
-            if (weft__now_ns() >= deadline) {
-                WEFT_WARN("collectives: group %u freed while group rank %d may still read its "
-                          "board",
-                          g->id, q);
-                return;
-            }
-            if (spins < CMA_SPINS) {
-                sched_yield();
-            } else {
-                struct timespec ts = {0, CMA_NAP_NS};
-                nanosleep(&ts, NULL);
-            }
+        if (q != g->rank && g->cma_boards[q] != 0 &&
+            !drain_member(g, q, g->cma_boards[q] + offsetof(coll_cma_board_t, epoch), last,
+                          false, NULL, deadline)) {
+            WEFT_WARN("collectives: group %u freed while group rank %d may still read its board",
+                      g->id, q);
+            return;
         }
     }
 }
@@ -1127,34 +1146,14 @@ void coll__oneshot_drain(coll_group_t *g)
     if (g->cma_small == NULL || last == 0) {
         return;
     }
-    int64_t ms = atomic_load(&g->timeout_ms);
-    int64_t deadline = weft__now_ns() + (ms > INT64_MAX / 2000000 ? INT64_MAX / 2 : ms * 1000000);
+    int64_t deadline = drain_deadline(g);
     for (int q = 0; q < g->size; q++) {
-        for (int spins = 0; q != g->rank && g->cma_small_fin[q] < last && g->cma_smalls[q] != 0 &&
-                            !(spins % 64 == 0 && member_lost(g, q));
-             spins++) {
-            uint64_t fin = 0;
-            struct iovec l = {&fin, sizeof(fin)},
-                         r = {(void *)(uintptr_t)g->cma_smalls[q], sizeof(fin)};
-            if (process_vm_readv(g->cma_pids[q], &l, 1, &r, 1, 0) != (ssize_t)sizeof(fin)) {
-                break; /* gone, or its group too: nobody reads us from there */
-            }
-            if (fin >= last) {
-                g->cma_small_fin[q] = fin;
-                break;
-            }
-            if (weft__now_ns() >= deadline) {
-                WEFT_WARN("collectives: group %u freed while group rank %d may still read "
-                          "its last all_reduce slot",
-                          g->id, q);
-                return;
-            }
-            if (spins < CMA_SPINS) {
-                sched_yield();
-            } else {
-                struct timespec ts = {0, CMA_NAP_NS};
-                nanosleep(&ts, NULL);
-            }
+        if (q != g->rank && g->cma_small_fin[q] < last && g->cma_smalls[q] != 0 &&
+            !drain_member(g, q, g->cma_smalls[q], last, true, &g->cma_small_fin[q], deadline)) {
+            WEFT_WARN("collectives: group %u freed while group rank %d may still read its last "
+                      "all_reduce slot",
+                      g->id, q);
+            return;
         }
     }
 }
