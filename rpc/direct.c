@@ -43,7 +43,7 @@
 #include "internal.h"
 
 #define DIRECT_MAGIC     0x42544657u /* "WFTB" little-endian */
-#define DIRECT_VERSION   2u
+#define DIRECT_VERSION   3u
 #define MAX_HELLO        (64u << 10)
 #define LAND_CHUNK       ((size_t)256 << 10) /* bytes handed to a landing sink at a time */
 #define LAND_MAX_PAYLOAD 65536               /* larger payloads do not ask where to land */
@@ -55,8 +55,9 @@ typedef struct conn_in {
     struct conn_in *next;
     weft_agent_t *agent;
     int fd;
-    SSL *ssl;         /* TLS on: the session on fd */
-    _Atomic int peer; /* -1 until the handshake */
+    SSL *ssl;           /* TLS on: the session on fd, during the handshake */
+    weft__seal_t *seal; /* TLS on: the records after it (seal.c) */
+    _Atomic int peer;   /* -1 until the handshake */
     pthread_t thread;
     _Atomic bool done; /* the reader has finished: the acceptor reaps it */
     uint8_t *hot;      /* landing buffer for messages reduced as they arrive (lazily) */
@@ -67,7 +68,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int fd;                   /* -1 until connected */
-    SSL *ssl;                 /* TLS on: the session on fd */
+    weft__seal_t *seal;       /* TLS on: the records on fd (seal.c) */
     bool started;             /* sender thread running */
     _Atomic bool unusable;    /* the last connect failed: this peer's frames take the stream */
     _Atomic int64_t retry_ns; /* while unusable: when to try connecting again */
@@ -137,21 +138,6 @@ static bool ssl_write_all(SSL *ssl, const void *buf, size_t n)
     return true;
 }
 
-/* Flushes a buffering write BIO, retried when a signal interrupted its write (as SSL_write's
- * are): a signal is no broken connection. */
-static bool bio_flush_all(BIO *b)
-{
-    for (;;) {
-        errno = 0;
-        if (BIO_flush(b) == 1) {
-            return true;
-        }
-        if (!BIO_should_retry(b) || errno != EINTR) {
-            return false;
-        }
-    }
-}
-
 static bool io_write(int fd, SSL *ssl, const void *buf, size_t n)
 {
     if (ssl == NULL) {
@@ -164,27 +150,11 @@ static bool io_write(int fd, SSL *ssl, const void *buf, size_t n)
     return ok;
 }
 
-static bool ssl_read_all(SSL *ssl, void *buf, size_t n)
-{
-    uint8_t *p = buf;
-    while (n > 0) {
-        int k = SSL_read(ssl, p, n > (1u << 30) ? (1 << 30) : (int)n);
-        if (k <= 0 && ssl_interrupted(ssl, k)) {
-            continue;
-        }
-        if (k <= 0) {
-            return false;
-        }
-        p += k;
-        n -= (size_t)k;
-    }
-    return true;
-}
-
-/* Frees a connection's TLS session and closes its socket. */
-static void conn_close(int fd, SSL *ssl)
+/* Frees a connection's TLS session or its sealed records and closes its socket. */
+static void conn_close(int fd, SSL *ssl, weft__seal_t *seal)
 {
     SSL_free(ssl);
+    weft__seal_free(seal);
     close(fd);
 }
 
@@ -202,8 +172,8 @@ static void set_lowat(conn_in_t *c, int v)
 static bool read_all(conn_in_t *c, void *buf, size_t n)
 {
     uint8_t *p = buf;
-    if (c->ssl != NULL) {
-        return ssl_read_all(c->ssl, buf, n);
+    if (c->seal != NULL) {
+        return weft__seal_read(c->seal, c->fd, buf, n);
     }
     set_lowat(c, 1);
     while (n > 0) {
@@ -267,41 +237,28 @@ static bool skip_all(conn_in_t *c, uint64_t n)
     return true;
 }
 
-/* TLS: a byte buffer's slices as records; small slices (headers) are gathered into one. */
-static bool write_buffer_tls(SSL *ssl, grpc_byte_buffer *bb)
+/* TLS: a byte buffer's slices sealed as they are (a frame's small slices share one record),
+ * its last record sent at its end. (A large slice is not given records of its own, which would
+ * spare the reader copying the first one out of its buffer: measured, that was slower.) */
+static bool write_buffer_sealed(int fd, weft__seal_t *seal, grpc_byte_buffer *bb)
 {
     grpc_slice_buffer *sb = &bb->data.raw.slice_buffer;
-    uint8_t stage[16384];
-    size_t used = 0;
     bool ok = true;
-    weft__nopipe_t np;
-
-    weft__nopipe_begin(&np);
     for (size_t i = 0; ok && i < sb->count; i++) {
-        const uint8_t *p = GRPC_SLICE_START_PTR(sb->slices[i]);
-        size_t n = GRPC_SLICE_LENGTH(sb->slices[i]);
-        if (used + n <= sizeof(stage) && n < 4096) {
-            memcpy(stage + used, p, n);
-            used += n;
-            continue;
-        }
-        ok = (used == 0 || ssl_write_all(ssl, stage, used)) && ssl_write_all(ssl, p, n);
-        used = 0;
+        ok = weft__seal_write(seal, fd, GRPC_SLICE_START_PTR(sb->slices[i]),
+                              GRPC_SLICE_LENGTH(sb->slices[i]));
     }
-    ok = ok && (used == 0 || ssl_write_all(ssl, stage, used));
-    ok = ok && bio_flush_all(SSL_get_wbio(ssl)); /* a buffered sender's last records */
-    weft__nopipe_end(&np, !ok);
-    return ok;
+    return ok && weft__seal_flush(seal, fd);
 }
 
 /* Writes a byte buffer's slices with writev, resuming after partial writes. */
-static bool write_buffer(int fd, SSL *ssl, grpc_byte_buffer *bb)
+static bool write_buffer(int fd, weft__seal_t *seal, grpc_byte_buffer *bb)
 {
     grpc_slice_buffer *sb = &bb->data.raw.slice_buffer;
     size_t i = 0, off = 0;
 
-    if (ssl != NULL) {
-        return write_buffer_tls(ssl, bb);
+    if (seal != NULL) {
+        return write_buffer_sealed(fd, seal, bb);
     }
 
     while (i < sb->count) {
@@ -391,9 +348,9 @@ static int connect_to(const char *address, int64_t deadline_ns)
 
 /* ------------------------------------------------------------ opening */
 
-/* Connects to @p peer and proves this rank; -1 on failure (logged). *ssl_p: the TLS session
+/* Connects to @p peer and proves this rank; -1 on failure (logged). *seal_p: the sealed records
  * (TLS on). */
-static int open_out(weft_agent_t *a, int peer, SSL **ssl_p)
+static int open_out(weft_agent_t *a, int peer, weft__seal_t **seal_p)
 {
     const char *addr = a->peers[peer].direct_address;
     if (addr == NULL || addr[0] == '\0') {
@@ -412,7 +369,7 @@ static int open_out(weft_agent_t *a, int peer, SSL **ssl_p)
     SSL *ssl = NULL;
     char tls_why[512];
     const char *why = "the peer went away during the handshake";
-    *ssl_p = NULL;
+    *seal_p = NULL;
     if (a->tls != NULL) {
         ssl = weft__tls_connect(a, fd, peer, deadline, tls_why, sizeof(tls_why));
         if (ssl == NULL) {
@@ -464,22 +421,28 @@ static int open_out(weft_agent_t *a, int peer, SSL **ssl_p)
             weft_strerror(weft_status_valid(status) ? (weft_status_t)status : WEFT_ERR_PROTOCOL),
             text);
         weft_free(hello);
-        conn_close(fd, ssl);
+        conn_close(fd, ssl, NULL);
         return -1;
     }
     weft_free(hello);
     if (ssl != NULL) {
+        /* From here on the records are sealed (seal.c); the session is done with. */
         weft__tls_after_handshake(fd);
-        (void)weft__tls_buffer_writes(ssl); /* unbuffered if it cannot: correct, slower */
+        weft__seal_t *seal = weft__seal_of_tls(ssl, true, NULL, tls_why, sizeof(tls_why));
+        if (seal == NULL) {
+            why = tls_why;
+            goto err_close;
+        }
+        SSL_free(ssl);
+        *seal_p = seal;
     }
-    *ssl_p = ssl;
     return fd;
 
 err_close:
     WEFT_WARN("direct connection to rank %d at %s failed (%s); large frames take the stream", peer,
               addr, why);
     weft_free(hello);
-    conn_close(fd, ssl);
+    conn_close(fd, ssl, NULL);
     return -1;
 }
 
@@ -591,7 +554,15 @@ static int handshake_in(conn_in_t *c)
         return -1;
     }
     if (c->ssl != NULL) {
+        /* From here on the records are sealed (seal.c); the session is done with. */
         weft__tls_after_handshake(c->fd);
+        c->seal = weft__seal_of_tls(c->ssl, false, &c->lowat, why, sizeof(why));
+        if (c->seal == NULL) {
+            WEFT_WARN("direct connection from rank %d: %s; closing", rank, why);
+            return -1;
+        }
+        SSL_free(c->ssl);
+        c->ssl = NULL;
     }
     return rank;
 }
@@ -599,11 +570,11 @@ static int handshake_in(conn_in_t *c)
 /* ------------------------------------------------------------ sending */
 
 /* Writes @p m on the connection (the caller holds c->writing) and settles it. */
-static void write_out(conn_out_t *c, int fd, SSL *ssl, weft__outmsg_t *m)
+static void write_out(conn_out_t *c, int fd, weft__seal_t *seal, weft__outmsg_t *m)
 {
     weft_agent_t *a = c->agent;
 
-    if (write_buffer(fd, ssl, m->bb)) {
+    if (write_buffer(fd, seal, m->bb)) {
         weft__outmsg_free(m, WEFT_OK, NULL);
         return;
     }
@@ -633,15 +604,15 @@ static bool connect_out(conn_out_t *c)
     weft_agent_t *a = c->agent;
     weft__direct_t *d = a->direct;
     pthread_mutex_unlock(&c->mu);
-    SSL *ssl = NULL;
-    int fd = open_out(a, c->peer, &ssl);
+    weft__seal_t *seal = NULL;
+    int fd = open_out(a, c->peer, &seal);
     pthread_mutex_lock(&c->mu);
     if (fd >= 0 && (atomic_load(&d->stop) || c->cut)) {
-        conn_close(fd, ssl);
+        conn_close(fd, NULL, seal);
         return false;
     }
     c->fd = fd;
-    c->ssl = ssl;
+    c->seal = seal;
     if (fd >= 0) {
         c->fails = 0;
     } else {
@@ -699,7 +670,7 @@ static void *sender_main(void *arg)
             continue;
         }
         int fd = c->fd;
-        SSL *ssl = c->ssl;
+        weft__seal_t *seal = c->seal;
         bool unusable = atomic_load(&c->unusable);
         c->writing = !unusable;
         pthread_mutex_unlock(&c->mu);
@@ -707,7 +678,7 @@ static void *sender_main(void *arg)
             /* No direct connection to this peer: back through the route, to the stream. */
             weft__route_fallback(a, c->peer, m);
         } else {
-            write_out(c, fd, ssl, m);
+            write_out(c, fd, seal, m);
         }
         pthread_mutex_lock(&c->mu);
         c->writing = false;
@@ -742,10 +713,10 @@ static weft_status_t tp_send(weft_agent_t *a, int peer, weft__stream_t *via, wef
     if (write_here && c->fd >= 0 && !atomic_load(&c->unusable) && !c->writing && c->qh == NULL) {
         /* The connection is idle: write it from this thread, without waking the sender. */
         int fd = c->fd;
-        SSL *ssl = c->ssl;
+        weft__seal_t *seal = c->seal;
         c->writing = true;
         pthread_mutex_unlock(&c->mu);
-        write_out(c, fd, ssl, m);
+        write_out(c, fd, seal, m);
         pthread_mutex_lock(&c->mu);
         c->writing = false;
         pthread_cond_broadcast(&c->cv); /* the sender, or stop, may wait */
@@ -856,7 +827,7 @@ static void dispatch_run(void *arg)
 static bool read_body(conn_in_t *c, void *buf, size_t n)
 {
     uint8_t *p = buf;
-    if (n < LOWAT_MIN || c->ssl != NULL) {
+    if (n < LOWAT_MIN || c->seal != NULL) {
         return read_all(c, buf, n);
     }
     while (n > 0) {
@@ -882,7 +853,7 @@ static bool read_body(conn_in_t *c, void *buf, size_t n)
  * arrive): memory for it is taken only then. False when the connection is over. */
 static bool await_bytes(conn_in_t *c)
 {
-    if (c->ssl != NULL && SSL_has_pending(c->ssl)) {
+    if (c->seal != NULL && weft__seal_pending(c->seal)) {
         return true;
     }
     set_lowat(c, 1);
@@ -1297,6 +1268,20 @@ static void *reader_main(void *arg)
     /* Done before the peer can see the end: a new connection of the same rank is then allowed. */
     atomic_store(&c->done, true);
     shutdown(c->fd, SHUT_RDWR);
+    weft_agent_t *a = c->agent;
+    int peer = atomic_load(&c->peer);
+    if (c->seal != NULL && weft__seal_broken(c->seal) && peer >= 0 &&
+        !atomic_load(&a->direct->stop) && !weft__agent_closing(a)) {
+        /* A record that fails its check (bytes changed on the way, or a broken sender): what
+         * was in flight on it is gone, so the peer is lost for good, loudly, rather than its
+         * calls waiting for their deadlines. */
+        char why[300];
+        snprintf(why, sizeof(why), "direct connection from %s (rank %d): %s",
+                 a->peers[peer].name != NULL ? a->peers[peer].name : "?", peer,
+                 weft__seal_why(c->seal));
+        WEFT_WARN("%s; the peer is lost", why);
+        weft__agent_peer_lost(a, peer, WEFT_ERR_PEER_LOST, why);
+    }
     return NULL;
 }
 
@@ -1310,7 +1295,7 @@ static int reap_locked(weft__direct_t *d)
         if (atomic_load(&c->done)) {
             *pp = c->next;
             pthread_join(c->thread, NULL);
-            conn_close(c->fd, c->ssl);
+            conn_close(c->fd, c->ssl, c->seal);
             weft_free(c->hot);
             weft_free(c);
         } else {
@@ -1481,9 +1466,9 @@ static void tp_stop(weft_agent_t *a)
         }
         pthread_mutex_unlock(&c->mu);
         if (c->fd >= 0) {
-            conn_close(c->fd, c->ssl);
+            conn_close(c->fd, NULL, c->seal);
             c->fd = -1;
-            c->ssl = NULL;
+            c->seal = NULL;
         }
     }
     /* Readers are blocked in recv: cut their sockets, then join. */
@@ -1497,7 +1482,7 @@ static void tp_stop(weft_agent_t *a)
     while (ins != NULL) {
         conn_in_t *next = ins->next;
         pthread_join(ins->thread, NULL);
-        conn_close(ins->fd, ins->ssl);
+        conn_close(ins->fd, ins->ssl, ins->seal);
         weft_free(ins->hot);
         weft_free(ins);
         ins = next;

@@ -14,6 +14,7 @@
  *   direct.c     transport: direct TCP connections for large frames
  *   shm.c        transport: shared-memory rings between the ranks of one host (every frame)
  *   hello.c      identities, the Hello and its one check
+ *   seal.c       the direct connections' records under TLS (sealed with the session's keys)
  *   tls.c        TLS: this rank's certificate files (watched), gRPC's credentials, the direct
  *                connections' sessions, certificate identities, the join's diagnosis
  *   refs.c       references inside values
@@ -282,9 +283,31 @@ void *weft__tls_accept(weft_agent_t *a, int fd, int64_t deadline_ns, weft__tls_i
                        char *why, size_t n);
 /* Clears the handshake's socket timeouts. */
 void weft__tls_after_handshake(int fd);
-/* A sending connection: records are gathered into writes of up to 256 KiB (one system call and
- * one pass of TCP for 16 of them); BIO_flush after each frame sends the rest. */
-bool weft__tls_buffer_writes(void *ssl);
+/* Sealed records (seal.c): a direct connection's frames once its TLS handshake is done, sealed
+ * with AES-128-GCM under keys from the session's exporter, decrypted where they land. One way:
+ * the connecting rank writes, the accepting rank reads. */
+#define WEFT__SEAL_MAX ((size_t)1 << 20) /* a record's most plaintext */
+typedef struct weft__seal weft__seal_t;
+/* From a 32-byte secret; @p epoch_bytes: bytes per key (0: the protocol's 2^34; tests set
+ * less); @p lowat: the socket's cached SO_RCVLOWAT (the reader sets it). */
+weft__seal_t *weft__seal_new(const uint8_t secret[32], bool writer, uint64_t epoch_bytes,
+                             int *lowat);
+/* From a TLS session whose handshake (and weft's own exchange on it) is done; NULL with the
+ * reason in @p why. WEFT_SEAL_EPOCH_BYTES (tests) sets the bytes per key. */
+weft__seal_t *weft__seal_of_tls(void *ssl, bool writer, int *lowat, char *why, size_t n);
+void weft__seal_free(weft__seal_t *s);
+/* Seals @p n bytes into the current record (sent each time it is full). */
+bool weft__seal_write(weft__seal_t *s, int fd, const void *buf, size_t n);
+/* Ends the current record and sends it (a frame's end). */
+bool weft__seal_flush(weft__seal_t *s, int fd);
+/* Reads exactly @p n bytes of plaintext; false when the connection ended or a record was bad
+ * (weft__seal_why says which). Reads of 4 KiB and more decrypt whole records in @p buf. */
+bool weft__seal_read(weft__seal_t *s, int fd, void *buf, size_t n);
+/* Whether bytes of the stream are read ahead (a poll of the socket would not see them). */
+bool weft__seal_pending(const weft__seal_t *s);
+/* Whether the stream ended on a bad record (not at an end of the connection), and why. */
+bool weft__seal_broken(const weft__seal_t *s);
+const char *weft__seal_why(const weft__seal_t *s);
 /* Reads exactly @p n bytes from TLS session @p ssl on @p fd by @p deadline_ns, however slowly
  * they come (non-blocking, waiting in poll; a record trickled in a byte at a time cannot hold
  * it past the deadline). */

@@ -227,8 +227,6 @@ static SSL_CTX *make_ctx(bool server, STACK_OF(X509) * ca, STACK_OF(X509) * chai
     SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | (server ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0),
                        NULL);
     SSL_CTX_set_mode(ctx, SSL_MODE_AUTO_RETRY);
-    SSL_CTX_set_read_ahead(ctx, 1);
-    SSL_CTX_set_default_read_buffer_len(ctx, 64 << 10);
     if (server) {
         SSL_CTX_set_num_tickets(ctx, 0); /* the client never reads after the handshake */
         SSL_CTX_set_session_cache_mode(ctx, SSL_SESS_CACHE_OFF);
@@ -839,24 +837,6 @@ void *weft__tls_accept(weft_agent_t *a, int fd, int64_t deadline_ns, weft__tls_i
 void weft__tls_after_handshake(int fd)
 {
     set_timeouts(fd, 0);
-}
-
-bool weft__tls_buffer_writes(void *ssl_p)
-{
-    SSL *ssl = ssl_p;
-    BIO *buf = BIO_new(BIO_f_buffer());
-    if (buf == NULL || BIO_set_write_buffer_size(buf, 256 << 10) != 1) {
-        BIO_free(buf);
-        return false;
-    }
-    BIO *sock = SSL_get_wbio(ssl);
-    if (BIO_up_ref(sock) != 1) {
-        BIO_free(buf);
-        return false;
-    }
-    BIO_push(buf, sock);
-    SSL_set0_wbio(ssl, buf); /* the read side keeps the socket BIO */
-    return true;
 }
 
 /* ------------------------------------------------------------ SIGPIPE */

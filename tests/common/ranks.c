@@ -68,7 +68,11 @@ static int rank_process(const ranks_opts_t *o, int rank, int port, int port_fd)
         setenv("WEFT_DIRECT", "0", 1);
     }
     if (rank < 8 && o->rank_env[rank] != NULL) {
-        putenv((char *)o->rank_env[rank]);
+        /* Several settings separated by spaces; putenv keeps the copy (the process ends). */
+        char *env = strdup(o->rank_env[rank]), *save = NULL;
+        for (char *kv = strtok_r(env, " ", &save); kv != NULL; kv = strtok_r(NULL, " ", &save)) {
+            putenv(kv);
+        }
     }
     weft_agent_opts_init(&ao);
     ao.rank = rank;

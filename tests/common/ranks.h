@@ -27,7 +27,8 @@ typedef struct {
      * <tls_dir>/rank<r>.key; a rank whose rank<r>.pem is missing runs plaintext. NULL: none. */
     const char *tls_dir;
     int no_direct_rank; /* this rank runs with WEFT_DIRECT=0 (-1: none) */
-    /* rank r's process gets rank_env[r] ("NAME=VALUE") before its agent is made (NULL: none) */
+    /* rank r's process gets rank_env[r] ("NAME=VALUE", several separated by spaces) before its
+     * agent is made (NULL: none) */
     const char *rank_env[8];
     rank_setup_cb_t setup;
     rank_main_cb_t body;

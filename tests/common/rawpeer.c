@@ -31,7 +31,7 @@ weft_status_t weft__hello_sign(weft_agent_t *a, char tp, const uint8_t *challeng
                                uint8_t *sig);
 
 #define DIRECT_MAGIC   0x42544657u
-#define DIRECT_VERSION 2u
+#define DIRECT_VERSION 3u
 
 struct rawpeer {
     grpc_channel *ch;

@@ -585,6 +585,52 @@ static void frames_seeds(void)
     weft_value_free(v);
 }
 
+/* ---- sealed records (fuzz_seal.c: mode | flip_hi | flip_lo | read seed | the rest) */
+
+static void seal_seeds(void)
+{
+    uint8_t b[6000];
+    size_t n;
+
+    /* Sealed: frames cut at 0xff, sharing records; a large one read in place. */
+    n = 0;
+    memcpy(b, "\x01\x00\x00\x05hello\xffworld\xff", 16);
+    n = 16;
+    for (int i = 0; i < 5000; i++) {
+        b[n++] = (uint8_t)(i % 251);
+    }
+    put("seal", "sealed_shared_records", b, n);
+    /* One record per frame. */
+    b[0] = 0x03;
+    put("seal", "sealed_record_per_frame", b, n);
+    /* Epochs of 64 bytes: many key changes. */
+    n = 4;
+    memcpy(b, "\x07\x00\x00\x09", 4);
+    for (int i = 0; i < 1000; i++) {
+        b[n++] = i % 30 == 29 ? 0xff : (uint8_t)('a' + i % 26);
+    }
+    put("seal", "sealed_epochs_of_64", b, n);
+    /* One bit flipped: the tag of the first record. */
+    b[0] = 0x81;
+    b[1] = 0;
+    b[2] = 0x24;
+    put("seal", "sealed_flipped", b, 200);
+    /* Raw: a record's shape with a tag the reader cannot accept, and lengths out of range. */
+    n = 4;
+    memcpy(b, "\x00\x00\x00\x01", 4);
+    weft__put_u32(b + n, 40);
+    n += 4;
+    memset(b + n, 0x5a, 56);
+    n += 56;
+    put("seal", "raw_record", b, n);
+    weft__put_u32(b + 4, 0);
+    put("seal", "raw_length_0", b, n);
+    weft__put_u32(b + 4, (uint32_t)WEFT__SEAL_MAX + 1);
+    put("seal", "raw_length_over", b, n);
+    weft__put_u32(b + 4, 9000);
+    put("seal", "raw_record_cut", b, n);
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -598,6 +644,7 @@ int main(int argc, char **argv)
     }
     frames_seeds();
     hello_seeds();
+    seal_seeds();
     rref_seeds();
     coll_seeds();
     ps_seeds();

@@ -7,16 +7,16 @@
 #   tests/fuzz/run.sh                    the fixed iterations scripts/test.sh runs
 #   tests/fuzz/run.sh --time S [h ...]   S seconds per harness (a long run); new inputs go to
 #                                        $WEFT_FUZZ_OUT/<harness> (default: a temporary directory)
-# Harnesses: frames hello join stream direct rref collectives ps dist_autograd.
+# Harnesses: frames hello seal join stream direct rref collectives ps dist_autograd.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-all=(frames hello join stream direct rref collectives ps dist_autograd)
+all=(frames hello seal join stream direct rref collectives ps dist_autograd)
 # Iterations per harness in the test suite: the pure decoders run thousands a second, the live
 # ones (a world of in-process agents behind each input) hundreds.
-declare -A runs=([frames]=300000 [hello]=500000 [join]=5000 [stream]=2000 [direct]=3000
+declare -A runs=([frames]=300000 [hello]=500000 [seal]=20000 [join]=5000 [stream]=2000 [direct]=3000
                  [rref]=20000 [collectives]=20000 [ps]=20000 [dist_autograd]=20000)
-declare -A pure=([frames]=1 [hello]=1)
+declare -A pure=([frames]=1 [hello]=1 [seal]=1)
 
 time_s=0
 if [ "${1:-}" = "--time" ]; then

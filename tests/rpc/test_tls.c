@@ -159,6 +159,133 @@ Test(tls, world_over_tls, .timeout = 120)
     teardown_job();
 }
 
+/* Over the network (WEFT_SHM=0), where requests and their answers take the direct connections'
+ * sealed records (docs/protocol.md section 7.7): tensors from 4 bytes to 3 MiB, exact both
+ * ways, with epochs of 300000 bytes so that the keys change many times on each connection. */
+static int body_echo_sizes(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)arg;
+    static const int64_t sizes[] = {1, 1000, 70000, 262145, 800000, 3, 400000};
+    for (int to = 0; to < world; to++) {
+        for (size_t k = 0; to != rank && k < sizeof(sizes) / sizeof(sizes[0]); k++) {
+            int64_t n = sizes[k];
+            weft_value_t *v = NULL;
+            RANK_CHECK(weft_value_create(&v) == WEFT_OK, "no memory");
+            weft_tensor_t *t = tensor_f32_range(n, (float)(rank * 1000 + (int)k));
+            RANK_CHECK(weft_value_push_tensor(v, t) == WEFT_OK, "no memory");
+            weft_value_t *out = NULL;
+            weft_status_t st = weft_rpc_sync(a, to, "echo", v, 20000, &out);
+            weft_value_free(v);
+            RANK_CHECK(st == WEFT_OK, "echo of %lld floats to %d: %s: %s", (long long)n, to,
+                       weft_strerror(st), weft_last_error());
+            const weft_tensor_t *r = weft_value_tensor(out, 0);
+            RANK_CHECK(r != NULL && weft_tensor_numel(r) == n, "echo of %lld floats came back short",
+                       (long long)n);
+            const float *p = weft_tensor_data(r);
+            for (int64_t i = 0; i < n; i++) {
+                RANK_CHECK(p[i] == (float)(rank * 1000 + (int)k) + (float)i,
+                           "element %lld of %lld differs", (long long)i, (long long)n);
+            }
+            weft_value_free(out);
+        }
+    }
+    return 0;
+}
+
+Test(tls, sealed_records_carry_every_size_across_key_changes, .timeout = 120)
+{
+    signal(SIGPIPE, SIG_DFL);
+    make_job(3);
+    ranks_opts_t o;
+    ranks_opts_init(&o, 3, body_echo_sizes);
+    o.setup = setup_echo;
+    o.tls_dir = g_dir;
+    for (int r = 0; r < 3; r++) {
+        o.rank_env[r] = "WEFT_SHM=0";
+    }
+    setenv("WEFT_SEAL_EPOCH_BYTES", "300000", 1);
+    int codes[3];
+    int rc = ranks_run(&o, codes);
+    unsetenv("WEFT_SEAL_EPOCH_BYTES");
+    cr_assert_eq(rc, 0, "codes %d %d %d", codes[0], codes[1], codes[2]);
+    teardown_job();
+}
+
+/* A record that fails its check on a direct connection (here: the two ends change keys at
+ * different points, WEFT_SEAL_EPOCH_BYTES differing, as bytes changed on the way would fail)
+ * loses the peer at once, with the reason, on both ranks: the caller's call fails with
+ * PEER_LOST, never waits for its deadline. */
+static weft_future_t *g_seal_lost; /* rank 0: rank 1 was declared lost */
+static char g_seal_why[512];
+
+static void seal_peer_lost(void *state, int rank, const char *why)
+{
+    (void)state;
+    if (rank == 1) {
+        snprintf(g_seal_why, sizeof(g_seal_why), "%s", why);
+        weft_future_complete(g_seal_lost, WEFT_OK, NULL, NULL);
+    }
+}
+
+static weft_status_t seal_create(weft_agent_t *a, void **state_p)
+{
+    (void)a;
+    *state_p = NULL;
+    return WEFT_OK;
+}
+
+static const weft_module_desc_t seal_desc = {
+    .name = "seal", .channel = 101, .create = seal_create, .on_peer_lost = seal_peer_lost};
+
+static void setup_seal(weft_agent_t *a, int rank, void *arg)
+{
+    void *state;
+    setup_echo(a, rank, arg);
+    weft_future_create(&g_seal_lost);
+    weft_agent_module(a, &seal_desc, &state);
+}
+
+static int body_seal_broken(weft_agent_t *a, int rank, int world, void *arg)
+{
+    (void)world;
+    (void)arg;
+    if (rank == 0) {
+        RANK_CHECK(weft_future_wait(g_seal_lost, 60000) == WEFT_OK, "rank 1 was never lost");
+        RANK_CHECK(strstr(g_seal_why, "direct connection from worker1 (rank 1)") != NULL &&
+                       strstr(g_seal_why, "failed its check") != NULL,
+                   "why: %s", g_seal_why);
+        return 0;
+    }
+    weft_status_t st = WEFT_OK;
+    for (int i = 0; i < 20 && st == WEFT_OK; i++) {
+        weft_value_t *v = NULL;
+        RANK_CHECK(weft_value_create(&v) == WEFT_OK, "no memory");
+        RANK_CHECK(weft_value_push_tensor(v, tensor_f32_range(20000, (float)i)) == WEFT_OK,
+                   "no memory");
+        st = weft_rpc_sync(a, 0, "echo", v, 50000, NULL);
+        weft_value_free(v);
+    }
+    RANK_CHECK(st == WEFT_ERR_PEER_LOST, "the calls over a broken connection: %s: %s",
+               weft_strerror(st), weft_last_error());
+    return 0;
+}
+
+Test(tls, a_record_that_fails_its_check_loses_the_peer_at_once, .timeout = 120)
+{
+    signal(SIGPIPE, SIG_DFL);
+    make_job(2);
+    ranks_opts_t o;
+    ranks_opts_init(&o, 2, body_seal_broken);
+    o.setup = setup_seal;
+    o.tls_dir = g_dir;
+    o.no_shutdown = 1;
+    o.rank_env[0] = "WEFT_SHM=0 WEFT_SEAL_EPOCH_BYTES=100000";
+    o.rank_env[1] = "WEFT_SHM=0 WEFT_SEAL_EPOCH_BYTES=200000";
+    int codes[2];
+    cr_assert_eq(ranks_run(&o, codes), 0, "codes %d %d", codes[0], codes[1]);
+    teardown_job();
+}
+
 /* ------------------------------------------------------------ refusals between ranks */
 
 /* Rank 1's certificate is another job's CA's; ranks 0 and 1 trust both CAs, rank 2 only the
