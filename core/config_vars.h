@@ -57,6 +57,8 @@
       "large frames take direct TCP connections between ranks (0: everything on gRPC)")           \
     X(DIRECT_FAULT_SILENT_MS, "WEFT_DIRECT_FAULT_SILENT_MS", INT, "0", 0, INT64_MAX, "", "",       \
       "rpc", "tests: the direct listener waits this long before its challenge (a silent port)")   \
+    X(SEAL_EPOCH_BYTES, "WEFT_SEAL_EPOCH_BYTES", INT, "17179869184", 4096, 17179869184, "", "",    \
+      "rpc", "tests: bytes sealed under one key on a TLS direct connection (every rank alike)")    \
     X(SHM, "WEFT_SHM", BOOL, "1", 0, 0, "", "", "rpc",                                             \
       "ranks of one host exchange every frame through shared-memory rings (0: off, on any rank)")  \
     X(SHM_RING_KB, "WEFT_SHM_RING_KB", INT, "4096", 64, 262144, "", "", "rpc",                     \

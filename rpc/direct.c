@@ -522,6 +522,13 @@ static int handshake_in(conn_in_t *c)
     if (h != NULL) {
         weft__v1__hello__free_unpacked(h, &weft__pb_allocator);
     }
+    if (st == WEFT_OK && c->ssl != NULL) {
+        /* The records after the answer are sealed (seal.c) with keys from the session: made
+         * before the answer, so that a failure is told to the sender, which then takes the
+         * stream, rather than found by its first frame. */
+        c->seal = weft__seal_of_tls(c->ssl, false, &c->lowat, why, sizeof(why));
+        st = c->seal != NULL ? WEFT_OK : WEFT_ERR_PROTOCOL;
+    }
     if (st == WEFT_OK) {
         /* One connection per ordered pair: a second one claiming the rank is refused. */
         pthread_mutex_lock(&d->mu);
@@ -554,13 +561,8 @@ static int handshake_in(conn_in_t *c)
         return -1;
     }
     if (c->ssl != NULL) {
-        /* From here on the records are sealed (seal.c); the session is done with. */
+        /* From here on the records are sealed; the session is done with. */
         weft__tls_after_handshake(c->fd);
-        c->seal = weft__seal_of_tls(c->ssl, false, &c->lowat, why, sizeof(why));
-        if (c->seal == NULL) {
-            WEFT_WARN("direct connection from rank %d: %s; closing", rank, why);
-            return -1;
-        }
         SSL_free(c->ssl);
         c->ssl = NULL;
     }
@@ -1259,29 +1261,33 @@ static void *reader_main(void *arg)
 {
     conn_in_t *c = arg;
 
-    weft__nopipe_thread(); /* OpenSSL may write (an alert) on any connection */
+    weft__nopipe_thread(); /* OpenSSL may write (an alert) during the handshake */
 
     if (handshake_in(c) >= 0) {
         while (!atomic_load(&c->agent->direct->stop) && read_frame(c)) {
         }
     }
-    /* Done before the peer can see the end: a new connection of the same rank is then allowed. */
-    atomic_store(&c->done, true);
-    shutdown(c->fd, SHUT_RDWR);
     weft_agent_t *a = c->agent;
     int peer = atomic_load(&c->peer);
     if (c->seal != NULL && weft__seal_broken(c->seal) && peer >= 0 &&
         !atomic_load(&a->direct->stop) && !weft__agent_closing(a)) {
         /* A record that fails its check (bytes changed on the way, or a broken sender): what
          * was in flight on it is gone, so the peer is lost for good, loudly, rather than its
-         * calls waiting for their deadlines. */
+         * calls waiting for their deadlines. Declared before this reader is marked done: the
+         * acceptor joins done readers holding the lock the loss's cut takes. */
         char why[300];
         snprintf(why, sizeof(why), "direct connection from %s (rank %d): %s",
                  a->peers[peer].name != NULL ? a->peers[peer].name : "?", peer,
                  weft__seal_why(c->seal));
         WEFT_WARN("%s; the peer is lost", why);
         weft__agent_peer_lost(a, peer, WEFT_ERR_PEER_LOST, why);
+    } else if (c->seal != NULL && weft__seal_failed(c->seal)) {
+        WEFT_WARN("direct connection from rank %d: %s; closed", peer, weft__seal_why(c->seal));
     }
+    /* Done before the peer can see the end: a new connection of the same rank is then allowed
+     * (a lost one never is). */
+    atomic_store(&c->done, true);
+    shutdown(c->fd, SHUT_RDWR);
     return NULL;
 }
 

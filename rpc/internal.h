@@ -292,20 +292,24 @@ typedef struct weft__seal weft__seal_t;
  * less); @p lowat: the socket's cached SO_RCVLOWAT (the reader sets it). */
 weft__seal_t *weft__seal_new(const uint8_t secret[32], bool writer, uint64_t epoch_bytes,
                              int *lowat);
-/* From a TLS session whose handshake (and weft's own exchange on it) is done; NULL with the
- * reason in @p why. WEFT_SEAL_EPOCH_BYTES (tests) sets the bytes per key. */
+/* From a TLS 1.3 session whose handshake is done and whose peer waits for weft's answer (no
+ * TLS bytes of it unread); NULL with the reason in @p why. WEFT_SEAL_EPOCH_BYTES (tests) sets
+ * the bytes per key. */
 weft__seal_t *weft__seal_of_tls(void *ssl, bool writer, int *lowat, char *why, size_t n);
 void weft__seal_free(weft__seal_t *s);
-/* Seals @p n bytes into the current record (sent each time it is full). */
+/* Seals @p n bytes into the current record (sent each time it is full). After a failure the
+ * writer fails every call (a record cut short cannot be followed). */
 bool weft__seal_write(weft__seal_t *s, int fd, const void *buf, size_t n);
-/* Ends the current record and sends it (a frame's end). */
+/* Ends the current record and sends it (a frame's end; a large frame's buffer is let go). */
 bool weft__seal_flush(weft__seal_t *s, int fd);
 /* Reads exactly @p n bytes of plaintext; false when the connection ended or a record was bad
  * (weft__seal_why says which). Reads of 4 KiB and more decrypt whole records in @p buf. */
 bool weft__seal_read(weft__seal_t *s, int fd, void *buf, size_t n);
 /* Whether bytes of the stream are read ahead (a poll of the socket would not see them). */
 bool weft__seal_pending(const weft__seal_t *s);
-/* Whether the stream ended on a bad record (not at an end of the connection), and why. */
+/* Whether reading failed for a reason of its own (not an end of the connection): a bad record
+ * (broken: the peer's bytes were at fault) or this rank's failure (no memory); and why. */
+bool weft__seal_failed(const weft__seal_t *s);
 bool weft__seal_broken(const weft__seal_t *s);
 const char *weft__seal_why(const weft__seal_t *s);
 /* Reads exactly @p n bytes from TLS session @p ssl on @p fd by @p deadline_ns, however slowly

@@ -19,7 +19,6 @@
  * both ends, far inside AES-GCM's limits. */
 #include <errno.h>
 #include <poll.h>
-#include <stdlib.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -52,6 +51,7 @@ struct weft__seal {
     uint64_t epoch, seq, epoch_bytes; /* the epoch, the records and bytes sealed in it */
     uint64_t epoch_limit;             /* bytes per epoch (EPOCH_BYTES, smaller in tests) */
     int *lowat;                       /* the socket's SO_RCVLOWAT, cached (the reader's) */
+    bool failed;                      /* writer: a record went wrong; nothing more is written */
     /* writer: the record being sealed, at out + SEAL_HDR, used bytes of it */
     uint8_t *out;
     size_t out_cap, used;
@@ -60,7 +60,8 @@ struct weft__seal {
     size_t raw_off, raw_len;
     uint8_t *plain;
     size_t plain_cap, plain_off, plain_len;
-    char why[160]; /* why the connection ended (a bad record) */
+    char why[160]; /* why the stream ended: a bad record (broken), or this rank's own failure */
+    bool broken;   /* ... the peer's bytes were at fault */
 };
 
 /* ------------------------------------------------------------ keys */
@@ -79,6 +80,8 @@ static bool epoch_keys(weft__seal_t *s)
         }
         msg[n + 8] = 1;
         if (HMAC(EVP_sha256(), s->secret, SEAL_SECRET, msg, n + 9, mac, &mlen) == NULL) {
+            OPENSSL_cleanse(key, sizeof(key));
+            OPENSSL_cleanse(mac, sizeof(mac));
             return false;
         }
         memcpy(i == 0 ? key : s->iv, mac, i == 0 ? SEAL_KEY : SEAL_IV);
@@ -137,6 +140,13 @@ weft__seal_t *weft__seal_of_tls(void *ssl_p, bool writer, int *lowat, char *why,
 {
     SSL *ssl = ssl_p;
     uint8_t secret[SEAL_SECRET];
+    if (SSL_version(ssl) != TLS1_3_VERSION) {
+        /* The exporter's keys are sound with TLS 1.3 alone (1.2's need the extended master
+         * secret); weft's own peers always speak 1.3. */
+        snprintf(why, n, "the direct connection's TLS session is %s, not TLS 1.3",
+                 SSL_get_version(ssl));
+        return NULL;
+    }
     if (SSL_has_pending(ssl)) {
         /* The peer wrote before the handshake's answer let it: those bytes are TLS's. */
         snprintf(why, n, "the peer sent records before the handshake ended");
@@ -147,8 +157,8 @@ weft__seal_t *weft__seal_of_tls(void *ssl_p, bool writer, int *lowat, char *why,
         snprintf(why, n, "the TLS session gives no keying material");
         return NULL;
     }
-    const char *env = getenv("WEFT_SEAL_EPOCH_BYTES"); /* tests: epochs that end soon */
-    uint64_t epoch = env != NULL ? strtoull(env, NULL, 10) : 0;
+    /* WEFT_SEAL_EPOCH_BYTES: tests make epochs end soon (every rank must agree). */
+    uint64_t epoch = (uint64_t)weft__cfg_int(WEFT__CFG_SEAL_EPOCH_BYTES);
     weft__seal_t *s = weft__seal_new(secret, writer, epoch, lowat);
     OPENSSL_cleanse(secret, sizeof(secret));
     if (s == NULL) {
@@ -171,9 +181,14 @@ void weft__seal_free(weft__seal_t *s)
     weft_free(s);
 }
 
-bool weft__seal_broken(const weft__seal_t *s)
+bool weft__seal_failed(const weft__seal_t *s)
 {
     return s->why[0] != '\0';
+}
+
+bool weft__seal_broken(const weft__seal_t *s)
+{
+    return s->broken;
 }
 
 const char *weft__seal_why(const weft__seal_t *s)
@@ -199,7 +214,9 @@ static bool send_all(int fd, const uint8_t *p, size_t n)
     return true;
 }
 
-bool weft__seal_flush(weft__seal_t *s, int fd)
+/* Ends the record being sealed and sends it. A failure leaves the writer failed: a record
+ * half sent (or half sealed) cannot be followed by another. */
+static bool record_send(weft__seal_t *s, int fd)
 {
     if (s->used == 0) {
         return true;
@@ -210,41 +227,66 @@ bool weft__seal_flush(weft__seal_t *s, int fd)
               EVP_CIPHER_CTX_ctrl(s->cx, EVP_CTRL_GCM_GET_TAG, SEAL_TAG, tag) == 1;
     weft__put_u32(s->out, (uint32_t)s->used);
     size_t n = SEAL_HDR + s->used + SEAL_TAG;
-    s->seq++;
+    s->seq++; /* the nonce is spent whatever happens next */
     s->epoch_bytes += s->used;
     s->used = 0;
-    return ok && send_all(fd, s->out, n);
+    ok = ok && send_all(fd, s->out, n);
+    s->failed = !ok;
+    return ok;
+}
+
+bool weft__seal_flush(weft__seal_t *s, int fd)
+{
+    if (s->failed) {
+        return false;
+    }
+    bool ok = record_send(s, fd);
+    if (s->out_cap > OUT_SMALL) {
+        /* A large frame's megabyte is not kept while the connection idles (one per peer). */
+        weft_free(s->out);
+        s->out = NULL;
+        s->out_cap = 0;
+    }
+    return ok;
 }
 
 bool weft__seal_write(weft__seal_t *s, int fd, const void *buf, size_t n)
 {
     const uint8_t *p = buf;
+    if (s->failed) {
+        return false;
+    }
     while (n > 0) {
         if (s->used == 0 && !record_begin(s)) {
+            s->failed = true;
             return false;
         }
         if (s->used + n > s->out_cap && s->out_cap < WEFT__SEAL_MAX) {
-            /* Small frames only need a small record; the first large one grows it for good. */
+            /* Small frames only need a small record; a large one grows it for the frame. Without
+             * the memory, records stay as large as the buffer is. */
             size_t cap = s->used + n <= OUT_SMALL ? OUT_SMALL : WEFT__SEAL_MAX;
             uint8_t *q = weft_realloc(s->out, SEAL_HDR + cap + SEAL_TAG);
-            if (q == NULL) {
+            if (q != NULL) {
+                s->out = q;
+                s->out_cap = cap;
+            } else if (s->out_cap == 0) {
+                s->failed = true;
                 return false;
             }
-            s->out = q;
-            s->out_cap = cap;
         }
         size_t k = s->out_cap - s->used;
         k = n < k ? n : k;
         int outl = 0;
         /* Encrypted from where the bytes are into the record: no copy of them before. */
-        if (EVP_EncryptUpdate(s->cx, s->out + SEAL_HDR + s->used, &outl, p, (int)k) != 1 ||
-            (size_t)outl != k) {
+        if (k > 0 && (EVP_EncryptUpdate(s->cx, s->out + SEAL_HDR + s->used, &outl, p, (int)k) != 1 ||
+                      (size_t)outl != k)) {
+            s->failed = true;
             return false;
         }
         s->used += k;
         p += k;
         n -= k;
-        if (s->used == WEFT__SEAL_MAX && !weft__seal_flush(s, fd)) {
+        if (s->used == s->out_cap && n > 0 && !record_send(s, fd)) {
             return false;
         }
     }
@@ -367,6 +409,8 @@ static bool record_read(weft__seal_t *s, int fd, uint8_t *dst, size_t len, bool 
     if (EVP_DecryptUpdate(s->cx, dst, &outl, dst, (int)len) != 1 || (size_t)outl != len ||
         EVP_CIPHER_CTX_ctrl(s->cx, EVP_CTRL_GCM_SET_TAG, SEAL_TAG, tag) != 1 ||
         EVP_DecryptFinal_ex(s->cx, dst + len, &outl) != 1) {
+        OPENSSL_cleanse(dst, len); /* nothing of a forged record stays, even unused */
+        s->broken = true;
         snprintf(s->why, sizeof(s->why),
                  "a sealed record (epoch %llu, record %llu, %zu bytes) failed its check",
                  (unsigned long long)s->epoch, (unsigned long long)s->seq, len);
@@ -388,6 +432,12 @@ bool weft__seal_read(weft__seal_t *s, int fd, void *buf, size_t n)
             s->plain_off += k;
             p += k;
             n -= k;
+            if (s->plain_off == s->plain_len && s->plain_cap > OUT_SMALL) {
+                /* A large record's buffer is not kept while the connection idles. */
+                weft_free(s->plain);
+                s->plain = NULL;
+                s->plain_cap = s->plain_off = s->plain_len = 0;
+            }
             continue;
         }
         if (!raw_fill(s, fd, SEAL_HDR, n < LOWAT_MIN)) {
@@ -395,6 +445,7 @@ bool weft__seal_read(weft__seal_t *s, int fd, void *buf, size_t n)
         }
         size_t len = weft__get_u32(s->raw + s->raw_off);
         if (len == 0 || len > WEFT__SEAL_MAX) {
+            s->broken = true;
             snprintf(s->why, sizeof(s->why), "a sealed record of %zu bytes (1 to %u)", len,
                      (unsigned)WEFT__SEAL_MAX);
             return false;

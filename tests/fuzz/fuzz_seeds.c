@@ -610,7 +610,7 @@ static void seal_seeds(void)
         b[n++] = i % 30 == 29 ? 0xff : (uint8_t)('a' + i % 26);
     }
     put("seal", "sealed_epochs_of_64", b, n);
-    /* One bit flipped: the tag of the first record. */
+    /* One bit flipped: in the ciphertext of the first record. */
     b[0] = 0x81;
     b[1] = 0;
     b[2] = 0x24;

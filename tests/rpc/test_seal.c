@@ -304,3 +304,22 @@ Test(seal, lengths_out_of_range_and_a_cut_record_end_the_stream)
     free(p);
     free(b.p);
 }
+
+/* A writer whose send failed (the peer went) fails every later call too, large or small: a record
+ * cut short is never followed by another on the same stream. */
+Test(seal, a_writer_that_failed_writes_nothing_more)
+{
+    int sv[2];
+    cr_assert_eq(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    close(sv[1]);
+    weft__seal_t *w = weft__seal_new(SECRET, true, 0, NULL);
+    uint8_t *buf = calloc(1, 2 * WEFT__SEAL_MAX);
+    cr_assert(weft__seal_write(w, sv[0], buf, 100), "sealing alone sends nothing");
+    cr_assert_not(weft__seal_flush(w, sv[0]), "a send to a closed peer");
+    cr_assert_not(weft__seal_write(w, sv[0], buf, 10));
+    cr_assert_not(weft__seal_write(w, sv[0], buf, 2 * WEFT__SEAL_MAX));
+    cr_assert_not(weft__seal_flush(w, sv[0]));
+    free(buf);
+    weft__seal_free(w);
+    close(sv[0]);
+}
