@@ -97,23 +97,6 @@ struct weft__direct {
 
 /* ------------------------------------------------------------ socket helpers */
 
-static bool write_all(int fd, const void *buf, size_t n)
-{
-    const uint8_t *p = buf;
-    while (n > 0) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR) {
-            continue;
-        }
-        if (k <= 0) {
-            return false;
-        }
-        p += k;
-        n -= (size_t)k;
-    }
-    return true;
-}
-
 /* A failed SSL_read or SSL_write that a signal interrupted: the same call goes again. */
 static bool ssl_interrupted(SSL *ssl, int k)
 {
@@ -141,7 +124,7 @@ static bool ssl_write_all(SSL *ssl, const void *buf, size_t n)
 static bool io_write(int fd, SSL *ssl, const void *buf, size_t n)
 {
     if (ssl == NULL) {
-        return write_all(fd, buf, n);
+        return weft__send_all(fd, buf, n);
     }
     weft__nopipe_t np;
     weft__nopipe_begin(&np);

@@ -18,7 +18,7 @@
  *   tls.c        TLS: this rank's certificate files (watched), gRPC's credentials, the direct
  *                connections' sessions, certificate identities, the join's diagnosis
  *   refs.c       references inside values
- *   wire.c       the frame codec and reader
+ *   wire.c       the frame codec and reader; sending all of a buffer on a socket
  *   bulk.c       the bulk queue (large messages read out off the transport threads)
  * Who calls whom: agent, call, module, shutdown and rendezvous send through the route; the route
  * reaches the transports only through the table (a->transports[]); the transports use hello,
@@ -88,6 +88,10 @@ static inline uint32_t weft__get_u32(const uint8_t *p)
 }
 
 /* ------------------------------------------------------------------ wire (wire.c) */
+
+/* Sends all @p n bytes on a socket, through EINTR (MSG_NOSIGNAL: a peer gone is a failure, not
+ * SIGPIPE); false when the connection broke. */
+bool weft__send_all(int fd, const void *buf, size_t n);
 
 /* An encoded message ready to send. */
 typedef struct weft__outmsg {

@@ -198,22 +198,6 @@ const char *weft__seal_why(const weft__seal_t *s)
 
 /* ------------------------------------------------------------ writing */
 
-static bool send_all(int fd, const uint8_t *p, size_t n)
-{
-    while (n > 0) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR) {
-            continue;
-        }
-        if (k <= 0) {
-            return false;
-        }
-        p += k;
-        n -= (size_t)k;
-    }
-    return true;
-}
-
 /* Ends the record being sealed and sends it. A failure leaves the writer failed: a record
  * half sent (or half sealed) cannot be followed by another. */
 static bool record_send(weft__seal_t *s, int fd)
@@ -230,7 +214,7 @@ static bool record_send(weft__seal_t *s, int fd)
     s->seq++; /* the nonce is spent whatever happens next */
     s->epoch_bytes += s->used;
     s->used = 0;
-    ok = ok && send_all(fd, s->out, n);
+    ok = ok && weft__send_all(fd, s->out, n);
     s->failed = !ok;
     return ok;
 }

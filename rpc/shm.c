@@ -202,23 +202,6 @@ static bool sock_gone(int fd)
     return k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) || k > 0;
 }
 
-static bool send_all(int fd, const void *buf, size_t n)
-{
-    const uint8_t *p = buf;
-    while (n > 0) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR) {
-            continue;
-        }
-        if (k <= 0) {
-            return false;
-        }
-        p += k;
-        n -= (size_t)k;
-    }
-    return true;
-}
-
 /* Reads exactly @p n bytes by @p deadline_ns; with @p fd_p, a descriptor that came with them
  * (SCM_RIGHTS) goes there (the first one; later ones are closed). */
 static bool recv_until(int fd, void *buf, size_t n, int64_t deadline_ns, int *fd_p,
@@ -904,7 +887,7 @@ static bool answer(int fd, weft_status_t st, const char *text)
     uint8_t hdr[8];
     weft__put_u32(hdr, (uint32_t)(int32_t)st);
     weft__put_u32(hdr + 4, (uint32_t)n);
-    return send_all(fd, hdr, sizeof(hdr)) && (n == 0 || send_all(fd, text, n));
+    return weft__send_all(fd, hdr, sizeof(hdr)) && (n == 0 || weft__send_all(fd, text, n));
 }
 
 /* Checks the memory a connecting rank handed over and maps it. */
@@ -973,7 +956,7 @@ static int handshake_in(shm_in_t *c)
     weft__put_u32(ch, SHM_MAGIC);
     weft__put_u32(ch + 4, SHM_VERSION);
     if (weft__random_bytes(ch + 8, WEFT__CHALLENGE_BYTES) != WEFT_OK ||
-        !send_all(c->sock, ch, sizeof(ch))) {
+        !weft__send_all(c->sock, ch, sizeof(ch))) {
         return -1;
     }
     if (!recv_until(c->sock, hdr, sizeof(hdr), deadline, &memfd, &d->stop)) {
@@ -1535,7 +1518,7 @@ static bool open_out(shm_out_t *o)
         k = sendmsg(fd, &mh, MSG_NOSIGNAL);
     } while (k < 0 && errno == EINTR);
     uint8_t ans[8];
-    if (k != 12 || !send_all(fd, hello + 12, hlen) ||
+    if (k != 12 || !weft__send_all(fd, hello + 12, hlen) ||
         !recv_until(fd, ans, sizeof(ans), deadline, NULL, &d->stop)) {
         goto err;
     }
@@ -1561,7 +1544,7 @@ static bool open_out(shm_out_t *o)
     }
     weft_free(hello);
     uint8_t ack = 1;
-    if (!send_all(fd, &ack, 1)) {
+    if (!weft__send_all(fd, &ack, 1)) {
         why = "the peer went away after accepting";
         goto err;
     }

@@ -1,6 +1,8 @@
 /* Wire codec: [u32 LE envelope length][Envelope][payload][tensor buffers...]
  * as one gRPC message whose tensor parts are zero-copy slices. */
+#include <errno.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/slice.h>
@@ -515,4 +517,23 @@ weft_status_t weft__grpc_status(grpc_status_code code)
     default:
         return WEFT_ERR_TRANSPORT;
     }
+}
+
+/* ------------------------------------------------------------------ sockets */
+
+bool weft__send_all(int fd, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k < 0 && errno == EINTR) {
+            continue;
+        }
+        if (k <= 0) {
+            return false;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return true;
 }

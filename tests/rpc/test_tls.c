@@ -114,33 +114,39 @@ static void setup_echo(weft_agent_t *a, int rank, void *arg)
     weft_rpc_register(a, "echo", echo, NULL);
 }
 
+/* Calls "echo" on rank @p to with @p n floats counting up from @p base; 0 when they come back
+ * exact. */
+static int echo_exact(weft_agent_t *a, int to, int64_t n, float base)
+{
+    weft_value_t *v = NULL;
+    RANK_CHECK(weft_value_create(&v) == WEFT_OK, "no memory");
+    RANK_CHECK(weft_value_push_tensor(v, tensor_f32_range(n, base)) == WEFT_OK, "no memory");
+    weft_value_t *out = NULL;
+    weft_status_t st = weft_rpc_sync(a, to, "echo", v, 20000, &out);
+    weft_value_free(v);
+    RANK_CHECK(st == WEFT_OK, "echo of %lld floats to %d: %s: %s", (long long)n, to,
+               weft_strerror(st), weft_last_error());
+    const weft_tensor_t *r = weft_value_tensor(out, 0);
+    RANK_CHECK(r != NULL && weft_tensor_numel(r) == n, "echo of %lld floats came back short",
+               (long long)n);
+    const float *p = weft_tensor_data(r);
+    for (int64_t i = 0; i < n; i++) {
+        RANK_CHECK(p[i] == base + (float)i, "element %lld of %lld differs", (long long)i,
+                   (long long)n);
+    }
+    weft_value_free(out);
+    return 0;
+}
+
 /* Each rank calls every other: 64 B on the stream, 1 MiB on the direct connection. */
 static int body_echo(weft_agent_t *a, int rank, int world, void *arg)
 {
     (void)arg;
     for (int to = 0; to < world; to++) {
-        if (to == rank) {
-            continue;
-        }
-        for (int64_t n = 16; n <= 256 * 1024; n *= 16384) {
-            weft_value_t *v = NULL;
-            RANK_CHECK(weft_value_create(&v) == WEFT_OK, "no memory");
-            weft_tensor_t *t = tensor_f32_range(n, (float)(rank * 1000 + to));
-            RANK_CHECK(weft_value_push_tensor(v, t) == WEFT_OK, "no memory");
-            weft_value_t *out = NULL;
-            weft_status_t st = weft_rpc_sync(a, to, "echo", v, 20000, &out);
-            weft_value_free(v);
-            RANK_CHECK(st == WEFT_OK, "echo of %lld floats to %d: %s: %s", (long long)n, to,
-                       weft_strerror(st), weft_last_error());
-            const weft_tensor_t *r = weft_value_tensor(out, 0);
-            RANK_CHECK(r != NULL && weft_tensor_numel(r) == n, "echo of %lld floats came back short",
-                       (long long)n);
-            const float *p = weft_tensor_data(r);
-            for (int64_t i = 0; i < n; i++) {
-                RANK_CHECK(p[i] == (float)(rank * 1000 + to) + (float)i, "element %lld differs",
-                           (long long)i);
+        for (int64_t n = 16; to != rank && n <= 256 * 1024; n *= 16384) {
+            if (echo_exact(a, to, n, (float)(rank * 1000 + to)) != 0) {
+                return 1;
             }
-            weft_value_free(out);
         }
     }
     return 0;
@@ -168,25 +174,9 @@ static int body_echo_sizes(weft_agent_t *a, int rank, int world, void *arg)
     static const int64_t sizes[] = {1, 1000, 70000, 262145, 800000, 3, 400000};
     for (int to = 0; to < world; to++) {
         for (size_t k = 0; to != rank && k < sizeof(sizes) / sizeof(sizes[0]); k++) {
-            int64_t n = sizes[k];
-            weft_value_t *v = NULL;
-            RANK_CHECK(weft_value_create(&v) == WEFT_OK, "no memory");
-            weft_tensor_t *t = tensor_f32_range(n, (float)(rank * 1000 + (int)k));
-            RANK_CHECK(weft_value_push_tensor(v, t) == WEFT_OK, "no memory");
-            weft_value_t *out = NULL;
-            weft_status_t st = weft_rpc_sync(a, to, "echo", v, 20000, &out);
-            weft_value_free(v);
-            RANK_CHECK(st == WEFT_OK, "echo of %lld floats to %d: %s: %s", (long long)n, to,
-                       weft_strerror(st), weft_last_error());
-            const weft_tensor_t *r = weft_value_tensor(out, 0);
-            RANK_CHECK(r != NULL && weft_tensor_numel(r) == n, "echo of %lld floats came back short",
-                       (long long)n);
-            const float *p = weft_tensor_data(r);
-            for (int64_t i = 0; i < n; i++) {
-                RANK_CHECK(p[i] == (float)(rank * 1000 + (int)k) + (float)i,
-                           "element %lld of %lld differs", (long long)i, (long long)n);
+            if (echo_exact(a, to, sizes[k], (float)(rank * 1000 + (int)k)) != 0) {
+                return 1;
             }
-            weft_value_free(out);
         }
     }
     return 0;
