@@ -47,8 +47,6 @@
 #define MAX_HELLO        (64u << 10)
 #define LAND_CHUNK       ((size_t)256 << 10) /* bytes handed to a landing sink at a time */
 #define LAND_MAX_PAYLOAD 65536               /* larger payloads do not ask where to land */
-#define LOWAT_MIN        ((size_t)64 << 10)  /* reads this large wake less often */
-#define LOWAT_MAX        ((size_t)256 << 10)
 #define GROW_MIN         ((size_t)64 << 20) /* tensors this large grow as their bytes arrive */
 
 typedef struct conn_in {
@@ -141,36 +139,15 @@ static void conn_close(int fd, SSL *ssl, weft__seal_t *seal)
     close(fd);
 }
 
-/* Sets the socket's receive low-water mark (cached). */
-static void set_lowat(conn_in_t *c, int v)
-{
-    if (c->lowat != v && setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0) {
-        c->lowat = v;
-    }
-}
-
-/* A blocking read of exactly @p n bytes. The low-water mark goes back to 1 first: the kernel wakes
- * a reader sleeping in recv only when the mark's bytes are queued, and a mark left from a large
- * body would leave the last bytes of a stream unread. */
+/* A blocking read of exactly @p n bytes: sealed records under TLS, else the socket's bytes
+ * (large reads wait on the low-water mark, small ones set it back to 1 first: a mark left from a
+ * large body would leave the last bytes of a stream unread; weft__recv_exact). */
 static bool read_all(conn_in_t *c, void *buf, size_t n)
 {
-    uint8_t *p = buf;
     if (c->seal != NULL) {
         return weft__seal_read(c->seal, c->fd, buf, n);
     }
-    set_lowat(c, 1);
-    while (n > 0) {
-        ssize_t k = recv(c->fd, p, n, MSG_WAITALL);
-        if (k < 0 && errno == EINTR) {
-            continue;
-        }
-        if (k <= 0) {
-            return false;
-        }
-        p += k;
-        n -= (size_t)k;
-    }
-    return true;
+    return weft__recv_exact(c->fd, buf, n, &c->lowat);
 }
 
 /* read_all that gives up at @p deadline_ns (one deadline for a whole exchange, however the bytes
@@ -803,37 +780,6 @@ static void dispatch_run(void *arg)
     weft_free(t);
 }
 
-/* read_all for a frame's body. A reader blocked in recv is woken for every segment
- * that arrives (64 KiB on loopback), and those wake-ups cost more than the copying;
- * so it waits in poll until LOWAT_MAX bytes (or all that is left of the body, which
- * must come) are there, then takes what is there without blocking. (A blocking recv
- * cannot be given a low-water mark: it sleeps with part of it copied, and the kernel
- * wakes it only when the mark is reached again, which the tail may never do.) */
-static bool read_body(conn_in_t *c, void *buf, size_t n)
-{
-    uint8_t *p = buf;
-    if (n < LOWAT_MIN || c->seal != NULL) {
-        return read_all(c, buf, n);
-    }
-    while (n > 0) {
-        set_lowat(c, (int)(n < LOWAT_MAX ? n : LOWAT_MAX));
-        ssize_t k = recv(c->fd, p, n, MSG_DONTWAIT);
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-            struct pollfd pfd = {c->fd, POLLIN, 0};
-            if (poll(&pfd, 1, -1) < 0 && errno != EINTR) {
-                return false;
-            }
-            continue;
-        }
-        if (k <= 0) {
-            return false;
-        }
-        p += k;
-        n -= (size_t)k;
-    }
-    return true;
-}
-
 /* Waits until the next bytes of the connection are there (a frame's next part has begun to
  * arrive): memory for it is taken only then. False when the connection is over. */
 static bool await_bytes(conn_in_t *c)
@@ -841,7 +787,7 @@ static bool await_bytes(conn_in_t *c)
     if (c->seal != NULL && weft__seal_pending(c->seal)) {
         return true;
     }
-    set_lowat(c, 1);
+    weft__set_lowat(c->fd, &c->lowat, 1);
     for (;;) {
         struct pollfd pfd = {c->fd, POLLIN, 0};
         int r = poll(&pfd, 1, -1);
@@ -881,7 +827,7 @@ static weft_status_t read_grown(conn_in_t *c, const Weft__V1__TensorMeta *tm, we
             cap = cap * 2 < n ? cap * 2 : n;
         }
         size_t k = cap - got;
-        if (!read_body(c, data + got, k)) {
+        if (!read_all(c, data + got, k)) {
             weft__tensor_grow_abort(g);
             *broke_p = true;
             return WEFT_ERR_PEER_LOST;
@@ -913,7 +859,7 @@ static weft_status_t read_payload(conn_in_t *c, uint64_t n, void **pl_p, uint64_
             p = q;
             cap = next;
         }
-        if (!read_body(c, p + got, cap - got)) {
+        if (!read_all(c, p + got, cap - got)) {
             weft_free(p);
             *broke_p = true;
             return WEFT_ERR_PEER_LOST;
@@ -934,7 +880,7 @@ static weft_status_t read_payload(conn_in_t *c, uint64_t n, void **pl_p, uint64_
 static bool land_bytes(conn_in_t *c, const weft_landing_t *l, uint64_t n)
 {
     if (l->sink == NULL) {
-        return read_body(c, l->dst, (size_t)n);
+        return read_all(c, l->dst, (size_t)n);
     }
     if (c->hot == NULL) {
         c->hot = weft_alloc(LAND_CHUNK);
@@ -944,7 +890,7 @@ static bool land_bytes(conn_in_t *c, const weft_landing_t *l, uint64_t n)
     size_t cap = c->hot != NULL ? LAND_CHUNK : sizeof(small);
     for (uint64_t off = 0; off < n;) {
         size_t k = n - off < cap ? (size_t)(n - off) : cap;
-        if (!read_body(c, buf, k)) {
+        if (!read_all(c, buf, k)) {
             return false;
         }
         l->sink(l->arg, (size_t)off, buf, k);
@@ -1001,7 +947,7 @@ static bool read_landing(conn_in_t *c, Weft__V1__Envelope *env, const weft__modu
         } else {
             st = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t);
             if (st == WEFT_OK) {
-                broke = !read_body(c, weft_tensor_data(t), (size_t)nb);
+                broke = !read_all(c, weft_tensor_data(t), (size_t)nb);
                 got = nb;
             }
         }
@@ -1108,7 +1054,7 @@ static bool read_value_into(conn_in_t *c, const Weft__V1__Envelope *env, uint64_
             st = weft_tensor_wrap((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape,
                                   into[i].data, into[i].nbytes, WEFT_CPU, NULL, NULL, &t);
             if (st == WEFT_OK) {
-                if (!read_body(c, into[i].data, (size_t)tm->nbytes)) {
+                if (!read_all(c, into[i].data, (size_t)tm->nbytes)) {
                     weft_tensor_release(t);
                     weft_value_free(v);
                     return false;
@@ -1125,7 +1071,7 @@ static bool read_value_into(conn_in_t *c, const Weft__V1__Envelope *env, uint64_
         } else {
             st = weft_tensor_empty((weft_dtype_t)tm->dtype, (int)tm->n_shape, tm->shape, &t);
             if (st == WEFT_OK) {
-                if (!read_body(c, weft_tensor_data(t), (size_t)tm->nbytes)) {
+                if (!read_all(c, weft_tensor_data(t), (size_t)tm->nbytes)) {
                     weft_tensor_release(t);
                     weft_value_free(v);
                     return false;

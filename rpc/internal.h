@@ -18,7 +18,7 @@
  *   tls.c        TLS: this rank's certificate files (watched), gRPC's credentials, the direct
  *                connections' sessions, certificate identities, the join's diagnosis
  *   refs.c       references inside values
- *   wire.c       the frame codec and reader; sending all of a buffer on a socket
+ *   wire.c       the frame codec and reader; exact sends and receives on a socket
  *   bulk.c       the bulk queue (large messages read out off the transport threads)
  * Who calls whom: agent, call, module, shutdown and rendezvous send through the route; the route
  * reaches the transports only through the table (a->transports[]); the transports use hello,
@@ -92,6 +92,17 @@ static inline uint32_t weft__get_u32(const uint8_t *p)
 /* Sends all @p n bytes on a socket, through EINTR (MSG_NOSIGNAL: a peer gone is a failure, not
  * SIGPIPE); false when the connection broke. */
 bool weft__send_all(int fd, const void *buf, size_t n);
+/* Receives exactly @p n bytes from a socket, through EINTR; false when it ended or broke. A
+ * reader blocked in recv is woken for every segment that arrives (64 KiB on loopback), and those
+ * wake-ups cost more than the copying: so reads of WEFT__LOWAT_MIN and more wait in poll until
+ * WEFT__LOWAT_MAX bytes (or all that is left, which must come) are there, then take what is
+ * there. (A blocking recv cannot be given a low-water mark: it sleeps with part of it copied,
+ * and the kernel wakes it only when the mark is reached again, which the tail may never do.)
+ * Smaller reads set the mark back to 1 first. @p lowat: the socket's SO_RCVLOWAT, cached. */
+#define WEFT__LOWAT_MIN ((size_t)64 << 10)
+#define WEFT__LOWAT_MAX ((size_t)256 << 10)
+bool weft__recv_exact(int fd, void *buf, size_t n, int *lowat);
+void weft__set_lowat(int fd, int *cache, int v);
 
 /* An encoded message ready to send. */
 typedef struct weft__outmsg {

@@ -37,8 +37,6 @@
 #define EPOCH_BYTES   ((uint64_t)1 << 34)
 #define RAW_CAP       ((size_t)16 << 10) /* ciphertext read ahead of need (small records) */
 #define DIRECT_MIN    ((size_t)4 << 10)  /* reads this large decrypt in the caller's memory */
-#define LOWAT_MIN     ((size_t)64 << 10) /* waits for this much wake on the low-water mark */
-#define LOWAT_MAX     ((size_t)256 << 10)
 #define OUT_SMALL     ((size_t)64 << 10) /* a writer's record buffer until a frame needs more */
 
 static const char SEAL_LABEL[] = "EXPORTER-weft-direct-seal";
@@ -262,8 +260,9 @@ bool weft__seal_write(weft__seal_t *s, int fd, const void *buf, size_t n)
         k = n < k ? n : k;
         int outl = 0;
         /* Encrypted from where the bytes are into the record: no copy of them before. */
-        if (k > 0 && (EVP_EncryptUpdate(s->cx, s->out + SEAL_HDR + s->used, &outl, p, (int)k) != 1 ||
-                      (size_t)outl != k)) {
+        if (k > 0 &&
+            (EVP_EncryptUpdate(s->cx, s->out + SEAL_HDR + s->used, &outl, p, (int)k) != 1 ||
+             (size_t)outl != k)) {
             s->failed = true;
             return false;
         }
@@ -278,49 +277,6 @@ bool weft__seal_write(weft__seal_t *s, int fd, const void *buf, size_t n)
 }
 
 /* ------------------------------------------------------------ reading */
-
-static void set_lowat(weft__seal_t *s, int fd, int v)
-{
-    if (*s->lowat != v && setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0) {
-        *s->lowat = v;
-    }
-}
-
-/* Reads exactly @p n bytes into @p p. Large reads wait in poll for the low-water mark (a reader
- * blocked in recv is woken for every segment that arrives), then take what is there. */
-static bool recv_exact(weft__seal_t *s, int fd, uint8_t *p, size_t n)
-{
-    while (n > 0) {
-        if (n < LOWAT_MIN) {
-            set_lowat(s, fd, 1);
-            ssize_t k = recv(fd, p, n, MSG_WAITALL);
-            if (k < 0 && errno == EINTR) {
-                continue;
-            }
-            if (k <= 0) {
-                return false;
-            }
-            p += k;
-            n -= (size_t)k;
-            continue;
-        }
-        set_lowat(s, fd, (int)(n < LOWAT_MAX ? n : LOWAT_MAX));
-        ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-            struct pollfd pfd = {fd, POLLIN, 0};
-            if (poll(&pfd, 1, -1) < 0 && errno != EINTR) {
-                return false;
-            }
-            continue;
-        }
-        if (k <= 0) {
-            return false;
-        }
-        p += k;
-        n -= (size_t)k;
-    }
-    return true;
-}
 
 /* At least @p need bytes of ciphertext read ahead; up to RAW_CAP when @p ahead (what is there
  * is taken, a small record's bytes in one call), else exactly what is needed. */
@@ -341,13 +297,13 @@ static bool raw_fill(weft__seal_t *s, int fd, size_t need, bool ahead)
         s->raw_off = 0;
     }
     if (!ahead) {
-        if (!recv_exact(s, fd, s->raw + s->raw_len, need - s->raw_len)) {
+        if (!weft__recv_exact(fd, s->raw + s->raw_len, need - s->raw_len, s->lowat)) {
             return false;
         }
         s->raw_len = need;
         return true;
     }
-    set_lowat(s, fd, 1);
+    weft__set_lowat(fd, s->lowat, 1);
     while (s->raw_len < need) {
         ssize_t k = recv(fd, s->raw + s->raw_len, RAW_CAP - s->raw_len, 0);
         if (k < 0 && errno == EINTR) {
@@ -369,7 +325,7 @@ static bool take(weft__seal_t *s, int fd, uint8_t *p, size_t n)
     size_t k = have < n ? have : n;
     memcpy(p, s->raw + s->raw_off, k);
     s->raw_off += k;
-    return recv_exact(s, fd, p + k, n - k);
+    return weft__recv_exact(fd, p + k, n - k, s->lowat);
 }
 
 /* Reads the next record's ciphertext and tag into @p dst (at least its length, which the caller
@@ -424,7 +380,7 @@ bool weft__seal_read(weft__seal_t *s, int fd, void *buf, size_t n)
             }
             continue;
         }
-        if (!raw_fill(s, fd, SEAL_HDR, n < LOWAT_MIN)) {
+        if (!raw_fill(s, fd, SEAL_HDR, n < WEFT__LOWAT_MIN)) {
             return false;
         }
         size_t len = weft__get_u32(s->raw + s->raw_off);

@@ -1,6 +1,7 @@
 /* Wire codec: [u32 LE envelope length][Envelope][payload][tensor buffers...]
  * as one gRPC message whose tensor parts are zero-copy slices. */
 #include <errno.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
 
@@ -528,6 +529,44 @@ bool weft__send_all(int fd, const void *buf, size_t n)
         ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
         if (k < 0 && errno == EINTR) {
             continue;
+        }
+        if (k <= 0) {
+            return false;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return true;
+}
+
+void weft__set_lowat(int fd, int *cache, int v)
+{
+    if (*cache != v && setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0) {
+        *cache = v;
+    }
+}
+
+bool weft__recv_exact(int fd, void *buf, size_t n, int *lowat)
+{
+    uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k;
+        if (n < WEFT__LOWAT_MIN) {
+            weft__set_lowat(fd, lowat, 1);
+            k = recv(fd, p, n, MSG_WAITALL);
+            if (k < 0 && errno == EINTR) {
+                continue;
+            }
+        } else {
+            weft__set_lowat(fd, lowat, (int)(n < WEFT__LOWAT_MAX ? n : WEFT__LOWAT_MAX));
+            k = recv(fd, p, n, MSG_DONTWAIT);
+            if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+                struct pollfd pfd = {fd, POLLIN, 0};
+                if (poll(&pfd, 1, -1) < 0 && errno != EINTR) {
+                    return false;
+                }
+                continue;
+            }
         }
         if (k <= 0) {
             return false;
