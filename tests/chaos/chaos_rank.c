@@ -29,6 +29,8 @@
 
 #include <weft/weft.h>
 
+#include "certs.h"
+
 #define MAX_WORLD     16
 #define N_SERVERS     2
 #define DENSE_N       64    /* dense table elements, two chunks: one per server */
@@ -825,11 +827,45 @@ static int save_lost(chaos_t *c)
     return 0;
 }
 
+/* `chaos_rank certs DIR WORLD`: a job CA (DIR/ca.pem) and a certificate and key per rank
+ * (DIR/rank<r>.pem, .key), as weftrun --tls makes them, for the driver's --tls runs. */
+static int make_certs(const char *dir, int world)
+{
+    char why[512] = "";
+    weft_certs_pem_t ca = {NULL, NULL};
+    weft_certs_spec_t spec = {"weft chaos CA", -1, -300, 24L * 3600};
+    int rc = weft_certs_make_ca(&spec, &ca, why, sizeof(why));
+    if (rc == 0) {
+        rc = weft_certs_write(dir, "ca", &ca, false, why, sizeof(why));
+    }
+    for (int r = 0; rc == 0 && r < world; r++) {
+        char cn[32], stem[32];
+        snprintf(cn, sizeof(cn), "weft-rank-%d", r);
+        snprintf(stem, sizeof(stem), "rank%d", r);
+        weft_certs_spec_t leaf_spec = {cn, r, -300, 24L * 3600};
+        weft_certs_pem_t leaf;
+        rc = weft_certs_make_leaf(&ca, &leaf_spec, &leaf, why, sizeof(why));
+        if (rc == 0) {
+            rc = weft_certs_write(dir, stem, &leaf, true, why, sizeof(why));
+            weft_certs_pem_free(&leaf);
+        }
+    }
+    weft_certs_pem_free(&ca);
+    if (rc != 0) {
+        fprintf(stderr, "chaos_rank certs: %s\n", why);
+        return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     chaos_t c;
     int code = 0;
 
+    if (argc == 4 && strcmp(argv[1], "certs") == 0) {
+        return make_certs(argv[2], atoi(argv[3]));
+    }
     if (argc != 9) {
         fprintf(stderr,
                 "usage: %s run|restart|savelost RANK WORLD MASTER_PORT SEED ITERS CKPT_DIR "

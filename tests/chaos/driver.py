@@ -26,6 +26,7 @@ Exit status 0 when every seed passed (times over 2 s are reported, not failed, u
 --strict-2s).
 """
 import argparse
+import atexit
 import json
 import os
 import re
@@ -119,9 +120,18 @@ class World:
         cmd = [self.args.rank_bin, self.mode, str(rank), str(self.args.world), str(port),
                str(self.seed), str(self.args.iters), os.path.join(self.tmp, "ckpt"),
                str(self.args.peer_timeout_ms)]
+        env = None
+        if self.args.tls_dir is not None:
+            # Every connection under TLS, on the network path (ranks of one host otherwise talk
+            # through shared memory, which TLS does not wrap): the direct connections' sealed
+            # records take the faults too.
+            d = self.args.tls_dir
+            env = dict(os.environ, WEFT_SHM="0", WEFT_TLS_CA=os.path.join(d, "ca.pem"),
+                       WEFT_TLS_CERT=os.path.join(d, "rank%d.pem" % rank),
+                       WEFT_TLS_KEY=os.path.join(d, "rank%d.key" % rank))
         with open(err_path, "wb") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=err, start_new_session=True)
+                                    stderr=err, start_new_session=True, env=env)
         os.set_blocking(proc.stdout.fileno(), False)
         r = Rank(rank, proc, err_path)
         self.ranks.append(r)
@@ -508,7 +518,11 @@ def main():
     ap.add_argument("--json", help="write every seed's result here")
     ap.add_argument("--keep", action="store_true", help="keep every seed's directory")
     ap.add_argument("--plan", action="store_true", help="print the seeds' plans and exit")
+    ap.add_argument("--tls", action="store_true",
+                    help="every connection under TLS with a job CA (and WEFT_SHM=0, the network "
+                         "path)")
     args = ap.parse_args()
+    args.tls_dir = None
     seeds = parse_seeds(args.seeds)
     # Terminated: unwind, so that the running world is killed (its ranks have sessions of their own).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -522,6 +536,13 @@ def main():
         args.rank_bin = os.path.join(args.builddir, "tests", "chaos", "chaos_rank")
     if args.world < 4:
         ap.error("a world of 4 ranks at least")
+    if args.tls:
+        args.tls_dir = tempfile.mkdtemp(prefix="weft-chaos-tls-")
+        atexit.register(shutil.rmtree, args.tls_dir, True)
+        made = subprocess.run([args.rank_bin, "certs", args.tls_dir, str(args.world)])
+        if made.returncode != 0:
+            print("chaos: could not make the job's certificates", file=sys.stderr)
+            return 1
     results = []
     t0 = time.monotonic()
     if args.save_lost:
