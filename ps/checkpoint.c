@@ -367,7 +367,7 @@ static weft_status_t load_file(ps_stable_t *t, const char *dir, const Weft__V1__
             c = mine ? t->chunks[id] : NULL;
         } else {
             mine = weft__ps_id_server(id, l->n_servers) == t->me;
-            if (elems != l->spec.dim) {
+            if (elems != l->spec.dim || (l->spec.id_bound != 0 && id >= l->spec.id_bound)) {
                 r.ok = false;
                 break;
             }
@@ -375,12 +375,12 @@ static weft_status_t load_file(ps_stable_t *t, const char *dir, const Weft__V1__
                 st = weft__ps_cell_new(l, id, elems, &c);
                 if (st == WEFT_OK) {
                     ps_stripe_t *s = &t->stripes[weft__ps_id_stripe(id)];
-                    ps_cell_t *dup = weft__ps_map_del(&s->rows, id);
+                    ps_cell_t *dup = weft__ps_row_del(t, s, id);
                     if (dup != NULL) { /* an id twice in the files: the later record stands */
                         weft__ps_cell_free(dup);
                         atomic_fetch_sub(&t->n_rows, 1);
                     }
-                    st = weft__ps_map_put(&s->rows, id, c);
+                    st = weft__ps_row_put(t, s, id, c);
                     if (st != WEFT_OK) {
                         weft__ps_cell_free(c);
                         c = NULL;

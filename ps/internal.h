@@ -23,6 +23,10 @@
 
 #define PS_FN            "__weft.ps"
 #define PS_STRIPES       64 /* lock stripes of a sparse table on a server */
+/* A bounded sparse table without a capacity, of at most this many ids, finds its rows on a server
+ * through a direct index (one pointer per id of the bound, its pages made as they are touched)
+ * instead of the stripes' maps. */
+#define PS_DIRECT_MAX_IDS ((uint64_t)1 << 25)
 #define PS_MAX_TABLES    1024
 #define PS_DEDUP_WINDOW  4096 /* pushes of one worker that may overtake each other */
 #define PS_SEQ_FREE      64   /* per server: numbers of unsent pushes kept to be used again */
@@ -204,6 +208,11 @@ typedef struct ps_stable {
     uint32_t me;        /* this server's index */
     ps_cell_t **chunks; /* dense: by chunk, NULL where another server holds it */
     ps_stripe_t stripes[PS_STRIPES];
+    /* Bounded tables (PS_DIRECT_MAX_IDS): id -> its row, or NULL, for lookups; written and read
+     * under the id's stripe lock, beside the stripe's map (which the iterations use). NULL: the
+     * maps alone. */
+    ps_cell_t **direct;
+    size_t direct_bytes;
     _Atomic uint64_t tick;
 
     /* consistency, under mu */
@@ -271,6 +280,24 @@ void weft__ps_server_peer_lost(ps_server_t *srv, int rank, const char *why);
 weft_status_t weft__ps_server_wait_finished(ps_server_t *srv, int64_t timeout_ms);
 /* Frees every sparse row and admission counter of @p t (t->mu held or no one else using it). */
 void weft__ps_stable_drop_rows(ps_stable_t *t);
+/* The row of id @p id of stripe @p s (its lock held; @p id within the table's bound), or NULL. */
+static inline ps_cell_t *weft__ps_row_find(const ps_stable_t *t, const ps_stripe_t *s, uint64_t id)
+{
+    return t->direct != NULL ? t->direct[id] : (ps_cell_t *)weft__ps_map_get(&s->rows, id);
+}
+/* Asks the cache for where weft__ps_row_find will look for @p id. */
+static inline void weft__ps_row_prefetch(const ps_stable_t *t, const ps_stripe_t *s, uint64_t id)
+{
+    if (t->direct != NULL) {
+        __builtin_prefetch(&t->direct[id]);
+    } else {
+        weft__ps_map_prefetch(&s->rows, id);
+    }
+}
+/* Adds row @p c of id @p id to stripe @p s (its lock held), in place of none. */
+weft_status_t weft__ps_row_put(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *c);
+/* Takes the row of id @p id out of stripe @p s (its lock held); returns it, or NULL. */
+ps_cell_t *weft__ps_row_del(ps_stable_t *t, ps_stripe_t *s, uint64_t id);
 
 /* ------------------------------------------------------------------ the client (ps/client.c) */
 

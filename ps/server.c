@@ -3,6 +3,7 @@
  * wait (parked calls) until the table's consistency allows them, lost workers, counters. */
 #include <errno.h>
 #include <stdio.h>
+#include <sys/mman.h>
 #include <string.h>
 #include <time.h>
 
@@ -90,6 +91,61 @@ static weft_value_t *reply_empty(void)
 
 /* ------------------------------------------------------------------ tables */
 
+weft_status_t weft__ps_row_put(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *c)
+{
+    WEFT_CHECK(weft__ps_map_put(&s->rows, id, c));
+    if (t->direct != NULL) {
+        t->direct[id] = c;
+    }
+    return WEFT_OK;
+}
+
+ps_cell_t *weft__ps_row_del(ps_stable_t *t, ps_stripe_t *s, uint64_t id)
+{
+    if (t->direct != NULL) {
+        t->direct[id] = NULL;
+    }
+    return weft__ps_map_del(&s->rows, id);
+}
+
+/* The direct index of a bounded sparse table without a capacity (ps_stable_t.direct): one pointer
+ * per id of the bound, mapped lazily (the pages an id touches are made, zeroed, when it is). */
+static weft_status_t direct_new(ps_stable_t *t)
+{
+    const weft_ps_table_spec_t *sp = &t->l.spec;
+    if (sp->kind != WEFT_PS_SPARSE || sp->id_bound == 0 || sp->id_bound > PS_DIRECT_MAX_IDS ||
+        sp->capacity > 0) {
+        return WEFT_OK;
+    }
+    size_t bytes = (size_t)sp->id_bound * sizeof(ps_cell_t *);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY,
+                               "ps: table '%s': no address space for the index of %llu ids: %s",
+                               t->l.name, (unsigned long long)sp->id_bound, strerror(errno));
+    }
+    t->direct = p;
+    t->direct_bytes = bytes;
+    return WEFT_OK;
+}
+
+/* Lets the direct index's pages go (they are all NULL again: the rows were dropped). */
+static void direct_clear(ps_stable_t *t)
+{
+    if (t->direct != NULL) {
+        (void)madvise(t->direct, t->direct_bytes, MADV_DONTNEED);
+    }
+}
+
+static void direct_free(ps_stable_t *t)
+{
+    if (t->direct != NULL) {
+        munmap(t->direct, t->direct_bytes);
+        t->direct = NULL;
+    }
+}
+
 void weft__ps_stable_drop_rows(ps_stable_t *t)
 {
     for (int i = 0; i < PS_STRIPES; i++) {
@@ -103,6 +159,7 @@ void weft__ps_stable_drop_rows(ps_stable_t *t)
         weft__ps_map_free(&s->rows);
         weft__ps_map_free(&s->admit);
     }
+    direct_clear(t);
     if (t->l.spec.kind == WEFT_PS_SPARSE) {
         atomic_store(&t->n_rows, 0);
     }
@@ -120,6 +177,7 @@ static void stable_free(ps_stable_t *t)
         weft_free(t->chunks);
     }
     weft__ps_stable_drop_rows(t);
+    direct_free(t);
     for (int i = 0; i < PS_STRIPES; i++) {
         pthread_mutex_destroy(&t->stripes[i].mu);
     }
@@ -203,6 +261,9 @@ static weft_status_t stable_new(ps_server_t *srv, const Weft__V1__PsTableSpec *p
     st = spec_from_pb(pb, &spec);
     if (st == WEFT_OK) {
         st = weft__ps_layout_init(&t->l, &spec, id, ps->n_servers, ps->n_workers);
+    }
+    if (st == WEFT_OK) {
+        st = direct_new(t);
     }
     if (st != WEFT_OK) {
         goto err_free;
@@ -495,7 +556,7 @@ static bool evict_one(ps_stable_t *t, ps_stripe_t *s, uint64_t keep)
     if (best_touch == UINT64_MAX) {
         return false;
     }
-    weft__ps_cell_free(weft__ps_map_del(&s->rows, best_key));
+    weft__ps_cell_free(weft__ps_row_del(t, s, best_key));
     atomic_fetch_sub(&t->n_rows, 1);
     atomic_fetch_add(&t->evicted, 1);
     return true;
@@ -533,7 +594,7 @@ static ps_cell_t *row_get(ps_stable_t *t, ps_stripe_t *s, uint64_t id, bool make
                           ps_cell_t *known, weft_status_t *st_p)
 {
     *st_p = WEFT_OK;
-    ps_cell_t *c = known != NULL ? known : weft__ps_map_get(&s->rows, id);
+    ps_cell_t *c = known != NULL ? known : weft__ps_row_find(t, s, id);
     /* The last use, for eviction only: without a capacity no row is evicted, and the shared
      * counter would be one more contended line per row between the threads serving workers. */
     bool lru = t->l.spec.capacity > 0;
@@ -564,7 +625,7 @@ static ps_cell_t *row_get(ps_stable_t *t, ps_stripe_t *s, uint64_t id, bool make
     if (*st_p != WEFT_OK) {
         return NULL;
     }
-    *st_p = weft__ps_map_put(&s->rows, id, c);
+    *st_p = weft__ps_row_put(t, s, id, c);
     if (*st_p != WEFT_OK) {
         weft__ps_cell_free(c);
         return NULL;
@@ -745,7 +806,7 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
                 pthread_mutex_lock(&t->stripes[taken].mu);
             }
         }
-        weft__ps_map_prefetch(&t->stripes[sb[j]].rows, id[order[j]]);
+        weft__ps_row_prefetch(t, &t->stripes[sb[j]], id[order[j]]);
     }
     for (uint32_t j = 0; j < n && st == WEFT_OK; j++) {
         if (j + PF_SLOT < n) {
@@ -755,11 +816,11 @@ static weft_status_t each_row(ps_stable_t *t, const uint64_t *id, int64_t k, row
                     pthread_mutex_lock(&t->stripes[taken].mu);
                 }
             }
-            weft__ps_map_prefetch(&t->stripes[sb[a]].rows, id[order[a]]);
+            weft__ps_row_prefetch(t, &t->stripes[sb[a]], id[order[a]]);
         }
         if (j + PF_ROW < n) {
             uint32_t a = j + PF_ROW;
-            ps_cell_t *c = weft__ps_map_get(&t->stripes[sb[a]].rows, id[order[a]]);
+            ps_cell_t *c = weft__ps_row_find(t, &t->stripes[sb[a]], id[order[a]]);
             if (c != NULL && !reads) {
                 __builtin_prefetch(c, 1);
             }

@@ -1092,6 +1092,9 @@ Test(ps, tables_created_differently_are_refused_on_every_rank, .timeout = 120)
 #define CK_STEPS 3
 
 static weft_ps_table_t *ck_gate;
+/* A bounded sparse table: its rows are found through the direct index (PS_DIRECT_MAX_IDS). */
+static weft_ps_table_t *ck_bounded;
+static uint64_t ck_bounded_ids[5] = {0, 5, 17, 62, 63};
 
 static void ck_tables(weft_ps_table_t **d, weft_ps_table_t **sp, weft_ps_table_t **h)
 {
@@ -1116,6 +1119,13 @@ static void ck_tables(weft_ps_table_t **d, weft_ps_table_t **sp, weft_ps_table_t
     s.optimizer = WEFT_PS_ADAGRAD;
     s.admit_after = 2;
     cr_assert_eq(weft_ps_table_create(PS, &s, 20000, sp), WEFT_OK, "%s", weft_last_error());
+    s.admit_after = 0;
+    s.id_bound = 64;
+    s.name = "bounded";
+    s.optimizer = WEFT_PS_ADAM;
+    s.adam.lr = 0.05;
+    cr_assert_eq(weft_ps_table_create(PS, &s, 20000, &ck_bounded), WEFT_OK, "%s",
+                 weft_last_error());
     dense_spec(&s, "half", 600);
     s.dtype = WEFT_BF16;
     s.init = WEFT_PS_UNIFORM;
@@ -1142,13 +1152,19 @@ static int ck_snapshot(weft_ps_table_t *d, weft_ps_table_t *sp, weft_ps_table_t 
     memcpy(out, weft_tensor_data(v), 1500 * 4);
     memcpy(out + 1500, weft_tensor_data(hv), 600 * 4);
     memcpy(out + 2100, weft_tensor_data(rows), 35 * 4);
+    weft_tensor_release(rows);
+    sh[0] = 5;
+    weft_tensor_create(WEFT_F32, 2, sh, &rows);
+    RANK_CHECK(weft_ps_pull_rows(ck_bounded, ck_bounded_ids, 5, rows, 20000) == WEFT_OK,
+               "pull: %s", weft_last_error());
+    memcpy(out + 2135, weft_tensor_data(rows), 25 * 4);
     weft_tensor_release(v);
     weft_tensor_release(hv);
     weft_tensor_release(rows);
     return 0;
 }
 
-#define CK_VALUES 2135
+#define CK_VALUES 2160
 
 static int ck_step(weft_ps_table_t *d, weft_ps_table_t *sp, weft_ps_table_t *h, int w, int k)
 {
@@ -1170,6 +1186,18 @@ static int ck_step(weft_ps_table_t *d, weft_ps_table_t *sp, weft_ps_table_t *h, 
     RANK_CHECK(weft_ps_push(h, hg, 20000) == WEFT_OK, "push: %s", weft_last_error());
     RANK_CHECK(weft_ps_push_rows(sp, ck_ids, 4, rows, 20000) == WEFT_OK, "push: %s",
                weft_last_error());
+    /* The bounded table: 4 of its 5 ids, one of them twice (its gradients summed). */
+    uint64_t bids[5] = {ck_bounded_ids[(k + w) % 5], 63, 5, ck_bounded_ids[(k + w) % 5], 0};
+    int64_t bsh[2] = {5, 5};
+    weft_tensor_t *brows = NULL;
+    weft_tensor_create(WEFT_F32, 2, bsh, &brows);
+    float *br = weft_tensor_data(brows);
+    for (int i = 0; i < 25; i++) {
+        br[i] = sinf((float)(3 * i + k + 11 * w));
+    }
+    RANK_CHECK(weft_ps_push_rows(ck_bounded, bids, 5, brows, 20000) == WEFT_OK, "push: %s",
+               weft_last_error());
+    weft_tensor_release(brows);
     weft_tensor_release(g);
     weft_tensor_release(hg);
     weft_tensor_release(rows);
