@@ -115,6 +115,23 @@ static void put_cell(wfile_t *w, const ps_layout_t *l, const ps_cell_t *c)
 }
 
 /* Writes this server's shard of @p t; fills @p sf. */
+static void count_row(ps_cell_t *c, void *arg)
+{
+    (void)c;
+    (*(uint64_t *)arg)++;
+}
+
+typedef struct {
+    wfile_t *w;
+    const ps_layout_t *l;
+} put_row_t;
+
+static void put_row(ps_cell_t *c, void *arg)
+{
+    put_row_t *pr = arg;
+    put_cell(pr->w, pr->l, c);
+}
+
 static weft_status_t write_shard(ps_stable_t *t, const char *dir, uint64_t version, bool die,
                                  Weft__V1__PsShardFile *sf, char *why, size_t n)
 {
@@ -154,9 +171,7 @@ static weft_status_t write_shard(ps_stable_t *t, const char *dir, uint64_t versi
             records += t->chunks[c] != NULL ? 1 : 0;
         }
     } else {
-        for (int i = 0; i < PS_STRIPES; i++) {
-            records += t->stripes[i].rows.n;
-        }
+        weft__ps_rows_each(t, count_row, &records);
     }
     put(&w, FILE_MAGIC, 8);
     put_u32(&w, 1);
@@ -173,15 +188,10 @@ static weft_status_t write_shard(ps_stable_t *t, const char *dir, uint64_t versi
             }
         }
     } else {
+        put_row_t pr = {&w, l};
+        weft__ps_rows_each(t, put_row, &pr);
         for (int i = 0; i < PS_STRIPES; i++) {
-            ps_stripe_t *s = &t->stripes[i];
-            size_t pos = 0;
-            uint64_t key;
-            void *val;
-            while (weft__ps_map_next(&s->rows, &pos, &key, &val)) {
-                put_cell(&w, l, val);
-            }
-            admits += s->admit.n;
+            admits += t->stripes[i].admit.n;
         }
     }
     if (die) {

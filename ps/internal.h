@@ -208,9 +208,9 @@ typedef struct ps_stable {
     uint32_t me;        /* this server's index */
     ps_cell_t **chunks; /* dense: by chunk, NULL where another server holds it */
     ps_stripe_t stripes[PS_STRIPES];
-    /* Bounded tables (PS_DIRECT_MAX_IDS): id -> its row, or NULL, for lookups; written and read
-     * under the id's stripe lock, beside the stripe's map (which the iterations use). NULL: the
-     * maps alone. */
+    /* Bounded tables (PS_DIRECT_MAX_IDS): id -> its row, or NULL, in place of the stripes' maps
+     * of rows (which stay empty); an entry is written and read under its id's stripe lock.
+     * NULL: the maps. */
     ps_cell_t **direct;
     size_t direct_bytes;
     _Atomic uint64_t tick;
@@ -298,6 +298,8 @@ static inline void weft__ps_row_prefetch(const ps_stable_t *t, const ps_stripe_t
 weft_status_t weft__ps_row_put(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *c);
 /* Takes the row of id @p id out of stripe @p s (its lock held); returns it, or NULL. */
 ps_cell_t *weft__ps_row_del(ps_stable_t *t, ps_stripe_t *s, uint64_t id);
+/* Calls @p fn on every sparse row of @p t (every stripe held, or no one else using t). */
+void weft__ps_rows_each(ps_stable_t *t, void (*fn)(ps_cell_t *c, void *arg), void *arg);
 
 /* ------------------------------------------------------------------ the client (ps/client.c) */
 

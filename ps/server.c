@@ -93,23 +93,47 @@ static weft_value_t *reply_empty(void)
 
 weft_status_t weft__ps_row_put(ps_stable_t *t, ps_stripe_t *s, uint64_t id, ps_cell_t *c)
 {
-    WEFT_CHECK(weft__ps_map_put(&s->rows, id, c));
     if (t->direct != NULL) {
         t->direct[id] = c;
+        return WEFT_OK;
     }
-    return WEFT_OK;
+    return weft__ps_map_put(&s->rows, id, c);
 }
 
 ps_cell_t *weft__ps_row_del(ps_stable_t *t, ps_stripe_t *s, uint64_t id)
 {
     if (t->direct != NULL) {
+        ps_cell_t *c = t->direct[id];
         t->direct[id] = NULL;
+        return c;
     }
     return weft__ps_map_del(&s->rows, id);
 }
 
+void weft__ps_rows_each(ps_stable_t *t, void (*fn)(ps_cell_t *c, void *arg), void *arg)
+{
+    if (t->direct != NULL) {
+        for (uint64_t id = 0; id < t->l.spec.id_bound; id++) {
+            if (t->direct[id] != NULL) {
+                fn(t->direct[id], arg);
+            }
+        }
+        return;
+    }
+    for (int i = 0; i < PS_STRIPES; i++) {
+        size_t pos = 0;
+        uint64_t key;
+        void *val;
+        while (weft__ps_map_next(&t->stripes[i].rows, &pos, &key, &val)) {
+            fn(val, arg);
+        }
+    }
+}
+
 /* The direct index of a bounded sparse table without a capacity (ps_stable_t.direct): one pointer
- * per id of the bound, mapped lazily (the pages an id touches are made, zeroed, when it is). */
+ * per id of the bound, mapped lazily (the pages an id touches are made, zeroed, when it is). It
+ * replaces the stripes' maps of rows: a lookup is one load, and ids numbered by frequency share
+ * its lines. */
 static weft_status_t direct_new(ps_stable_t *t)
 {
     const weft_ps_table_spec_t *sp = &t->l.spec;
@@ -146,16 +170,17 @@ static void direct_free(ps_stable_t *t)
     }
 }
 
+static void row_free(ps_cell_t *c, void *arg)
+{
+    (void)arg;
+    weft__ps_cell_free(c);
+}
+
 void weft__ps_stable_drop_rows(ps_stable_t *t)
 {
+    weft__ps_rows_each(t, row_free, NULL);
     for (int i = 0; i < PS_STRIPES; i++) {
         ps_stripe_t *s = &t->stripes[i];
-        size_t pos = 0;
-        uint64_t key;
-        void *val;
-        while (weft__ps_map_next(&s->rows, &pos, &key, &val)) {
-            weft__ps_cell_free(val);
-        }
         weft__ps_map_free(&s->rows);
         weft__ps_map_free(&s->admit);
     }
