@@ -956,6 +956,47 @@ weft_status_t weft_ps_push_pull_async(weft_ps_table_t *t, const weft_tensor_t *g
 
 /* Sparse: the distinct ids of a call per server (gradients of repeats summed), then one request
  * per server. */
+/* Places each of the @p n ids on its server: srv_of[i], and pos_of[i], the place of its distinct
+ * id among those of that server, numbered in the order of first sight (count[s]: how many). An
+ * open-addressing table of first sights (index + 1, 0: empty), 4 bytes a slot at most half full:
+ * 32 KiB for 4096 ids. */
+static weft_status_t distinct_ids(const uint64_t *ids, size_t n, uint32_t ns, uint32_t *srv_of,
+                                  uint32_t *pos_of, size_t *count)
+{
+    if (n >= UINT32_MAX) {
+        return weft__set_error(WEFT_ERR_TOO_LARGE, "ps: %zu ids in one call", n);
+    }
+    int bits = 4;
+    while (((size_t)1 << bits) < 2 * n) {
+        bits++;
+    }
+    size_t mask = ((size_t)1 << bits) - 1;
+    uint32_t *slot = weft_calloc(mask + 1, sizeof(*slot));
+    if (slot == NULL) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "ps: no memory for %zu ids", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        size_t h = (size_t)((ids[i] * UINT64_C(0x9E3779B97F4A7C15)) >> (64 - bits));
+        for (;; h = (h + 1) & mask) {
+            uint32_t f = slot[h];
+            if (f == 0) {
+                uint32_t s = weft__ps_id_server(ids[i], ns);
+                slot[h] = (uint32_t)i + 1;
+                srv_of[i] = s;
+                pos_of[i] = (uint32_t)count[s]++;
+                break;
+            }
+            if (ids[f - 1] == ids[i]) {
+                srv_of[i] = srv_of[f - 1];
+                pos_of[i] = pos_of[f - 1];
+                break;
+            }
+        }
+    }
+    weft_free(slot);
+    return WEFT_OK;
+}
+
 static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_t *ids, size_t n,
                                const weft_tensor_t *rows, weft_tensor_t *out, int64_t timeout_ms,
                                weft_future_t **f_p)
@@ -997,7 +1038,6 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
     ps_op_t *op = NULL;
     WEFT_CHECK(op_new(t, kind, &op));
     weft_status_t st = WEFT_OK;
-    ps_map_t seen = {0};
     uint32_t ns = ps->n_servers;
     size_t *count = weft_calloc(ns, sizeof(*count));
     uint64_t **sids = weft_calloc(ns, sizeof(*sids));
@@ -1015,17 +1055,7 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
     }
     /* Distinct ids, each placed on its server. */
     if (st == WEFT_OK) {
-        st = weft__ps_map_reserve(&seen, n);
-    }
-    for (size_t i = 0; i < n && st == WEFT_OK; i++) {
-        uint32_t s = weft__ps_id_server(ids[i], ns);
-        uintptr_t v = (uintptr_t)weft__ps_map_get(&seen, ids[i]);
-        if (v == 0) {
-            v = ++count[s];
-            st = weft__ps_map_put(&seen, ids[i], (void *)v);
-        }
-        op->srv_of[i] = s;
-        op->pos_of[i] = (uint32_t)(v - 1);
+        st = distinct_ids(ids, n, ns, op->srv_of, op->pos_of, count);
     }
     /* A pull's rows per distinct id, for pull_sink: the positions each goes to. */
     if (st == WEFT_OK && kind == OP_PULL && n > 0) {
@@ -1132,7 +1162,6 @@ static weft_status_t sparse_op(weft_ps_table_t *t, op_kind_t kind, const uint64_
     }
 
 out:
-    weft__ps_map_free(&seen);
     for (uint32_t s = 0; tid != NULL && s < ns; s++) {
         weft_tensor_release(tid[s]);
     }
