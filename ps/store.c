@@ -367,6 +367,25 @@ void weft__ps_init_values(const ps_layout_t *l, uint64_t id, int64_t n, float *o
     }
     /* One stream per row or chunk, from the seed and the table's name: independent of servers. */
     weft_rng_init(&rng, s->seed ^ fnv(UINT64_C(0xcbf29ce484222325), l->name, strlen(l->name)), id);
+    if (s->init == WEFT_PS_UNIFORM) {
+        /* weft_rng_uniform's xoshiro256** step, its state in registers (a row is made on first
+         * use, inside training): the same numbers. */
+        uint64_t s0 = rng.s[0], s1 = rng.s[1], s2 = rng.s[2], s3 = rng.s[3];
+        for (int64_t i = 0; i < n; i++) {
+            uint64_t r = s1 * 5;
+            r = ((r << 7) | (r >> 57)) * 9;
+            uint64_t t = s1 << 17;
+            s2 ^= s0;
+            s3 ^= s1;
+            s1 ^= s2;
+            s0 ^= s3;
+            s2 ^= t;
+            s3 = (s3 << 45) | (s3 >> 19);
+            double v = s->init_a + (s->init_b - s->init_a) * ((double)(r >> 11) * 0x1.0p-53);
+            out[i] = (float)v;
+        }
+        return;
+    }
     for (int64_t i = 0; i < n; i++) {
         double v = s->init == WEFT_PS_UNIFORM
                        ? s->init_a + (s->init_b - s->init_a) * weft_rng_uniform(&rng)

@@ -354,6 +354,22 @@ static int sparse_body(weft_agent_t *a, int rank, int world, void *arg)
                       (float *)weft_tensor_data(rows) + 4 * SP_DIM, SP_DIM * 4) == 0,
                "a repeated id's rows differ");
     RANK_CHECK(((float *)weft_tensor_data(rows))[0] != 0.0f, "the initializer did not run");
+    /* Each row's initial values are weft_rng's uniform stream number id, of the seed mixed with
+     * the table's name (FNV-1a), as docs/ps.md says: the same on any number of servers. */
+    for (int r = 0; r < 4; r++) {
+        uint64_t h = UINT64_C(0xcbf29ce484222325);
+        for (const char *c = "emb"; *c != '\0'; c++) {
+            h = (h ^ (uint8_t)*c) * UINT64_C(0x100000001b3);
+        }
+        weft_rng_t rng;
+        weft_rng_init(&rng, s.seed ^ h, ids[r]);
+        for (int j = 0; j < SP_DIM; j++) {
+            float want = (float)(s.init_a + (s.init_b - s.init_a) * weft_rng_uniform(&rng));
+            float got = ((float *)weft_tensor_data(rows))[r * SP_DIM + j];
+            RANK_CHECK(memcmp(&want, &got, 4) == 0, "row %llu[%d] is %.9g, the stream's %.9g",
+                       (unsigned long long)ids[r], j, got, want);
+        }
+    }
     for (int k = 0; k < SP_STEPS; k++) {
         float *gp = weft_tensor_data(g);
         for (int i = 0; i < 5; i++) {
