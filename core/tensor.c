@@ -27,10 +27,29 @@ typedef struct {
  * Large blocks (>= 1 MiB, sized in whole MiB) are kept for reuse when freed, up to
  * WEFT_TENSOR_CACHE_MB (default 1024) in at most CACHE_SLOTS blocks: a fresh large
  * block costs the kernel a page fault and a zeroed page per 4 KiB on first touch,
- * which halves receive bandwidth for tensors of tens of MiB.
+ * which halves receive bandwidth for tensors of tens of MiB. So are the blocks of tensors made
+ * from CACHE_MID up, sized in quarters of their power of two (at most a quarter more than asked
+ * for): malloc gives such blocks back to the kernel when they are freed (it trims the heap), and
+ * a parameter server's replies of a few hundred KiB, made and freed for every request, paid a
+ * page fault per 4 KiB each time.
  */
 #define CACHE_MIN   ((size_t)1 << 20)
-#define CACHE_SLOTS 16
+#define CACHE_MID   ((size_t)128 << 10)
+#define CACHE_SLOTS 32
+
+/* The block a tensor of @p total bytes (header included) is given: its cache size class, or 0
+ * (not kept for reuse). */
+static size_t block_class(size_t total)
+{
+    if (total >= CACHE_MIN) {
+        return (total + CACHE_MIN - 1) & ~(CACHE_MIN - 1);
+    }
+    if (total < CACHE_MID) {
+        return 0;
+    }
+    size_t q = ((size_t)1 << (63 - __builtin_clzll((unsigned long long)total))) / 4;
+    return (total + q - 1) & ~(q - 1);
+}
 
 static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
@@ -250,7 +269,7 @@ static void storage_release(storage_t *s)
     if (!s->owned && s->release != NULL) {
         s->release(s->data, s->release_arg);
     }
-    if (s->block >= CACHE_MIN && cache_put(s, s->block)) {
+    if (s->block != 0 && cache_put(s, s->block)) {
         return;
     }
     weft_free(s);
@@ -275,11 +294,10 @@ static weft_status_t tensor_alloc(weft_dtype_t dtype, int ndim, const int64_t *s
     }
     size_t block = 0;
     s = NULL;
-    if (total >= CACHE_MIN) {
-        if (total > SIZE_MAX - CACHE_MIN) {
-            return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: %zu bytes is too large", nbytes);
-        }
-        block = (total + CACHE_MIN - 1) & ~(CACHE_MIN - 1);
+    if (total > SIZE_MAX - CACHE_MIN) {
+        return weft__set_error(WEFT_ERR_NO_MEMORY, "tensor: %zu bytes is too large", nbytes);
+    }
+    if ((block = block_class(total)) != 0) {
         total = block;
         s = cache_take(block);
     }

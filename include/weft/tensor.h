@@ -98,7 +98,7 @@ WEFT_API weft_device_t weft_tensor_device(const weft_tensor_t *t);
 WEFT_API int weft_tensor_equal(const weft_tensor_t *a, const weft_tensor_t *b);
 
 /**
- * Frees the large blocks (>= 1 MiB) kept for reuse by released tensors. The cache holds
+ * Frees the blocks (>= 128 KiB) kept for reuse by released tensors. The cache holds
  * at most WEFT_TENSOR_CACHE_MB MiB (default 1024; 0 disables it). Thread-safe.
  */
 WEFT_API void weft_tensor_cache_clear(void);

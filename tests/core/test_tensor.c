@@ -402,3 +402,40 @@ Test(tensor, grows_as_its_bytes_arrive)
     weft_tensor_cache_clear();
     check_balanced();
 }
+
+/* A tensor of a few hundred KiB gives its block back to the cache when it goes, and the next one
+ * of its size class (a quarter of its power of two) takes that block: no fresh pages for a
+ * parameter server's replies made and freed per request. Nothing under 128 KiB is kept. */
+Test(tensor, mid_size_blocks_are_kept_for_reuse_by_size_class)
+{
+    weft_tensor_cache_clear();
+    int64_t a = 70000, b = 75000, c = 100000, tiny = 4000; /* f32: 280 KB, 300 KB, 400 KB */
+    weft_tensor_t *t = NULL;
+    cr_assert_eq(weft_tensor_create(WEFT_F32, 1, &a, &t), WEFT_OK);
+    void *first = weft_tensor_data(t);
+    memset(first, 0x5a, 4 * (size_t)a);
+    weft_tensor_release(t);
+    /* 300 KB: the same class (256 KiB + 64 KiB steps: 320 KiB) as 280 KB. */
+    long before = atomic_load(&n_alloc);
+    cr_assert_eq(weft_tensor_create(WEFT_F32, 1, &b, &t), WEFT_OK);
+    cr_assert_eq(atomic_load(&n_alloc) - before, 1, "only the tensor is allocated, not its block");
+    cr_assert_eq(weft_tensor_data(t), first, "a block of the same class is taken again");
+    const float *p = weft_tensor_data(t);
+    for (int64_t i = 0; i < b; i++) {
+        if (p[i] != 0.0f) {
+            cr_assert_fail("element %lld of a created tensor is %g, not 0", (long long)i, p[i]);
+        }
+    }
+    weft_tensor_release(t);
+    /* 400 KB is another class: a block of its own. */
+    before = atomic_load(&n_alloc);
+    cr_assert_eq(weft_tensor_create(WEFT_F32, 1, &c, &t), WEFT_OK);
+    cr_assert_eq(atomic_load(&n_alloc) - before, 2, "the tensor and a block of its own");
+    cr_assert_neq(weft_tensor_data(t), first, "a block of another class is not taken");
+    weft_tensor_release(t);
+    cr_assert_eq(weft_tensor_create(WEFT_F32, 1, &tiny, &t), WEFT_OK);
+    cr_assert_neq(weft_tensor_data(t), first, "a small tensor takes no cached block");
+    weft_tensor_release(t);
+    weft_tensor_cache_clear();
+    check_balanced();
+}
