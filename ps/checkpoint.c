@@ -170,8 +170,12 @@ static weft_status_t write_shard(ps_stable_t *t, const char *dir, uint64_t versi
         for (uint32_t c = 0; c < l->n_chunks; c++) {
             records += t->chunks[c] != NULL ? 1 : 0;
         }
-    } else {
+    } else if (t->direct != NULL) {
         weft__ps_rows_each(t, count_row, &records);
+    } else {
+        for (int i = 0; i < PS_STRIPES; i++) {
+            records += t->stripes[i].rows.n;
+        }
     }
     put(&w, FILE_MAGIC, 8);
     put_u32(&w, 1);

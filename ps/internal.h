@@ -209,8 +209,9 @@ typedef struct ps_stable {
     ps_cell_t **chunks; /* dense: by chunk, NULL where another server holds it */
     ps_stripe_t stripes[PS_STRIPES];
     /* Bounded tables (PS_DIRECT_MAX_IDS): id -> its row, or NULL, in place of the stripes' maps
-     * of rows (which stay empty); an entry is written and read under its id's stripe lock.
-     * NULL: the maps. */
+     * of rows (which stay empty); an entry is written and read under its id's stripe lock, or
+     * by whoever holds t->mu with no request running (loading, dropping), as the maps are.
+     * NULL: the maps (also where the address space for it was refused). */
     ps_cell_t **direct;
     size_t direct_bytes;
     _Atomic uint64_t tick;

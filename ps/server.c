@@ -145,22 +145,15 @@ static weft_status_t direct_new(ps_stable_t *t)
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                    -1, 0);
     if (p == MAP_FAILED) {
-        return weft__set_error(WEFT_ERR_NO_MEMORY,
-                               "ps: table '%s': no address space for the index of %llu ids: %s",
-                               t->l.name, (unsigned long long)sp->id_bound, strerror(errno));
+        /* Address space refused (RLIMIT_AS, or strict overcommit, which charges it all now): the
+         * maps serve instead. */
+        return WEFT_OK;
     }
     t->direct = p;
     t->direct_bytes = bytes;
     return WEFT_OK;
 }
 
-/* Lets the direct index's pages go (they are all NULL again: the rows were dropped). */
-static void direct_clear(ps_stable_t *t)
-{
-    if (t->direct != NULL) {
-        (void)madvise(t->direct, t->direct_bytes, MADV_DONTNEED);
-    }
-}
 
 static void direct_free(ps_stable_t *t)
 {
@@ -178,13 +171,24 @@ static void row_free(ps_cell_t *c, void *arg)
 
 void weft__ps_stable_drop_rows(ps_stable_t *t)
 {
-    weft__ps_rows_each(t, row_free, NULL);
+    if (t->direct != NULL) {
+        for (uint64_t id = 0; id < t->l.spec.id_bound; id++) {
+            if (t->direct[id] != NULL) {
+                weft__ps_cell_free(t->direct[id]);
+                t->direct[id] = NULL;
+            }
+        }
+        /* Gives the index's pages back (all NULL now); where that is refused (locked memory)
+         * they stay, as written. */
+        (void)madvise(t->direct, t->direct_bytes, MADV_DONTNEED);
+    } else {
+        weft__ps_rows_each(t, row_free, NULL);
+    }
     for (int i = 0; i < PS_STRIPES; i++) {
         ps_stripe_t *s = &t->stripes[i];
         weft__ps_map_free(&s->rows);
         weft__ps_map_free(&s->admit);
     }
-    direct_clear(t);
     if (t->l.spec.kind == WEFT_PS_SPARSE) {
         atomic_store(&t->n_rows, 0);
     }
