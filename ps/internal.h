@@ -107,7 +107,9 @@ bool weft__ps_map_next(const ps_map_t *m, size_t *pos, uint64_t *key_p, void **v
 /* The server a sparse id lives on: Fibonacci hashing, top 32 bits, modulo the servers. */
 static inline uint32_t weft__ps_id_server(uint64_t id, uint32_t n_servers)
 {
-    return (uint32_t)(((id * UINT64_C(11400714819323198549)) >> 32) % n_servers);
+    /* The top 32 bits as a u32 first: a 32-bit division, several times cheaper than a 64-bit one
+     * (the same value). */
+    return (uint32_t)((id * UINT64_C(11400714819323198549)) >> 32) % n_servers;
 }
 /* The stripe of an id within a server (other bits than the server's). */
 static inline uint32_t weft__ps_id_stripe(uint64_t id)
