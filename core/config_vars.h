@@ -57,6 +57,10 @@
       "large frames take direct TCP connections between ranks (0: everything on gRPC)")           \
     X(DIRECT_FAULT_SILENT_MS, "WEFT_DIRECT_FAULT_SILENT_MS", INT, "0", 0, INT64_MAX, "", "",       \
       "rpc", "tests: the direct listener waits this long before its challenge (a silent port)")   \
+    X(SHUTDOWN_FAULT_GAP_MS, "WEFT_SHUTDOWN_FAULT_GAP_MS", INT, "0", 0, 10000, "", "", "rpc",      \
+      "tests: rank 0 waits this long after it answers its own last shutdown report")              \
+    X(SHUTDOWN_FAULT_DELAY_MS, "WEFT_SHUTDOWN_FAULT_DELAY_MS", INT, "0", 0, 10000, "", "", "rpc",  \
+      "tests: a rank waits this long before each of its shutdown reports")                         \
     X(SEAL_EPOCH_BYTES, "WEFT_SEAL_EPOCH_BYTES", INT, "17179869184", 4096, 17179869184, "", "",    \
       "rpc", "tests: bytes sealed under one key on a TLS direct connection (every rank alike)")    \
     X(SHM, "WEFT_SHM", BOOL, "1", 0, 0, "", "", "rpc",                                             \

@@ -7,6 +7,7 @@
  * test); otherwise everyone waits and reports again. Before it, the modules settle their state
  * (their on_shutdown) while the RPC layer still works. */
 #include <string.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -18,6 +19,7 @@ typedef struct weft__sd_state {
     uint64_t *prev_sent, *prev_recv; /* the previous round */
     bool prev_valid;
     bool *lost;
+    int64_t reply_gap_ms; /* WEFT_SHUTDOWN_FAULT_GAP_MS */
 } sd_state_t;
 
 static void put_u64(uint8_t *p, uint64_t v)
@@ -75,7 +77,12 @@ static void decide_locked(weft_agent_t *a, sd_state_t *sd)
     sd->prev_valid = true;
     sd->round++;
     sd->reported = 0;
-    for (int i = 0; i < a->world_size; i++) {
+    /* The other ranks' answers first, this rank's own last: once its own barrier has its answer
+     * it may close its streams, and an answer that must take one of them (to a report that came
+     * on a direct connection, while this rank's own connection there is not open) would then be
+     * refused as the stream closes, and its rank wait for it until the close's deadline. */
+    for (int k = 0; k < a->world_size; k++) {
+        int i = (a->rank + 1 + k) % a->world_size;
         weft_call_t *c = sd->calls[i];
         sd->calls[i] = NULL;
         if (c == NULL) {
@@ -88,6 +95,14 @@ static void decide_locked(weft_agent_t *a, sd_state_t *sd)
         } else {
             weft_value_free(v);
             weft_call_fail(c, WEFT_ERR_NO_MEMORY, "no memory");
+        }
+        if (i == a->rank && done && sd->reply_gap_ms > 0) {
+            /* tests (WEFT_SHUTDOWN_FAULT_GAP_MS): what a thread preempted right after answering
+             * this rank's own last report would do; no answer may come after it. */
+            struct timespec ts = {sd->reply_gap_ms / 1000, (sd->reply_gap_ms % 1000) * 1000000};
+            weft__blocking(1); /* as a send waiting for room would: another thread serves */
+            nanosleep(&ts, NULL);
+            weft__blocking(0);
         }
     }
 }
@@ -177,6 +192,7 @@ void weft__shutdown_register(weft_agent_t *a)
     sd->prev_sent = weft_calloc(n, sizeof(uint64_t));
     sd->prev_recv = weft_calloc(n, sizeof(uint64_t));
     sd->lost = weft_calloc(n, sizeof(bool));
+    sd->reply_gap_ms = weft__cfg_int(WEFT__CFG_SHUTDOWN_FAULT_GAP_MS);
     a->sd = sd;
     if (sd->calls == NULL || sd->sent == NULL || sd->recv == NULL || sd->prev_sent == NULL ||
         sd->prev_recv == NULL || sd->lost == NULL) {
@@ -243,6 +259,12 @@ weft_status_t weft__shutdown_barrier(weft_agent_t *a, int64_t deadline_ns)
         if ((st = weft_value_set_payload(v, buf, sizeof(buf))) != WEFT_OK) {
             weft_value_free(v);
             return st;
+        }
+        int64_t delay_ms = weft__cfg_int(WEFT__CFG_SHUTDOWN_FAULT_DELAY_MS);
+        if (delay_ms > 0) {
+            /* tests (WEFT_SHUTDOWN_FAULT_DELAY_MS): this rank's reports come last */
+            struct timespec ts = {delay_ms / 1000, (delay_ms % 1000) * 1000000};
+            nanosleep(&ts, NULL);
         }
         int64_t left_ms = (deadline_ns - weft__now_ns()) / 1000000;
         if (left_ms <= 0) {

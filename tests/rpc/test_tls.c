@@ -431,15 +431,37 @@ static int body_silent_direct(weft_agent_t *a, int rank, int world, void *arg)
     return 0;
 }
 
-static void run_silent_direct(int silent_rank)
+/* As body_silent_direct, and rank 1 first waits (10 s at most) until its own direct connection
+ * to rank 0 is open: its calls to rank 0, its shutdown reports among them, go direct. */
+static int body_silent_shutdown(weft_agent_t *a, int rank, int world, void *arg)
+{
+    if (rank == 1) {
+        int64_t until = weft__now_ns() + 10000 * 1000000LL;
+        while (!weft__direct_ready(a, 0)) {
+            RANK_CHECK(weft__now_ns() < until, "rank 1's direct connection to rank 0 never opened");
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+        }
+        return 0;
+    }
+    return body_silent_direct(a, rank, world, arg);
+}
+
+static void run_silent_direct(int silent_rank, const char *rank0_env, const char *rank1_env)
 {
     signal(SIGPIPE, SIG_DFL);
     make_job(2);
     ranks_opts_t o;
-    ranks_opts_init(&o, 2, body_silent_direct);
+    ranks_opts_init(&o, 2, rank0_env != NULL ? body_silent_shutdown : body_silent_direct);
     o.setup = setup_echo;
     o.tls_dir = g_dir;
     o.rank_env[silent_rank] = "WEFT_DIRECT_FAULT_SILENT_MS=60000";
+    if (rank0_env != NULL) {
+        o.rank_env[0] = rank0_env;
+    }
+    if (rank1_env != NULL) {
+        o.rank_env[1] = rank1_env;
+    }
     setenv("WEFT_SHM", "0", 1);
     setenv("WEFT_HANDSHAKE_TIMEOUT_MS", "4000", 1);
     int codes[2];
@@ -452,12 +474,26 @@ static void run_silent_direct(int silent_rank)
 
 Test(tls, small_requests_do_not_wait_behind_a_silent_direct_port, .timeout = 90)
 {
-    run_silent_direct(1);
+    run_silent_direct(1, NULL, NULL);
 }
 
 Test(tls, small_answers_do_not_wait_behind_a_silent_direct_port, .timeout = 90)
 {
-    run_silent_direct(0);
+    run_silent_direct(0, NULL, NULL);
+}
+
+/* Rank 1's shutdown reports come to rank 0 on rank 1's direct connection, after rank 0's own
+ * (rank 1 waits 200 ms before each); rank 0's own connection to rank 1 is held by the silent port,
+ * so its answers take rank 0's stream to rank 1, which rank 0 closes once its own barrier is over.
+ * Rank 0 answering its own last report first and then being held (here: a pause of 300 ms after
+ * it, during which another thread serves, as when a send waits for room) let its barrier end and
+ * close that stream before rank 1 had its answer: rank 1 waited until rank 0's close gave up
+ * (5 s) and failed its shutdown (once in CI under ASan; every time here before the fix). Rank 0's
+ * own answer now goes last. */
+Test(tls, no_shutdown_answer_is_left_behind_a_closing_stream, .timeout = 90)
+{
+    run_silent_direct(1, "WEFT_SHUTDOWN_FAULT_GAP_MS=300",
+                      "WEFT_DIRECT_FAULT_SILENT_MS=60000 WEFT_SHUTDOWN_FAULT_DELAY_MS=200");
 }
 
 /* ------------------------------------------------------------ refusals at the join */
